@@ -1,0 +1,518 @@
+"""GRPO: Group Relative Policy Optimization, with its common variants as documented flags. Docs: docs/grpo.md
+
+Paper: DeepSeekMath (Shao et al. 2024, https://arxiv.org/abs/2402.03300), Sec. 4.1.
+For every prompt, sample a group of G completions, score them, and use the group-normalised reward
+as the advantage of every token of a completion. No value model: the group is the baseline. The update
+is PPO's clipped surrogate; a KL penalty to a frozen reference is an optional loss term.
+
+Delta from PPO (algorithms/ppo.py): advantage = (r_i - mean_group r) [/ std], broadcast to all tokens,
+instead of GAE on a learned critic. Variants (grpo.md):
+  --advantage_scaling group|batch|none      std of the group (GRPO), of the batch, or none (Dr. GRPO)
+  --loss_aggregation seq_mean|token_mean|global_token|constant
+                                            GRPO's per-sequence mean | token mean per rank | DAPO's token mean
+                                            over the whole step and all ranks | Dr. GRPO's constant B*L_max
+  --epsilon_low/--epsilon_high              clip-higher (DAPO)
+  --beta, --kl_estimator                    KL to the reference as a loss term (reference loaded only if beta>0)
+  --num_iterations                          mu: updates per batch, ratio against the sampling-time log-probs
+  --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
+  --tis                                     truncated importance sampling against the sampler's log-probs
+Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is ~0 (beta=0), yet the
+gradient is the policy gradient sum_t A grad log pi (pitfalls P16).
+
+Launch:
+    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, ~5 minutes
+    python algorithms/grpo.py --generator hf                   # HF generate instead of vLLM
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/grpo.py   # several processes
+    accelerate launch --config_file scripts/accelerate/zero3.yaml algorithms/grpo.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --chat_template --dataset openai/gsm8k:main \
+        --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --learning_rate 1e-6
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed, load_causal_lm,
+                                load_tokenizer, optimizer_step, prepare, prepare_frozen, seed_everything)
+from shared.generation import make_generator
+from shared.rewards import compute_rewards, load_reward_fn
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "grpo"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (init, data order, sampling)"""
+    output_dir: str = "runs/grpo"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
+    dataset: str = "builtin"
+    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column holding the gold answer given to the reward function"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """`auto` (by dataset), `builtin`, `gsm8k`, `math`, or your own `module:function` / `file.py:function`"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "vllm"
+    """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forward"""
+    save_model: bool = True
+    """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # algorithm args
+    total_episodes: int = 51200
+    """total completions to sample over the run (steps = total_episodes / batch_size)"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant after warm-up)"""
+    warmup_steps: int = 5
+    """linear learning-rate warm-up steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_generations: int = 8
+    """G: completions per prompt (the group); must be > 1"""
+    local_num_prompts: int = 16
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the batch"""
+    local_micro_batch_size: int = 128
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
+    num_iterations: int = 1
+    """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
+    temperature: float = 1.0
+    """sampling temperature; trainer logits are divided by it too (building_blocks.md §2)"""
+    top_p: float = 1.0
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    max_new_tokens: int = 16
+    """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
+    advantage_scaling: str = "group"
+    """`group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    loss_aggregation: str = "global_token"
+    """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
+    epsilon_low: float = 0.2
+    """lower clip range: ratio >= 1 - epsilon_low"""
+    epsilon_high: float = 0.28
+    """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    beta: float = 0.0
+    """KL loss coefficient; 0 skips the reference model entirely"""
+    kl_estimator: str = "k3"
+    """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
+    tis: str = "token_truncate"
+    """correction for sampler/trainer mismatch: `none`, `token_truncate` (clip w at tis_cap), `token_mask`, `sequence_mask`"""
+    tis_cap: float = 2.0
+    """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
+    eval_every: int = 25
+    """evaluate on the held-out split every this many steps (0: only before and after training)"""
+    eval_num_prompts: int = 500
+    """held-out prompts per evaluation"""
+    eval_num_samples: int = 4
+    """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
+    eval_temperature: float = 1.0
+    """sampling temperature for evaluation"""
+    sample_every: int = 25
+    """log a table of sample completions every this many steps"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_prompts: tyro.conf.Suppress[int] = 0
+    local_minibatch_size: tyro.conf.Suppress[int] = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: algorithm-local pure functions
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G] (grpo.md §1). Std is Bessel-corrected (TRL `nanstd`).
+
+    A group whose rewards are all equal gets exactly zero advantage under every scaling (no NaN)."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if scaling == "none":
+        return centered
+    if scaling == "group":
+        return centered / (rewards.std(dim=1, keepdim=True) + eps)
+    if scaling == "batch":
+        return centered / (rewards.std() + eps)
+    raise ValueError(f"advantage_scaling: expected group, batch or none, got {scaling!r}")
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from samples of pi (building_blocks.md §5), d = logp - logp_ref.
+
+    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL (pitfalls P7);
+    k3 is the GRPO/TRL default."""
+    d = logp - logp_ref
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
+
+
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                      eps_high: float):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator."""
+    ratio = torch.exp(logp - logp_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
+
+
+def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
+                cap: float) -> torch.Tensor:
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch (pitfalls P9), detached.
+
+    token_truncate: min(w_t, C); token_mask: w_t if 1/C <= w_t <= C else 0;
+    sequence_mask: w_t if the sequence's geometric-mean ratio is within [1/C, C] else 0."""
+    log_w = (logp_old - logp_sampler).detach() * mask
+    w = torch.exp(log_w)
+    if mode == "none":
+        return torch.ones_like(w)
+    if mode == "token_truncate":
+        return w.clamp(max=cap)
+    if mode == "token_mask":
+        return w * ((w <= cap) & (w >= 1 / cap)).float()
+    if mode == "sequence_mask":
+        seq = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1))
+        keep = ((seq <= cap) & (seq >= 1 / cap)).float().unsqueeze(1)
+        return w * keep
+    raise ValueError(f"tis: expected none, token_truncate, token_mask or sequence_mask, got {mode!r}")
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
+                   num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the optimizer-step loss (building_blocks.md §6; pitfalls P3).
+
+    num_seqs / num_tokens count the whole optimizer step on this rank, num_tokens_global on all ranks.
+    Summed over micro-batches and averaged over ranks (as DeepSpeed does with gradients) this gives:
+      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias, P1)
+      token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
+      global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
+      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO
+    """
+    if mode == "seq_mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    if mode == "token_mean":
+        return (loss * mask).sum() / max(num_tokens, 1)
+    if mode == "global_token":
+        return (loss * mask).sum() * world_size / max(num_tokens_global, 1)
+    if mode == "constant":
+        return (loss * mask).sum() / (num_seqs * max_new_tokens)
+    raise ValueError(f"loss_aggregation: expected seq_mean, token_mean, global_token or constant, got {mode!r}")
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                     with_entropy: bool = False):
+    """log pi(token_{t+1} | prefix) for t = 0..L-2 from logits / temperature, [B, L-1]; optionally the entropy."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(logits, -1)
+            entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+    return logp, entropy
+
+
+def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """[B, L-1] loss mask aligned with forward_logprobs (position t predicts token t+1): 1 on completion tokens,
+    EOS included; rows of truncated completions (no EOS) are zeroed when mask_truncated (DAPO overlong filter)."""
+    mask = response_mask[:, 1:].float()
+    if mask_truncated:
+        mask = mask * finished.float().to(mask.device)[:, None]
+    return mask
+
+
+def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up (pitfalls P4, P14, P15)."""
+    if args.num_generations < 2:
+        raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
+    if args.advantage_scaling not in ("group", "batch", "none"):
+        raise ValueError(f"advantage_scaling: expected group, batch or none, got {args.advantage_scaling!r}")
+    if args.loss_aggregation not in ("seq_mean", "token_mean", "global_token", "constant"):
+        raise ValueError(f"loss_aggregation: unknown mode {args.loss_aggregation!r}")
+    if args.kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {args.kl_estimator!r}")
+    if args.tis not in ("none", "token_truncate", "token_mask", "sequence_mask"):
+        raise ValueError(f"tis: unknown mode {args.tis!r}")
+    if args.generator not in ("vllm", "hf"):
+        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
+    if args.temperature <= 0:
+        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
+    if args.num_iterations < 1 or args.beta < 0:
+        raise ValueError("num_iterations must be >= 1 and beta >= 0")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    validate(args)
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_num_prompts * args.num_generations
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_prompts = args.local_num_prompts * info.world_size
+    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
+                                          "num_minibatches: local_num_prompts * num_generations / num_minibatches")
+    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
+                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8); "
+                      "the TIS weights and val/sampler_logprob_diff show how much")
+
+    # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+
+    # data
+    model_path = resolve_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
+        args.max_prompt_length, limit=limit)
+    train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
+    sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset)
+
+    # models and optimizer
+    dtype = default_dtype(info.device)
+    policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
+                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
+    ref_policy = None
+    if args.beta > 0:  # the reference is only loaded when the KL term is used (U13: no NaN KL when beta = 0)
+        ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
+    seed_everything(local_seed)
+
+    # generation engine
+    max_len = args.max_prompt_length + args.max_new_tokens
+    generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=max_len, world_size=info.world_size,
+                               zero_stage=info.zero_stage, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def evaluate(step: int) -> dict:
+        """Held-out accuracy (mean correctness over eval_num_samples per prompt) and pass@k; prompts split by rank."""
+        idx = list(range(info.rank, len(eval_data.rows), info.world_size))
+        outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=args.eval_num_samples,
+                                  temperature=args.eval_temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed + 1_000_003, index_offset=info.rank)
+        rows = [eval_data.rows[i] for i in idx for _ in range(args.eval_num_samples)]
+        comps = [c for group in outs for c in group]
+        r = compute_rewards(reward_fn, [x["prompt"] for x in rows], [decode(c.token_ids) for c in comps],
+                            [x["answer"] for x in rows], [c.finished for c in comps], rows)
+        r = torch.tensor(r, dtype=torch.float64).view(len(idx), args.eval_num_samples)
+        stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum(), r.numel(), len(idx)], dtype=torch.float64)
+        info.all_reduce(stats)
+        return {"eval/accuracy": (stats[0] / stats[2]).item(),
+                f"eval/pass@{args.eval_num_samples}": (stats[1] / stats[3]).item()}
+
+    # training loop
+    timer = Timer()
+    start = time.time()
+    metrics = evaluate(0)
+    tracker.log(metrics, 0)
+    tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+    first_eval = metrics["eval/accuracy"]
+    policy.train()
+    for step in range(1, args.num_steps + 1):
+        # 1. rollout: this rank's slice of the global prompt batch, G samples each
+        with timer("generate"):
+            generator.wake_up()
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            prompts = [train_data.prompt_ids[i] for i in local_idx]
+            outs = generator.generate(prompts, n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+            generator.sleep()
+        comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
+
+        # 2. reward
+        with timer("reward"):
+            texts = [decode(c.token_ids) for c in comps]
+            scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
+                                     [c.finished for c in comps], rows)
+
+        # 3. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
+        all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
+        all_adv = compute_advantages(all_scores.view(args.num_prompts, args.num_generations), args.advantage_scaling)
+        zero_std = (all_scores.view(args.num_prompts, args.num_generations).std(1) == 0).float().mean()
+        adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+
+        # 4. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
+        input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
+                                                      for _ in range(args.num_generations)],
+                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+        finished = torch.tensor([c.finished for c in comps])
+        mask = completion_mask(resp, finished, args.mask_truncated_completions)
+        sampler_logp = torch.zeros_like(mask)
+        for i, c in enumerate(comps):
+            start_pos = len(train_data.prompt_ids[local_idx[i // args.num_generations]]) - 1
+            sampler_logp[i, start_pos : start_pos + len(c.logprobs)] = torch.tensor(c.logprobs)
+        adv_tok = adv.to(info.device)[:, None].expand_as(mask)
+
+        # 5. log-probs before the update: old (for the ratio and TIS) and reference (for the KL term)
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1
+        old_logp = torch.zeros_like(mask)
+        ref_logp = torch.zeros_like(mask)
+        with timer("logprob"), torch.no_grad():
+            for s in range(0, args.local_batch_size, args.local_micro_batch_size):
+                sl = slice(s, s + args.local_micro_batch_size)
+                if reuse:
+                    old_logp[sl] = forward_logprobs(policy, input_ids[sl], attn[sl], args.temperature)[0]
+                if ref_policy is not None:
+                    ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature)[0]
+
+        # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
+        stats = {k: [] for k in ("pg", "kl", "clip", "ratio", "ratio_var", "approxkl", "entropy", "tis", "lpdiff")}
+        grad_norms = []
+        with timer("train"):
+            for _ in range(args.num_iterations):
+                perm = torch.randperm(args.local_batch_size)
+                for mb in range(args.num_minibatches):
+                    mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
+                    mb_tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
+                    for m in range(args.gradient_accumulation_steps):
+                        idx = mb_idx[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
+                        m_mask = mask[idx]
+                        logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature, True)
+                        logp_old = old_logp[idx] if reuse else logp.detach()
+                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                  args.epsilon_high)
+                        w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
+                        per_token = pg * w
+                        kl = torch.zeros_like(logp)
+                        if ref_policy is not None:
+                            kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator)
+                            per_token = per_token + args.beta * kl  # same aggregator as the PG term (P7)
+                        loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
+                                              int(mb_tokens.item()), int(global_tokens), info.world_size,
+                                              args.max_new_tokens)
+                        policy.backward(loss, scale_wrt_gas=False)
+                        norm = optimizer_step(policy)
+                        if norm is not None:
+                            grad_norms.append(norm)
+                        with torch.no_grad():  # masked token means for logging
+                            n = m_mask.sum().clamp(min=1)
+                            mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
+                            stats["pg"].append(mm(pg).item())
+                            stats["kl"].append(((kl * m_mask).sum(1)).mean().item())
+                            stats["clip"].append(mm(is_clipped).item())
+                            stats["ratio"].append(mm(ratio).item())
+                            stats["ratio_var"].append(mm((ratio - mm(ratio)) ** 2).item())
+                            stats["approxkl"].append(mm(0.5 * (logp - logp_old) ** 2).item())
+                            stats["entropy"].append(mm(entropy).item())
+                            stats["tis"].append(mm(w).item())
+                            stats["lpdiff"].append(mm((logp_old - sampler_logp[idx]).abs()).item())
+
+        # 7. weight sync: push the updated policy into the generation engine
+        with timer("sync"):
+            generator.sync_weights(full_named_parameters(policy, info))
+
+        # 8. log (reduced over ranks once per step)
+        lengths = [len(c.token_ids) for c in comps]
+        local = {
+            "objective/scores": sum(scores) / len(scores),
+            "objective/scores_std": torch.tensor(scores).std().item(),
+            "objective/kl": sum(stats["kl"]) / len(stats["kl"]) if ref_policy is not None else 0.0,
+            "objective/entropy": sum(stats["entropy"]) / len(stats["entropy"]),
+            "loss/policy_avg": sum(stats["pg"]) / len(stats["pg"]),
+            "policy/clipfrac_avg": sum(stats["clip"]) / len(stats["clip"]),
+            "policy/approxkl_avg": sum(stats["approxkl"]) / len(stats["approxkl"]),
+            "val/ratio": sum(stats["ratio"]) / len(stats["ratio"]),
+            "val/ratio_var": sum(stats["ratio_var"]) / len(stats["ratio_var"]),
+            "val/tis_weight": sum(stats["tis"]) / len(stats["tis"]),
+            "val/sampler_logprob_diff": sum(stats["lpdiff"]) / len(stats["lpdiff"]),
+            "val/sequence_lengths": sum(lengths) / len(lengths),
+            "val/stop_rate": sum(c.finished for c in comps) / len(comps),
+            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        }
+        gathered = info.gather_objects(local)
+        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        metrics.update({
+            "val/frac_reward_zero_std": zero_std.item(),
+            "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
+            "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size, **timer.pop(),
+        })
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            with timer("eval"):
+                metrics.update(evaluate(step))
+            metrics.update(timer.pop())
+        tracker.log(metrics, step)
+        tracker.progress(1, score=metrics["objective/scores"], acc=metrics.get("eval/accuracy", float("nan")))
+        if args.sample_every and step % args.sample_every == 0:
+            tracker.log_samples([{"prompt": decode(train_data.prompt_ids[local_idx[i // args.num_generations]]),
+                                  "completion": texts[i], "reward": scores[i], "finish_reason": comps[i].finish_reason}
+                                 for i in range(0, len(comps), args.num_generations)][:8], step)
+
+    metrics = evaluate(args.num_steps)
+    metrics["time/total"] = time.time() - start
+    metrics.update(check_ranks(policy, info, local_idx))
+    tracker.log(metrics, args.num_steps)
+    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
+                  f"in {metrics['time/total']:.0f}s")
+    final = ""
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        tracker.write(f"saved {final}")
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

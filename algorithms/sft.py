@@ -1,0 +1,265 @@
+"""SFT: supervised fine-tuning (behaviour cloning) on (prompt, response) pairs. Docs: docs/sft.md
+
+The loss is the cross-entropy of the response tokens only (the prompt contributes nothing), reduced
+per sequence then over the batch ("per_instance_non_pad_tokens_then_batch" in VinePPO's
+`mle_trainer.py`) or as one token mean. Every RL script here starts from an SFT checkpoint; with no flags
+this script warm-starts the built-in tiny model on the built-in task, which is exactly how the default
+RL starting point `builtin:tiny-sft` is produced.
+
+Spec: ../shared/specs/sft_restem.md. Launch:
+    python algorithms/sft.py                                   # CPU, built-in task, about a minute
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/sft.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B --dataset openai/gsm8k:main --prompt_key question \
+        --response_key answer --prompt_template $'[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:' \
+        --response_template $'\\n{response}\\n' --learning_rate 1e-5 --total_episodes 14000
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (default_dtype, exact_div, init_distributed, load_causal_lm, load_tokenizer, optimizer_step,
+                                prepare, seed_everything)
+from shared.generation import make_generator
+from shared.rewards import compute_rewards, load_reward_fn
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "sft"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (model init, data order)"""
+    output_dir: str = "runs/sft"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny"
+    """hub name or local path of the model; `builtin:tiny` is the random-init built-in tiny Llama"""
+    dataset: str = "builtin"
+    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for accuracy evaluation"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    response_key: str = "response"
+    """dataset column holding the target response"""
+    answer_key: str = "answer"
+    """dataset column holding the gold answer (for held-out accuracy)"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt text; `{prompt}` is replaced by the dataset prompt"""
+    response_template: str = "{response}"
+    """template applied to the response text (VinePPO uses `\\n{response}\\n`)"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    max_seq_length: int = 512
+    """examples whose prompt+response exceed this many tokens are dropped (and counted)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "hf"
+    """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forward"""
+
+    # algorithm args
+    total_episodes: int = 16000
+    """number of training examples to consume (epochs = total_episodes / dataset size)"""
+    learning_rate: float = 3e-3
+    """peak learning rate (linear warm-up, cosine decay to 10%)"""
+    warmup_ratio: float = 0.03
+    """fraction of optimizer steps used for linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_micro_batch_size: int = 64
+    """examples per forward pass on each rank (HF `per_device_train_batch_size`)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    loss_reduction: str = "seq_mean"
+    """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over all tokens"""
+    eval_every: int = 100
+    """evaluate held-out accuracy every this many optimizer steps (0: only at the end)"""
+    eval_num_prompts: int = 200
+    """held-out prompts per evaluation"""
+    eval_temperature: float = 1.0
+    """sampling temperature for held-out evaluation (0 = greedy)"""
+    max_new_tokens: int = 16
+    """generation length limit for evaluation"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: the loss
+def sequence_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor):
+    """Per-token negative log-likelihood of the response tokens, [B, L-1], and the matching mask."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float()  # logits at t predict token t+1
+    targets = input_ids[:, 1:]
+    nll = torch.logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return nll, response_mask[:, 1:].to(nll.dtype)
+
+
+def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs: int, num_tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the optimizer-step loss (sum over micro-batches = the step's loss).
+
+    seq_mean:   (1/num_seqs) Σ_i [Σ_t nll·m / Σ_t m]   -- each sequence weighs the same (VinePPO SFT)
+    token_mean: (1/num_tokens) Σ_{i,t} nll·m             -- each token weighs the same
+    num_seqs / num_tokens count the whole optimizer step on this rank, so the result does not depend on
+    how the step is split into micro-batches."""
+    if reduction == "seq_mean":
+        return ((nll * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    if reduction == "token_mean":
+        return (nll * mask).sum() / max(num_tokens, 1)
+    raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {reduction!r}")
+
+
+def evaluate(generator, tokenizer, eval_data, reward_fn, args: Args, info) -> dict:
+    """Held-out accuracy: one sample per prompt at eval_temperature, graded; split over ranks."""
+    idx = list(range(info.rank, len(eval_data.rows), info.world_size))
+    outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=1, temperature=args.eval_temperature,
+                              top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed + 7)
+    comps = [o[0] for o in outs]
+    rows = [eval_data.rows[i] for i in idx]
+    rewards = compute_rewards(reward_fn, [r["prompt"] for r in rows],
+                              [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps],
+                              [r["answer"] for r in rows], [c.finished for c in comps], rows)
+    stats = torch.tensor([sum(rewards), len(rewards)], dtype=torch.float64)
+    info.all_reduce(stats)
+    return {"eval/accuracy": (stats[0] / stats[1]).item()}
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    if args.loss_reduction not in ("seq_mean", "token_mean"):
+        raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {args.loss_reduction!r}")
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+
+    # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003
+
+    # data
+    model_path = resolve_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    rows = data_utils.select_fields(
+        data_utils.load_rows(args.dataset, args.train_split), f"dataset {args.dataset!r} split {args.train_split!r}",
+        {"prompt": args.prompt_key, "response": args.response_key},
+    )
+    examples, dropped = [], 0
+    for row in rows:
+        p = data_utils.encode_prompt(tokenizer, data_utils.format_prompt(row["prompt"], args.prompt_template),
+                                     args.chat_template)
+        r = data_utils.encode_response(tokenizer, args.response_template.replace("{response}", row["response"]))
+        if len(p) > args.max_prompt_length or len(p) + len(r) > args.max_seq_length:
+            dropped += 1
+            continue
+        examples.append((p, r))
+    if not examples:
+        raise ValueError(f"dataset {args.dataset!r}: every example is longer than max_seq_length={args.max_seq_length}")
+    eval_data = data_utils.load_prompts(args.dataset, args.eval_split, tokenizer, args.prompt_key, args.answer_key,
+                                        args.prompt_template, args.chat_template, args.max_prompt_length,
+                                        limit=args.eval_num_prompts)
+    reward_fn = load_reward_fn("auto", args.dataset)
+    tracker.write(f"{len(examples)} training examples ({dropped} over-long dropped), {args.num_steps} steps")
+    sampler = data_utils.PromptSampler(len(examples), args.seed)
+
+    # models and optimizer
+    dtype = default_dtype(info.device)
+    model = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    warmup = max(1, int(args.warmup_ratio * args.num_steps))
+
+    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10% of the peak
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.num_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = prepare(model, optimizer, scheduler, info, args.local_micro_batch_size,
+                                          args.gradient_accumulation_steps, args.max_grad_norm, dtype)
+    seed_everything(local_seed)
+
+    # generation engine (evaluation only)
+    generator = make_generator(args.generator, model_path=model_path, model=model.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length, world_size=info.world_size,
+                               zero_stage=info.zero_stage)
+
+    def run_eval(step: int) -> None:
+        from shared.distributed import full_named_parameters
+
+        generator.sync_weights(full_named_parameters(model, info))
+        metrics = evaluate(generator, tokenizer, eval_data, reward_fn, args, info)
+        tracker.log(metrics, step)
+        tracker.write(f"[step {step}] held-out accuracy {metrics['eval/accuracy']:.3f}")
+
+    # training loop
+    timer = Timer()
+    model.train()
+    for step in range(1, args.num_steps + 1):
+        with timer("train"):
+            global_idx = sampler.next_indices(args.batch_size)
+            local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+            batch = [examples[i] for i in local_idx]
+            num_tokens = sum(len(r) for _, r in batch)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for m in range(args.gradient_accumulation_steps):
+                micro = batch[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
+                input_ids, attn, resp = data_utils.pad_batch([p for p, _ in micro], [r for _, r in micro],
+                                                             tokenizer.pad_token_id, info.device)
+                nll, mask = sequence_nll(model, input_ids, attn, resp)
+                loss = reduce_loss(nll, mask, args.loss_reduction, len(batch), num_tokens)
+                model.backward(loss, scale_wrt_gas=False)
+                grad_norm = optimizer_step(model)
+                loss_sum += loss.detach().double()
+        if step % 10 == 0 or step == args.num_steps:
+            stats = torch.tensor([loss_sum.item()], dtype=torch.float64)
+            info.all_reduce(stats)
+            metrics = {"loss/sft": stats[0].item() / info.world_size, "lr": scheduler.get_last_lr()[0],
+                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm,
+                       **timer.pop()}
+            tracker.log(metrics, step)
+        tracker.progress(1, loss=loss_sum.item())
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            run_eval(step)
+    run_eval(args.num_steps)
+
+    final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info)
+    tracker.write(f"saved {final}")
+    tracker.close()
+    return str(final)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

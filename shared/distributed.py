@@ -1,0 +1,256 @@
+"""Process setup: ranks, seeding, model loading and the DeepSpeed engine (ZeRO 0/2/3).
+
+Launch any script as `python algorithms/x.py` (one process), or with several processes through
+`accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/x.py`, `deepspeed`, or `torchrun`.
+Every launcher sets RANK / WORLD_SIZE / MASTER_ADDR; accelerate also exports the ZeRO stage of its config
+(ACCELERATE_DEEPSPEED_ZERO_STAGE) and an optional DeepSpeed JSON (ACCELERATE_DEEPSPEED_CONFIG_FILE).
+
+We read rank and world size from torch.distributed, not from `accelerate.Accelerator`: on CPU, under
+`accelerate launch --num_processes 2`, Accelerator reports num_processes=1 on both ranks while
+torch.distributed has ranks 0 and 1 (measured with accelerate 1.15; ../shared/notes/platform.md). The
+DeepSpeed config is built here from the script's batch sizes, so launch configs never hard-code them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b, raising a one-line error naming the quantity when it does not divide exactly."""
+    if b <= 0 or a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    zero_stage: int
+    ds_base_config: dict
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a tensor (sum / max / min); returns it."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(t, op=ops[op])
+        return t
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistInfo:
+    """Initialise torch.distributed (also for a single process, so one code path serves 1..N ranks)."""
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        # CPU ranks share the cores: OpenMP oversubscription (2 ranks x all cores) slows training many-fold
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    base: dict = {}
+    cfg_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or os.environ.get("DEEPSPEED_CONFIG_FILE")
+    if cfg_file and cfg_file.lower() != "none":
+        base = json.loads(Path(cfg_file).read_text())
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", base.get("zero_optimization", {}).get("stage", 0)))
+    return DistInfo(rank, world, local_rank, device, stage, base)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, gradient_checkpointing: bool = False):
+    """Load an HF causal LM from a hub name or local path with dropout disabled (RL needs deterministic
+    log-probs: SFFD / VINE `disable_dropout`)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path).exists() or "/" in path):
+        raise ValueError(f"model_name_or_path: {path!r} is neither a local directory nor a hub name (org/name)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    disable_dropout(model)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:  # e.g. Llama-3: pad with EOS; masks are built from lengths, never from pad ids
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
+            setattr(model.config, key, 0.0)
+
+
+def deepspeed_config(info: DistInfo, micro_batch_size: int, grad_accum: int, max_grad_norm: float,
+                     dtype: torch.dtype, train: bool = True) -> dict:
+    """The DeepSpeed config for this run: the launch config's JSON (if any) with the batch fields filled in."""
+    cfg = json.loads(json.dumps(info.ds_base_config))  # deep copy
+    zero = cfg.setdefault("zero_optimization", {})
+    zero["stage"] = info.zero_stage
+    if info.zero_stage == 3:
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    cfg["gradient_accumulation_steps"] = grad_accum
+    cfg["train_batch_size"] = micro_batch_size * grad_accum * info.world_size
+    cfg["gradient_clipping"] = max_grad_norm if train else 0.0
+    cfg["bf16"] = {"enabled": dtype == torch.bfloat16}
+    cfg.pop("fp16", None)
+    cfg.setdefault("steps_per_print", 10**9)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+def prepare(model: torch.nn.Module, optimizer, scheduler, info: DistInfo, micro_batch_size: int, grad_accum: int,
+            max_grad_norm: float, dtype: torch.dtype):
+    """Wrap a trainable model in a DeepSpeed engine (ZeRO stage from the launch config; 0 when none).
+
+    Call `engine.backward(loss, scale_wrt_gas=False)` then `engine.step()` after every micro-batch:
+    the algorithm files normalise their losses for the whole optimizer step themselves, and DeepSpeed
+    steps the optimizer and scheduler only at the gradient-accumulation boundary.
+    """
+    import deepspeed
+
+    cfg = deepspeed_config(info, micro_batch_size, grad_accum, max_grad_norm, dtype)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False
+    )
+    return engine, optimizer, scheduler
+
+
+def prepare_frozen(model: torch.nn.Module, info: DistInfo, dtype: torch.dtype):
+    """A frozen model (reference policy, reward model): partitioned under ZeRO-3, else replicated."""
+    model.requires_grad_(False)
+    model.eval()
+    if info.zero_stage != 3:
+        return model.to(info.device)
+    import deepspeed
+
+    cfg = deepspeed_config(info, 1, 1, 0.0, dtype, train=False)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, dist_init_required=False)
+    engine.eval()
+    return engine
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def full_named_parameters(model: torch.nn.Module, info: DistInfo) -> list[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every parameter; ZeRO-3 shards are gathered on every rank.
+
+    Parameters are gathered and copied one at a time, so peak extra memory is one full model copy."""
+    module = unwrap(model)
+    if info.zero_stage != 3:
+        return [(n, p.detach()) for n, p in module.named_parameters()]
+    import deepspeed
+
+    out = []
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            out.append((name, p.detach().clone()))
+    return out
+
+
+def optimizer_step(engine) -> float | None:
+    """`engine.step()` after a micro-batch; at an accumulation boundary returns the global grad norm (pre-clip).
+
+    DeepSpeed records the norm for ZeRO-1/2/3; for stage 0 (gradients already all-reduced in backward)
+    it is computed here."""
+    norm = None
+    boundary = engine.is_gradient_accumulation_boundary()
+    if boundary and engine.zero_optimization_stage() == 0:
+        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm().item() if grads else 0.0
+    engine.step()
+    if boundary and norm is None:
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+    return norm
+
+
+def weights_fingerprint(model: torch.nn.Module, info: DistInfo) -> str:
+    """SHA-256 of the full parameters (gathered under ZeRO-3); equal on every rank iff the replicas agree."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in full_named_parameters(model, info):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_ranks(model: torch.nn.Module, info: DistInfo, local_items: list[int]) -> dict:
+    """End-of-run rank agreement check (cleanrl#476): identical weights on every rank, and disjoint data.
+
+    `local_items` are the dataset indices this rank trained on in its last step. Raises on divergence."""
+    fps = info.gather_objects(weights_fingerprint(model, info))
+    items = info.gather_objects(sorted(local_items))
+    if len(set(fps)) != 1:
+        raise RuntimeError(f"ranks ended with different weights: {fps}")
+    overlap = sum(len(set(a) & set(b)) for i, a in enumerate(items) for b in items[i + 1:])
+    return {"check/ranks_identical_weights": 1.0, "check/ranks_shared_prompts": float(overlap),
+            "check/world_size": float(info.world_size)}

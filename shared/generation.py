@@ -1,0 +1,176 @@
+"""Generation: one interface, two backends, token ids in and token ids out (no re-tokenization; pitfalls P6).
+
+    gen = make_generator("vllm" | "hf", ...)
+    out = gen.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_new_tokens=64, seed=step)
+    out[i][k].token_ids / .logprobs / .finish_reason      # k-th sample of prompt i
+    gen.sync_weights(full_named_parameters(engine, info))  # after each optimizer update
+
+Prompts are arbitrary token prefixes, so VinePPO can roll out from partial responses.
+
+`vllm`: an in-process vLLM engine colocated with the trainer on each rank (VLLM_ENABLE_V1_MULTIPROCESSING=0;
+`external_launcher` when several ranks). Weights are updated in place with vLLM's `reload_weights`, then the
+prefix cache is reset. Returned log-probs are vLLM's *processed* log-probs (after temperature and top-p),
+i.e. those of the distribution actually sampled (pitfalls P8). On GPU, sleep mode frees the GPU memory
+between rollouts when `enable_sleep_mode` is set.
+
+`hf`: `model.generate` on the live training model (always in sync; `synced_gpus` under ZeRO-3); log-probs
+from the processed scores, so they mean the same thing as vLLM's.
+
+Seeding: prompt i of a call samples with seed `seed_for(seed, index_offset + i)`; callers pass the prompt's
+index in the global batch, so its samples do not depend on batch composition or rank layout (vLLM; HF
+sampling is seeded once per call).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated ids, ending with EOS iff finish_reason == "stop"
+    logprobs: list[float]  # sampling log-prob of each generated token
+    finish_reason: str  # "stop" (EOS / stop token) or "length" (hit max_new_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason == "stop"
+
+
+def seed_for(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 7919 + 17) & 0x7FFFFFFF
+
+
+class VLLMGenerator:
+    def __init__(self, model_path: str, eos_token_id: int, dtype: torch.dtype, seed: int, max_model_len: int,
+                 world_size: int = 1, gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
+                 enable_sleep_mode: bool = False):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine we can update
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for small models
+        threads = torch.get_num_threads()
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        max_model_len = min(max_model_len, context) if context else max_model_len
+
+        kwargs = dict(
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode and not on_cpu,
+        )
+        if on_cpu:
+            kwargs["enforce_eager"] = True
+        if world_size > 1:  # one engine per rank, inside the already-running torch.distributed job
+            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+        self.llm = LLM(**kwargs)
+        torch.set_num_threads(threads)  # vLLM's CPU worker lowers torch threads for serving; training needs them
+        self.eos_token_id = eos_token_id
+        self.sleep_enabled = kwargs["enable_sleep_mode"]
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                           seed=seed_for(seed, index_offset + i), detokenize=False, stop_token_ids=stop_token_ids)
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            group = []
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                lps = [d[t].logprob for d, t in zip(o.logprobs, ids)] if o.logprobs else [0.0] * len(ids)
+                group.append(Completion(ids, lps, "stop" if o.finish_reason == "stop" else "length"))
+            result.append(group)
+        return result
+
+    @torch.no_grad()
+    def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights in place (names as in the HF model), then drop stale prefix-cache entries."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_params)})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_enabled:
+            self.llm.wake_up()
+
+
+class HFGenerator:
+    """`model.generate` on the training model itself (no copy, nothing to sync)."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, synced_gpus: bool = False):
+        self.model = model  # unwrapped HF module (a DeepSpeed engine's .module)
+        self.eos_token_id, self.pad_token_id, self.synced_gpus = eos_token_id, pad_token_id, synced_gpus
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+        device = next(self.model.parameters()).device
+        P = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompts):  # left padding for generation
+            input_ids[i, P - len(p):] = torch.tensor(p)
+            attention_mask[i, P - len(p):] = 1
+        stops = [self.eos_token_id] + list(stop_token_ids or [])
+        was_training = self.model.training
+        self.model.eval()
+        greedy = temperature == 0
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed_for(seed, index_offset))
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=not greedy,
+                temperature=None if greedy else temperature, top_p=None if greedy else top_p, top_k=None,
+                max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=stops,
+                pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True,
+                synced_gpus=self.synced_gpus, use_cache=True,
+            )
+        self.model.train(was_training)
+        gen = out.sequences[:, P:].cpu()  # [len(prompts) * n, T], prompt-major
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # processed logits [B*n, T, V]
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+        result = []
+        for i in range(len(prompts)):
+            group = []
+            for k in range(n):
+                row, ids = i * n + k, gen[i * n + k].tolist()
+                end = next((t + 1 for t, tok in enumerate(ids) if tok in stops), None)
+                ids = ids[:end] if end else ids[:max_new_tokens]
+                group.append(Completion(ids, logprobs[row, : len(ids)].tolist(), "stop" if end else "length"))
+            result.append(group)
+        return result
+
+    def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        pass  # generates with the training weights themselves
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def make_generator(kind: str, *, model_path: str, model: torch.nn.Module, tokenizer, dtype: torch.dtype, seed: int,
+                   max_model_len: int, world_size: int, zero_stage: int, gpu_memory_utilization: float = 0.3,
+                   enable_prefix_caching: bool = True, enable_sleep_mode: bool = False):
+    """Build the generator named by `kind` ('vllm' or 'hf'). `model` is the unwrapped training model."""
+    if kind == "vllm":
+        return VLLMGenerator(model_path, tokenizer.eos_token_id, dtype, seed, max_model_len, world_size,
+                             gpu_memory_utilization, enable_prefix_caching, enable_sleep_mode)
+    if kind == "hf":
+        return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, synced_gpus=zero_stage == 3)
+    raise ValueError(f"generator: expected 'vllm' or 'hf', got {kind!r}")

@@ -1,0 +1,486 @@
+r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO reference (spec: graders.md §2-3).
+
+* GSM8K (§3, ``McGill-NLP/VinePPO:src/treetune/tasks/gsm8k.py`` with ``use_original_format=True``): the answer is
+  the text after the last ``####``; grading is an exact string match after removing commas from the prediction,
+  so ``1,234 == 1234`` but ``18.0 != 18``.
+* MATH (§2, ``McGill-NLP/VinePPO:src/treetune/tasks/math_answer_exctraction.py`` and ``math_grader_minerva.py``):
+  Minerva-style extraction of a *list* of candidate answers, ``strip_string`` normalisation, then ``eval_math``:
+  numeric, string, tuple/interval/matrix and finally symbolic (sympy) equivalence.
+
+Differences from the reference, all on purpose:
+* LaTeX is turned into sympy-readable text by a small converter in this file instead of ``pylatexenc``.
+* All sympy work (parsing, ``simplify`` and the numeric fallback) runs in a single-worker ``spawn`` process pool with
+  a timeout, so a pathological answer can never hang the caller; the reference ran the ``N()`` fallback in-process.
+* Parsing is guarded (length limit, character allow-list, no builtins) on top of ``should_allow_eval``.
+* Intervals/tuples must use the same bracket types (the reference accepted ``[1,2)`` for ``(1,2]``).
+* An empty gold list (solution without an extractable answer) grades as incorrect.
+* ``\boxed{5}%`` extracts ``5%`` (the reference kept a stray brace, ``5}``).
+
+Spawn caveat: the worker re-imports the caller's ``__main__`` module, so entry scripts must keep their work under
+``if __name__ == "__main__":`` (CleanRL-style scripts already do).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import re
+import threading
+
+# -- GSM8K (spec §3; VINE gsm8k.py) --------------------------------------------------------------------------------
+
+
+def remove_gsm8k_calculator_annotations(solution: str) -> str:
+    """Drop GSM8K calculator annotations ``<<48/2=24>>`` from a gold solution (spec §3 preprocessing)."""
+    return re.sub(r"<<.*?>>", "", solution, flags=re.DOTALL)
+
+
+def gsm8k_gold_from_solution(solution: str) -> str:
+    """Gold answer of a GSM8K ``answer`` field: the text after ``####``, stripped (commas kept as in the data)."""
+    if "####" not in solution:
+        raise ValueError("GSM8K gold solution has no '####' answer line")
+    return solution.split("####")[-1].strip()
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """Predicted answer: ``None`` when the response has no ``####`` (unfinished), else the text after the last one."""
+    if "####" not in text:
+        return None
+    return text.split("####")[-1].strip()
+
+
+def grade_gsm8k(completion: str, gold: str) -> bool:
+    """VINE exact match: ``pred.strip().replace(',', '').lower() == gold.strip().lower()``."""
+    pred = extract_gsm8k_answer(completion)
+    if pred is None:
+        return False
+    if "####" in gold:  # tolerate being handed the full gold solution instead of the extracted answer
+        gold = gsm8k_gold_from_solution(gold)
+    return pred.strip().replace(",", "").lower() == gold.strip().lower()
+
+
+# -- MATH extraction (spec §2.1; VINE math_answer_exctraction.py) --------------------------------------------------
+
+
+def _fix_fracs(s: str) -> str:
+    r"""``\frac12`` -> ``\frac{1}{2}``, ``\frac1{72}`` -> ``\frac{1}{72}`` (braced arguments are left alone)."""
+    parts = s.split("\\frac")
+    out = parts[0]
+    for sub in parts[1:]:
+        out += "\\frac"
+        if sub.startswith("{"):
+            out += sub
+        elif len(sub) < 2:
+            return s  # malformed: give up, like the reference
+        elif sub[1] != "{":
+            out += "{" + sub[0] + "}{" + sub[1] + "}" + sub[2:]
+        else:
+            out += "{" + sub[0] + "}" + sub[1:]
+    return out
+
+
+def _fix_a_slash_b(s: str) -> str:
+    r"""``3/4`` -> ``\frac{3}{4}`` when both sides are plain integers."""
+    if len(s.split("/")) != 2:
+        return s
+    a, b = s.split("/")
+    try:
+        a = a if "sqrt" in a else str(int(a))
+        b = b if "sqrt" in b else str(int(b))
+        if f"{a}/{b}" == s:
+            return "\\frac{" + a + "}{" + b + "}"
+    except ValueError:
+        pass
+    return s
+
+
+def strip_math_string(s: str) -> str:
+    """Minerva ``strip_string`` normalisation of one answer (spec §2.1), rule for rule as in the VINE reference."""
+    s = str(s).strip().replace("\n", "").rstrip(".").replace("\\!", "")
+    if s.startswith("\\text{") and s.endswith("}"):
+        s = s.split("{", 1)[1][:-1]
+    for frac in ("tfrac", "dfrac", "cfrac"):
+        s = s.replace(frac, "frac")
+    s = s.replace("\\left", "").replace("\\right", "")
+    unitless = re.sub(r"\\text{.*?}$", "", s).strip()  # trailing units like "5\text{ cm}"
+    if unitless:
+        s = unitless
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "").strip()
+    s = re.sub(r"\{(c|m)?m\}(\^(2|3))?", "", s).strip()
+    s = re.sub(r"p\.m\.$", "", s).strip()
+    s = re.sub(r"(\d)\s*t$", r"\1", s).strip()
+    s = s.replace("\\$", "").replace("$", "").replace("x\\in", "").replace("\\%", "%")
+    s = s.replace(" .", " 0.").replace("{.", "{0.").replace("\\cdot", "")
+    s = s.replace("infinity", "\\infty")
+    if "\\infty" not in s:
+        s = s.replace("inf", "\\infty")
+    s = s.replace("\\mathbf", "").replace("\\mathrm", "")
+    s = re.sub(r"\\mbox{.*?}", "", s)
+    if "j" in s and "i" not in s:
+        s = s.replace("j", "i")
+    # a.000b -> ab; (?<!\d) only makes the scan linear in long digit runs, the result is the reference's.
+    s = re.sub(r"(?<!\d)(\d+)\.0+([^\d])", r"\1\2", s)
+    s = re.sub(r"(?<!\d)(\d+)\.0+$", r"\1", s)
+    if not s:
+        return s
+    if s[0] == ".":
+        s = "0" + s
+    s = re.sub(r"\\sqrt(-?[0-9.a-zA-Z]+)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\sqrt\s+(\w+)$", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\tan(-?[0-9.a-zA-Z]+)", r"\\tan{\1}", s)
+    s = re.sub(r"\\tan\s+(\w+)$", r"\\tan{\1}", s)
+    s = s.replace(" ", "")
+    s = _fix_a_slash_b(_fix_fracs(s))
+    return re.sub(r"(\\|,|\.)+$", "", s)
+
+
+def _extract_boxed(text: str) -> list[str]:
+    r"""Contents of every ``\boxed{...}`` with brace matching; a ``}%`` suffix keeps the ``%``."""
+    answers = []
+    for piece in text.split("boxed{")[1:]:
+        depth = 0
+        for i, ch in enumerate(piece):
+            depth += (ch == "{") - (ch == "}")
+            if depth < 0:
+                # VINE keeps piece[:i + 1] here, i.e. "5}" for "\boxed{5}%"; we keep the intended "5%".
+                answers.append(piece[:i] + "%" if piece[i + 1 : i + 2] == "%" else piece[:i])
+                break
+    return answers
+
+
+def _extract_raw_answers(text: str) -> list[str]:
+    """VINE ``extract_answer(text, exhaust=True)``: candidates by the §2.1 precedence, each post-processed."""
+    if "final answer is $" in text and "$. I hope" in text:
+        raw = [text.split("final answer is $", 1)[1].split("$. I hope", 1)[0].strip()]
+    elif "boxed" in text:
+        raw = _extract_boxed(text)
+    elif "he answer is" in text:
+        raw = [text.split("he answer is")[-1].strip()]
+    else:
+        program_output = text.split("```output")[-1].split("```")[0].strip() if "```output" in text else ""
+        if program_output:  # last ```output block, else the last number
+            raw = [program_output]
+        else:
+            raw = re.findall(r"-?\d*\.?\d+", text.replace(",", ""))[-1:]
+    out = []
+    for ans in raw:
+        ans = ans.strip().split("\n")[0].lstrip(":").rstrip(".").rstrip("/")
+        out.append(strip_math_string(ans))
+    return out
+
+
+def extract_math_answer(question: str, text: str) -> list[str]:
+    """List of normalised candidate answers in ``text``; splits multi-answers as VINE ``extract_math_answer``."""
+    answers: list[str] = []
+    for ans in _extract_raw_answers(text):
+        if "separated by commas" in question and all(ch not in ans for ch in "()[]"):
+            answers.extend(a.strip() for a in ans.split(","))
+        elif re.search(r"\\text\{\s*and\s*\}", ans):
+            answers.extend(a.strip() for a in re.split(r"\\text\{\s*and\s*\}", ans))
+        else:
+            answers.append(ans.strip())
+    return answers
+
+
+def math_gold_from_solution(question: str, solution: str) -> list[str]:
+    r"""Gold answers from the dataset ``solution`` (its ``\boxed{}``), never the stored ``answer`` field (§2.1)."""
+    return extract_math_answer(question, solution)
+
+
+# -- LaTeX -> sympy text, guards, and the sandboxed sympy worker (spec §2.2 step 4, VINE math_grader*.py) ----------
+
+MAX_EXPR_CHARS = 400  # longer answers are not worth a sympy call
+# Names our converter (or sympy) understands; removed before counting "unknown letters" (VINE should_allow_eval).
+_KNOWN_NAMES = ("binomial", "sqrt", "root", "asin", "acos", "atan", "acot", "sin", "cos", "tan", "cot", "sec",
+                "csc", "log", "exp", "frac", "inf", "pi", "oo")
+# "^{"/"^(" (compound exponents) and long exponents or factorials are refused as in the reference: slow for sympy.
+_BAD_SUBSTRINGS = ("^{", "^(", "__", "import", "lambda", "eval", "exec", "open", "attr", "globals", "locals")
+_BAD_REGEXES = (r"\^[0-9]+\^", r"\^-?[0-9][0-9]+", r"\*\*[0-9]+\*\*", r"\*\*-?[0-9][0-9]+", r"[0-9][0-9][0-9]+!",
+                r"\.\s*[A-Za-z_]")  # the last one blocks attribute access
+_ALLOWED_CHARS = re.compile(r"[0-9A-Za-z_+\-*/^().,! ]*")
+# LaTeX commands with a sympy spelling other than their own name (\sin, \pi, ... pass through unchanged).
+_COMMANDS = {"infty": "oo", "cdot": "*", "times": "*", "div": "/", "ln": "log", "arcsin": "asin", "arccos": "acos",
+             "arctan": "atan", "cup": "U", "circ": "", "degree": "", "%": "/100", "$": "", "!": "", ",": "", ";": "",
+             ":": "", " ": "", "left": "", "right": "", "displaystyle": "", "{": "(", "}": ")"}
+_TEXT_COMMANDS = ("text", "textbf", "textit", "mathrm", "mathbf", "mathit", "mbox", "operatorname", "boxed")
+
+
+def _read_arg(s: str, i: int) -> tuple[str, int]:
+    """Read one LaTeX argument at ``s[i:]``: a balanced ``{...}`` group, a ``\\command`` or a single character."""
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i >= len(s):
+        return "", i
+    if s[i] == "{":
+        depth = 0
+        for j in range(i, len(s)):
+            depth += (s[j] == "{") - (s[j] == "}")
+            if depth == 0:
+                return s[i + 1 : j], j + 1
+        return s[i + 1 :], len(s)  # unbalanced: take the rest
+    if s[i] == "\\":
+        m = re.match(r"\\([A-Za-z]+|.?)", s[i:], re.DOTALL)
+        return m.group(0), i + len(m.group(0))
+    return s[i], i + 1
+
+
+def latex_to_text(s: str) -> str:
+    r"""Best-effort LaTeX -> sympy-parsable text (``\frac{a}{b}`` -> ``(a)/(b)``, ``\sqrt`` -> ``sqrt()``, ...).
+
+    Plays the role of VINE's pylatexenc-based ``_parse_latex``: ``^`` is kept (the guards look for it) and a digit
+    followed by a fraction with a numeric numerator is a mixed number (``7\frac{3}{4}`` -> ``7+(3)/(4)``).
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(s):
+        ch = s[i]
+        if ch == "\\":
+            m = re.match(r"\\([A-Za-z]+|.?)", s[i:], re.DOTALL)
+            name, i = m.group(1), i + len(m.group(0))
+            if name in ("frac", "dfrac", "tfrac", "cfrac", "binom"):
+                num, i = _read_arg(s, i)
+                den, i = _read_arg(s, i)
+                num, den = latex_to_text(num), latex_to_text(den)
+                if name == "binom":
+                    out.append(f"binomial({num},{den})")
+                    continue
+                if num[:1].isdigit() and re.search(r"(?<![\^\w.])\d+$", "".join(out)):
+                    out.append("+")  # mixed number "2\frac{1}{4}", as VINE's _inject_implicit_mixed_number
+                out.append(f"({num})/({den})")
+            elif name == "sqrt":
+                index = None
+                if s[i : i + 1] == "[" and "]" in s[i:]:
+                    index, i = s[i + 1 : s.index("]", i)], s.index("]", i) + 1
+                arg, i = _read_arg(s, i)
+                arg = latex_to_text(arg)
+                out.append(f"sqrt({arg})" if index is None else f"root({arg},{latex_to_text(index)})")
+            elif name in _TEXT_COMMANDS:
+                arg, i = _read_arg(s, i)
+                out.append(latex_to_text(arg))
+            else:
+                out.append(_COMMANDS.get(name, name))
+        elif ch == "^":
+            arg, i = _read_arg(s, i + 1)
+            arg = latex_to_text(arg)
+            out.append("^" + arg if re.fullmatch(r"-?[A-Za-z0-9.]+", arg) else f"^({arg})")
+        elif ch == "{":
+            arg, i = _read_arg(s, i)
+            out.append(f"({latex_to_text(arg)})")
+        else:
+            out.append({"%": "/100", "$": "", "}": ")"}.get(ch, ch))
+            i += 1
+    return "".join(out).strip()
+
+
+def should_allow_eval(expr: str) -> bool:
+    """VINE guard (``math_grader.py``) plus sandbox checks: refuse text that is long, odd or slow for sympy."""
+    if len(expr) > MAX_EXPR_CHARS or not _ALLOWED_CHARS.fullmatch(expr):
+        return False
+    letters = expr
+    for name in _KNOWN_NAMES:
+        letters = letters.replace(name, "")
+    if len({c for c in letters if c.isalpha()}) > 2:  # unknown text or functions of more than two variables
+        return False
+    if any(bad in expr for bad in _BAD_SUBSTRINGS):
+        return False
+    return not any(re.search(rx, expr) for rx in _BAD_REGEXES)
+
+
+_SYMPY_NAMESPACE: dict = {}
+
+
+def _sympy_parse(expr: str):
+    """``parse_expr`` with implicit multiplication and a sympy-only namespace (no Python builtins)."""
+    from sympy.parsing import sympy_parser as sp
+
+    if not _SYMPY_NAMESPACE:
+        exec("from sympy import *", _SYMPY_NAMESPACE)  # constant string, never model text
+        _SYMPY_NAMESPACE["__builtins__"] = {}
+    transformations = sp.standard_transformations + (sp.implicit_multiplication_application,)
+    return sp.parse_expr(expr.replace("^", "**"), global_dict=dict(_SYMPY_NAMESPACE), transformations=transformations)
+
+
+def _sympy_equal_worker(a: str, b: str) -> bool:
+    """Runs in the worker process: ``simplify((a)-(b)) == 0``, else ``isclose(N(a), N(b), abs_tol=1e-3)``."""
+    import sympy
+
+    try:
+        diff = re.sub(r"([0-9]) +([0-9])", r"\1+\2", f"({a})-({b})").replace(" ", "")  # "7 3/4" -> 7+3/4
+        if sympy.simplify(_sympy_parse(diff)) == 0:
+            return True
+    except Exception:
+        pass
+    try:
+        return math.isclose(float(sympy.N(_sympy_parse(a))), float(sympy.N(_sympy_parse(b))), abs_tol=1e-3)
+    except Exception:
+        return False
+
+
+class GraderWorkerError(RuntimeError):
+    """The sympy worker process could not be started (a setup problem, so it is raised, not graded as 0)."""
+
+
+# VINE SympySimplifier: one lazily created worker, terminated and replaced when a call times out. 'spawn' because
+# forking a process that holds CUDA contexts or threads (trainer, vLLM) is unsafe.
+_POOL = None
+_POOL_BROKEN = False
+_POOL_LOCK = threading.Lock()
+POOL_START_TIMEOUT = 60.0  # seconds for a fresh worker to import sympy; not counted in the grading timeout
+
+
+def _call_with_timeout(fn, args: tuple, timeout: float) -> bool:
+    global _POOL, _POOL_BROKEN
+    with _POOL_LOCK:
+        if _POOL_BROKEN:
+            raise GraderWorkerError("sympy worker failed to start earlier")
+        if _POOL is None:
+            pool = mp.get_context("spawn").Pool(1)
+            try:
+                # Warm-up call: pays the sympy import once, outside any grading timeout.
+                pool.apply_async(_sympy_equal_worker, ("0", "0")).get(timeout=POOL_START_TIMEOUT)
+            except BaseException as e:
+                pool.terminate()
+                _POOL_BROKEN = True  # e.g. a __main__ that cannot be re-imported (stdin): fail fast from now on
+                raise GraderWorkerError("sympy worker failed to start (is the entry script importable?)") from e
+            _POOL = pool
+        try:
+            return bool(_POOL.apply_async(fn, args).get(timeout=timeout))
+        except mp.TimeoutError:
+            _POOL.terminate()  # kills the stuck worker; a fresh pool is created on the next call
+            _POOL = None
+            return False
+
+
+def symbolic_equal(a: str, b: str, timeout: float = 15.0) -> bool:
+    """True if LaTeX answers ``a`` and ``b`` are equal under sympy; False on refusal, parse error or timeout."""
+    try:
+        if len(a) > MAX_EXPR_CHARS or len(b) > MAX_EXPR_CHARS:
+            return False
+        ta, tb = latex_to_text(a), latex_to_text(b)
+        if not (ta and tb and should_allow_eval(ta) and should_allow_eval(tb)):
+            return False
+        return _call_with_timeout(_sympy_equal_worker, (ta, tb), timeout)
+    except GraderWorkerError:
+        raise
+    except Exception:  # includes RecursionError on absurdly nested braces
+        return False
+
+
+# -- MATH comparison (spec §2.2; VINE math_grader_minerva.py: math_equal / is_correct / eval_math) -----------------
+
+
+def _parse_digits(num: str) -> float | None:
+    """``'1,234.5'`` -> 1234.5 and ``'23%'`` / ``'23\\%'`` -> 0.23; None if not a number."""
+    num = num.replace(",", "")
+    try:
+        return float(num)
+    except ValueError:
+        if num.endswith("%"):
+            try:
+                return float(num[:-1].rstrip("\\")) / 100
+            except ValueError:
+                pass
+    return None
+
+
+_MATRIX_BEGIN = ("\\begin{pmatrix}", "\\begin{bmatrix}")
+_MATRIX_END = ("\\end{pmatrix}", "\\end{bmatrix}")
+
+
+def _matrix_rows(m: str) -> list[list[str]]:
+    body = m[len("\\begin{pmatrix}") : -len("\\end{pmatrix}")]  # both kinds have the same length
+    return [row.strip().split("&") for row in body.split("\\\\") if row.strip()]
+
+
+def math_equal(pred: str, gold: str, timeout: float = 15.0) -> bool:
+    """Element equality of spec §2.2 step 4: string, numeric (with %), tuple/interval, matrix, '=' and symbolic."""
+    pred, gold = str(pred).strip(), str(gold).strip()
+    if pred == gold:
+        return True
+    p_num, g_num = _parse_digits(pred), _parse_digits(gold)
+    if p_num is not None and g_num is not None:
+        # VINE leniency: the gold may be a percentage of the prediction or vice versa.
+        return any(math.isclose(p_num, g, abs_tol=1e-3) for g in (g_num / 100, g_num, g_num * 100))
+    if not pred:
+        return False
+    bracketed = r"[(\[].+[)\]]"
+    if re.fullmatch(bracketed, pred) and re.fullmatch(bracketed, gold) and (pred[0], pred[-1]) == (gold[0], gold[-1]):
+        p_parts, g_parts = pred[1:-1].split(","), gold[1:-1].split(",")
+        if len(p_parts) == len(g_parts) and all(math_equal(p, g, timeout) for p, g in zip(p_parts, g_parts)):
+            return True
+    if pred.startswith(_MATRIX_BEGIN) and pred.endswith(_MATRIX_END) and gold.startswith(_MATRIX_BEGIN) \
+            and gold.endswith(_MATRIX_END):
+        p_rows, g_rows = _matrix_rows(pred), _matrix_rows(gold)
+        if len(p_rows) == len(g_rows) and all(
+            len(pr) == len(gr) and all(math_equal(p, g, timeout) for p, g in zip(pr, gr))
+            for pr, gr in zip(p_rows, g_rows)
+        ):
+            return True
+    if pred.count("=") == 1 and gold.count("=") == 1:
+        # Equations: compare lhs - (rhs), allowing either orientation.
+        p_lhs, p_rhs = (x.strip() for x in pred.split("="))
+        g_lhs, g_rhs = (x.strip() for x in gold.split("="))
+        p_diff, g_diff = f"{p_lhs}-({p_rhs})", f"{g_lhs}-({g_rhs})"
+        if symbolic_equal(p_diff, g_diff, timeout) or symbolic_equal(f"-({p_diff})", g_diff, timeout):
+            return True
+    elif pred.count("=") == 1 and len(pred.split("=")[0].strip()) <= 2 and "=" not in gold:
+        if math_equal(pred.split("=")[1], gold, timeout):  # "x=3" vs "3"
+            return True
+    elif gold.count("=") == 1 and len(gold.split("=")[0].strip()) <= 2 and "=" not in pred:
+        if math_equal(pred, gold.split("=")[1], timeout):
+            return True
+    return symbolic_equal(pred, gold, timeout)
+
+
+def _is_correct(pred: str | list[str], gold: str | list[str], timeout: float) -> bool:
+    """VINE ``is_correct``: lists match iff every prediction matches some gold and every gold is matched."""
+    if isinstance(pred, list):
+        pred_hit, gold_hit = set(), set()
+        for i, p in enumerate(pred):
+            for j, g in enumerate(gold):
+                if _is_correct(p, g, timeout):
+                    pred_hit.add(i)
+                    gold_hit.add(j)
+        return len(pred_hit) == len(pred) and len(gold_hit) == len(gold)
+    if "\\cup" in pred and "\\cup" in gold:  # unions of intervals compare as lists
+        return _is_correct(pred.split("\\cup"), gold.split("\\cup"), timeout)
+    try:
+        if abs(float(pred.replace(",", "")) - float(gold.replace(",", ""))) < 1e-3:
+            return True
+    except ValueError:
+        pass
+    return bool(gold and pred == gold) or math_equal(pred, gold, timeout)
+
+
+def grade_math(question: str, completion: str, gold_solution: str, timeout: float = 15.0) -> bool:
+    """VINE ``eval_math`` on the Minerva-extracted prediction list vs the gold solution's boxed answer list."""
+    gold = list(dict.fromkeys(math_gold_from_solution(question, gold_solution)))  # de-duplicate, keep order
+    if not gold:
+        return False
+    preds = list(dict.fromkeys(extract_math_answer(question, completion)))
+    preds = preds[-len(gold) :]  # some completions box non-answers first; keep only the last len(gold)
+    return _is_correct(preds, gold, timeout)
+
+
+# -- Entry point used by the trainers ------------------------------------------------------------------------------
+
+
+def grade(task: str, completion: str, gold: str, question: str = "", finished: bool = True) -> float:
+    """Reward in {0.0, 1.0} for one completion; 0.0 if truncated (``finish_reason == 'length'``, spec §2.3).
+
+    ``task`` is ``'gsm8k'`` (``gold`` = the answer after ``####``) or ``'math'`` (``gold`` = the full gold solution,
+    ``question`` = the problem text, needed for "separated by commas" questions). Never raises on bad model or gold
+    text; raises ``ValueError`` for an unknown task and ``GraderWorkerError`` if the sympy worker cannot start.
+    """
+    if task not in ("gsm8k", "math"):
+        raise ValueError(f"unknown task {task!r}; expected 'gsm8k' or 'math'")
+    if not finished:
+        return 0.0
+    try:
+        if task == "gsm8k":
+            return float(grade_gsm8k(completion, gold))
+        return float(grade_math(question, completion, gold))
+    except GraderWorkerError:
+        raise
+    except Exception:
+        return 0.0

@@ -1,0 +1,93 @@
+"""Reward functions for verifiable tasks, chosen by name or imported by path.
+
+A reward function is called once per batch with keyword arguments
+
+    fn(prompts: list[str], completions: list[str], answers: list[str], finished: list[bool],
+       rows: list[dict]) -> list[float]
+
+`finished[i]` is False when completion i hit the length limit; `rows[i]` is the dataset row (every column,
+so graders can read metadata). It may accept **kwargs and ignore what it does not need.
+
+`reward_fn` values:
+  - "builtin": the built-in running-sums task (shared/task.py);
+  - "gsm8k" / "math": the graders of shared/graders.py (graders.md);
+  - "package.module:function" or "path/to/file.py:function": your own function.
+Every result is checked: one finite number per completion, or a one-line error naming the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from pathlib import Path
+from typing import Callable
+
+RewardFn = Callable[..., list]
+
+
+def builtin_reward(prompts, completions, answers, finished, rows=None, **_):
+    from shared import task
+
+    return [task.grade(c, a, f) for c, a, f in zip(completions, answers, finished)]
+
+
+def gsm8k_reward(prompts, completions, answers, finished, rows=None, **_):
+    from shared import graders
+
+    return [graders.grade("gsm8k", c, graders.gsm8k_gold_from_solution(a) if "####" in a else a, finished=f)
+            for c, a, f in zip(completions, answers, finished)]
+
+
+def math_reward(prompts, completions, answers, finished, rows=None, **_):
+    from shared import graders
+
+    return [graders.grade("math", c, a, question=p, finished=f)
+            for p, c, a, f in zip(prompts, completions, answers, finished)]
+
+
+BUILTIN = {"builtin": builtin_reward, "gsm8k": gsm8k_reward, "math": math_reward}
+
+
+def load_reward_fn(spec: str, dataset: str = "builtin") -> RewardFn:
+    """Resolve `spec` (see module docstring); "auto" picks by dataset name."""
+    if spec == "auto":
+        lowered = dataset.lower()
+        spec = "builtin" if dataset == "builtin" else "gsm8k" if "gsm8k" in lowered else "math" if "math" in lowered else ""
+        if not spec:
+            raise ValueError(f"reward_fn: cannot infer a grader for dataset {dataset!r}; pass --reward_fn")
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"reward_fn: {spec!r} is not one of {sorted(BUILTIN)} nor 'module:function'")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.exists():
+            raise ValueError(f"reward_fn: file {target} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    if not hasattr(module, attr):
+        raise ValueError(f"reward_fn: {target} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str],
+                    finished: list[bool], rows: list[dict]) -> list[float]:
+    """Call a reward function and validate its output shape and values."""
+    out = fn(prompts=prompts, completions=completions, answers=answers, finished=finished, rows=rows)
+    name = getattr(fn, "__name__", repr(fn))
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)) or len(out) != len(completions):
+        got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
+        raise ValueError(f"reward_fn {name}: returned {got} values for {len(completions)} completions")
+    values = []
+    for i, v in enumerate(out):
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"reward_fn {name}: value {i} is {v!r}, expected a finite number")
+        values.append(float(v))
+    return values

@@ -1,0 +1,33 @@
+"""Shared fixtures. Every model and tokenizer here is built locally (shared/tiny.py); nothing is downloaded.
+
+The cache of built-in models (random-init tiny model, and the SFT warm start that the end-to-end tests
+need) lives in CLEANRLHF_CACHE, default ~/.cache/cleanrlhf, so repeated test runs reuse it."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A random-init tiny Llama (in memory) and its character tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    from shared.tiny import build_tokenizer, tiny_config
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id))
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    """Path of the cached random-init built-in tiny model (HF format, vLLM-loadable)."""
+    from shared.tiny import builtin_tiny
+
+    return str(builtin_tiny())

@@ -1,0 +1,162 @@
+"""Data loading, validation, tokenization and batching (pitfalls P4, P5; issue: bad dataset rows)."""
+
+import json
+
+import pytest
+import torch
+
+from shared import data, task
+from shared.data import DataError
+
+
+# ---------------------------------------------------------------- built-in task
+def test_builtin_splits_are_disjoint_and_deterministic():
+    train, test = task.builtin_split("train"), task.builtin_split("test")
+    assert len(test) == task.TEST_SIZE and len(train) == 10**task.NUM_TERMS - task.TEST_SIZE
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert task.builtin_split("test") == test
+
+
+def test_builtin_example_and_grader():
+    ex = task.make_example((3, 4, 5, 1))
+    assert ex == {"prompt": "3+4+5+1=", "response": "7\n12\n13", "answer": "13"}
+    assert task.grade("7\n12\n13", "13") == 1.0
+    assert task.grade("7\n12\n14", "13") == 0.0
+    assert task.grade("7\n12\n13", "13", finished=False) == 0.0  # truncated: no reward
+    assert task.grade("", "13") == 0.0
+    assert task.step_boundaries("7\n12\n13") == [0, 1, 4, 7]
+
+
+# ---------------------------------------------------------------- BOS / EOS (P5)
+def test_exactly_one_bos_with_and_without_chat_template(tiny_model):
+    _, tok = tiny_model
+    bos = tok.bos_token_id
+    plain = data.encode_prompt(tok, "1+2=", use_chat_template=False)
+    chat = data.encode_prompt(tok, "1+2=", use_chat_template=True)  # the template itself emits BOS
+    for ids in (plain, chat):
+        assert ids[0] == bos and ids.count(bos) == 1
+    assert tok.decode(chat[1:]).startswith("<|user|>\n1+2=")
+    # a prompt that already starts with the BOS text still ends up with one BOS
+    assert data.encode_prompt(tok, "<bos>1+2=", use_chat_template=False).count(bos) == 1
+
+
+def test_response_ends_with_one_eos_and_no_bos(tiny_model):
+    _, tok = tiny_model
+    ids = data.encode_response(tok, "7\n12")
+    assert ids[-1] == tok.eos_token_id and ids.count(tok.eos_token_id) == 1 and tok.bos_token_id not in ids
+
+
+def test_pad_batch_masks_come_from_lengths_even_when_pad_is_eos():
+    eos = 2
+    ids, attn, resp = data.pad_batch([[1, 5], [1, 5, 6]], [[7, eos], [8, 9, eos]], pad_id=eos)
+    assert ids.tolist() == [[1, 5, 7, eos, eos, eos], [1, 5, 6, 8, 9, eos]]
+    assert attn.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert resp.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]]
+    # exactly one EOS inside each response mask
+    assert [(ids[i][resp[i].bool()] == eos).sum().item() for i in range(2)] == [1, 1]
+
+
+# ---------------------------------------------------------------- bad input: one-line errors naming the row
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text) if isinstance(text, str) else p.write_bytes(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], r"row 1: missing key 'answer'"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "2"}], r"row 1: field 'prompt' is empty"),
+    ([{"prompt": ["a"], "answer": "1"}], r"row 0: field 'prompt' is a list"),
+])
+def test_bad_rows_name_the_row_and_field(tmp_path, tiny_model, rows, message):
+    _, tok = tiny_model
+    path = _write(tmp_path, "d.jsonl", "\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=message):
+        data.load_prompts(path, "train", tok)
+
+
+def test_malformed_jsonl_line_is_reported_with_its_number(tmp_path, tiny_model):
+    path = _write(tmp_path, "d.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", \n')
+    with pytest.raises(DataError, match="line 2 is not valid JSON"):
+        data.load_prompts(path, "train", tiny_model[1])
+
+
+def test_non_utf8_file_is_reported(tmp_path, tiny_model):
+    path = _write(tmp_path, "d.jsonl", b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff\xfe", "answer": "2"}\n')
+    with pytest.raises(DataError, match="line 2 is not valid UTF-8"):
+        data.load_prompts(path, "train", tiny_model[1])
+
+
+def test_empty_dataset_and_all_overlong_are_errors(tmp_path, tiny_model):
+    _, tok = tiny_model
+    with pytest.raises(DataError, match="no rows"):
+        data.load_prompts(_write(tmp_path, "e.jsonl", "\n"), "train", tok)
+    path = _write(tmp_path, "l.jsonl", json.dumps({"prompt": "x" * 50, "answer": "1"}))
+    with pytest.raises(DataError, match="longer than max_prompt_length=10"):
+        data.load_prompts(path, "train", tok, max_prompt_length=10)
+
+
+def test_overlong_prompts_are_dropped_and_counted(tmp_path, tiny_model):
+    _, tok = tiny_model
+    rows = [{"q": "1+1=", "a": "2"}, {"q": "9" * 40, "a": "3"}, {"q": "2+2=", "a": 4}]
+    path = _write(tmp_path, "d.json", json.dumps(rows))  # a JSON list, custom keys, a numeric answer
+    out = data.load_prompts(path, "train", tok, prompt_key="q", answer_key="a", max_prompt_length=20)
+    assert out.num_filtered == 1 and [r["answer"] for r in out.rows] == ["2", "4"]
+
+
+def test_missing_file_and_unknown_type(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        data.load_rows(str(tmp_path / "nope.jsonl"), "train")
+    with pytest.raises(DataError, match="unsupported file type"):
+        data.load_rows(_write(tmp_path, "d.csv", "a,b\n"), "train")
+
+
+def test_parquet_and_split_sibling_files(tmp_path, tiny_model):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}]), tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "2+2=", "answer": "4"}]), tmp_path / "d.test.parquet")
+    assert data.load_rows(str(tmp_path / "d.parquet"), "train")[0]["answer"] == "2"
+    assert data.load_rows(str(tmp_path / "d.parquet"), "test")[0]["answer"] == "4"
+
+
+def test_prompt_template():
+    assert data.format_prompt("2+2", "[MATH_TASK] Problem:\n{prompt}\n\nSolution:") == \
+        "[MATH_TASK] Problem:\n2+2\n\nSolution:"
+
+
+# ---------------------------------------------------------------- sampler: order, ranks, resume
+def test_prompt_sampler_epochs_and_resume():
+    s = data.PromptSampler(10, seed=3)
+    first = s.next_indices(10)
+    assert sorted(first) == list(range(10))  # one epoch = a permutation, no repeats
+    a = s.next_indices(4)
+    state = s.state_dict()
+    b = s.next_indices(9)  # crosses the epoch boundary
+    s2 = data.PromptSampler(10, seed=3)
+    s2.load_state_dict(state)
+    assert s2.next_indices(9) == b and a != b[:4]
+    assert data.PromptSampler(10, seed=3).next_indices(10) == first  # same on every rank
+
+
+def test_reward_fn_loading_and_validation(tmp_path):
+    from shared.rewards import compute_rewards, load_reward_fn
+
+    fn = load_reward_fn("auto", "builtin")
+    assert compute_rewards(fn, ["1+2+3+4="], ["3\n6\n10"], ["10"], [True], [{}]) == [1.0]
+    p = tmp_path / "myreward.py"
+    p.write_text("def short(prompts, completions, **kw):\n    return [1.0]\n"
+                 "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+                 "def gold(prompts, completions, answers, rows, **kw):\n"
+                 "    return [float(r['extra'] == a) for r, a in zip(rows, answers)]\n")
+    with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
+        compute_rewards(load_reward_fn(f"{p}:short"), ["a", "b"], ["x", "y"], ["1", "2"], [True] * 2, [{}, {}])
+    with pytest.raises(ValueError, match="value 0 is nan"):
+        compute_rewards(load_reward_fn(f"{p}:nan"), ["a"], ["x"], ["1"], [True], [{}])
+    # metadata pass-through: the reward function sees every dataset column (pitfalls U6)
+    assert compute_rewards(load_reward_fn(f"{p}:gold"), ["a"], ["x"], ["1"], [True], [{"extra": "1"}]) == [1.0]
+    with pytest.raises(ValueError, match="reward_fn"):
+        load_reward_fn("no_colon_here")
+    with pytest.raises(ValueError, match="cannot infer"):
+        load_reward_fn("auto", "some/dataset")
