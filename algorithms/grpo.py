@@ -93,7 +93,7 @@ class Args:
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # algorithm args
-    total_episodes: int = 51200
+    total_episodes: int = 102400
     """total completions to sample over the run (steps = total_episodes / batch_size)"""
     learning_rate: float = 1e-4
     """AdamW learning rate (constant after warm-up)"""
@@ -103,13 +103,13 @@ class Args:
     """gradient clipping norm"""
     num_generations: int = 8
     """G: completions per prompt (the group); must be > 1"""
-    local_num_prompts: int = 16
+    local_num_prompts: int = 64
     """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
-    num_minibatches: int = 1
+    num_minibatches: int = 2
     """optimizer steps per pass over the batch"""
-    local_micro_batch_size: int = 128
+    local_micro_batch_size: int = 256
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
-    num_iterations: int = 1
+    num_iterations: int = 2
     """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
     temperature: float = 1.0
     """sampling temperature; trainer logits are divided by it too (building_blocks.md §2)"""
@@ -370,14 +370,13 @@ def main(args: Args) -> str:
     for step in range(1, args.num_steps + 1):
         # 1. rollout: this rank's slice of the global prompt batch, G samples each
         with timer("generate"):
-            generator.wake_up()
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
             prompts = [train_data.prompt_ids[i] for i in local_idx]
             outs = generator.generate(prompts, n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=info.rank * args.local_num_prompts)
-            generator.sleep()
+            generator.sleep()  # frees the GPU for training when --vllm_enable_sleep (no-op otherwise)
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
 
@@ -462,6 +461,7 @@ def main(args: Args) -> str:
 
         # 7. weight sync: push the updated policy into the generation engine
         with timer("sync"):
+            generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
@@ -515,4 +515,4 @@ def main(args: Args) -> str:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True))

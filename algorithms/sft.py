@@ -77,7 +77,7 @@ class Args:
     """trade compute for memory in the training forward"""
 
     # algorithm args
-    total_episodes: int = 16000
+    total_episodes: int = 20480
     """number of training examples to consume (epochs = total_episodes / dataset size)"""
     learning_rate: float = 3e-3
     """peak learning rate (linear warm-up, cosine decay to 10%)"""
@@ -262,4 +262,4 @@ def main(args: Args) -> str:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True))

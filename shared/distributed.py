@@ -91,7 +91,8 @@ def init_distributed() -> DistInfo:
         device = torch.device("cpu")
         # CPU ranks share the cores: OpenMP oversubscription (2 ranks x all cores) slows training many-fold
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // local_world
+        torch.set_num_threads(max(1, threads))
     base: dict = {}
     cfg_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or os.environ.get("DEEPSPEED_CONFIG_FILE")
     if cfg_file and cfg_file.lower() != "none":

@@ -64,6 +64,10 @@ class VLLMGenerator:
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode and not on_cpu,
+            # never take sampling defaults from the checkpoint's generation_config.json (instruct models ship
+            # top_k, repetition_penalty, ...): the sampler must be exactly the distribution the trainer scores
+            # (pitfalls P8). vLLM 0.32 already ignores them given explicit SamplingParams; this pins it.
+            generation_config="vllm",
         )
         if on_cpu:
             kwargs["enforce_eager"] = True
@@ -101,10 +105,12 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
+        """Free the engine's GPU memory during training (level 1: weights offloaded, KV cache dropped)."""
         if self.sleep_enabled:
             self.llm.sleep(level=1)
 
     def wake_up(self) -> None:
+        """Call before `sync_weights` and before generating."""
         if self.sleep_enabled:
             self.llm.wake_up()
 
@@ -119,6 +125,8 @@ class HFGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+        from transformers import GenerationConfig
+
         device = next(self.model.parameters()).device
         P = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
@@ -130,15 +138,21 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         greedy = temperature == 0
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed_for(seed, index_offset))
-            out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=not greedy,
-                temperature=None if greedy else temperature, top_p=None if greedy else top_p, top_k=None,
-                max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=stops,
-                pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True,
-                synced_gpus=self.synced_gpus, use_cache=True,
-            )
+        # a fresh GenerationConfig: no sampling defaults from the checkpoint (top_k, repetition_penalty, ...)
+        # leak in, so the sampler is exactly softmax(logits / T) with optional top-p (pitfalls P8)
+        config = GenerationConfig(
+            do_sample=not greedy, temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+            top_k=0, max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=stops,
+            pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
+        )
+        saved, self.model.generation_config = self.model.generation_config, config  # (HF back-fills from it)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed_for(seed, index_offset))
+                out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                          generation_config=config, synced_gpus=self.synced_gpus)
+        finally:
+            self.model.generation_config = saved
         self.model.train(was_training)
         gen = out.sequences[:, P:].cpu()  # [len(prompts) * n, T], prompt-major
         scores = torch.stack(out.scores, dim=1).float().cpu()  # processed logits [B*n, T, V]

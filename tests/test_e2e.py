@@ -67,8 +67,8 @@ def test_grpo_learns_a_simple_reward(tmp_path):
                       "    return [float(c.startswith('1')) for c in completions]\n")
     out_dir = tmp_path / "run"
     run([sys.executable, "algorithms/grpo.py", "--output_dir", str(out_dir), "--reward_fn",
-         f"{reward}:starts_with_one", "--total_episodes", "3840", "--eval_every", "0", "--eval_num_prompts", "16",
-         "--save_model", "False"])
+         f"{reward}:starts_with_one", "--total_episodes", "3840", "--local_num_prompts", "16",
+         "--local_micro_batch_size", "64", "--eval_every", "0", "--eval_num_prompts", "16", "--no_save_model"])
     scores = [r["objective/scores"] for r in metrics(out_dir) if "objective/scores" in r]
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.2, scores
 

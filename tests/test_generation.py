@@ -3,7 +3,8 @@
 The vLLM path is the one tested most: the in-process engine generates, the trainer takes an optimizer step,
 the weights are synced in place, and the engine's sampled-token log-probs then equal the trainer's
 log_softmax(logits / T) for the *new* weights (and no longer for the old ones).
-Tolerance: max |vLLM - trainer| < 1e-4 nats in fp32 (measured: ~5e-7)."""
+Tolerance: max |vLLM - trainer| < 1e-4 nats in fp32 (measured: ~5e-7). The checkpoint carries sampling defaults
+in its generation_config.json that both backends must ignore (pitfalls P8)."""
 
 import copy
 
@@ -40,16 +41,32 @@ def max_diff(model, prompts, groups):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_path):
-    return VLLMGenerator(tiny_path, eos_token_id=2, dtype=torch.float32, seed=0, max_model_len=64)
+def model_dir(tiny_path, tmp_path_factory):
+    """The tiny model with a hostile generation_config.json, as instruct checkpoints ship (top_k, repetition
+    penalty, temperature). Both backends must ignore it, or their log-probs would not match the trainer's."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    shutil.copytree(tiny_path, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config.update(top_k=3, repetition_penalty=1.5, temperature=0.3, top_p=0.5, do_sample=True)
+    (path / "generation_config.json").write_text(json.dumps(config))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def model_and_prompts(tiny_path):
+def engine(model_dir):
+    return VLLMGenerator(model_dir, eos_token_id=2, dtype=torch.float32, seed=0, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert model.generation_config.top_k == 3  # the hostile defaults are really there
     prompts = [data.encode_prompt(tok, t, False) for t in ["3+4+5+1=", "9+9=", "1+2+3+4+5+6="]]
     return model, tok, prompts
 
