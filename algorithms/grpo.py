@@ -345,10 +345,12 @@ def main(args: Args) -> str:
 
     def evaluate(step: int) -> dict:
         """Held-out accuracy (mean correctness over eval_num_samples per prompt) and pass@k; prompts split by rank."""
-        idx = list(range(info.rank, len(eval_data.rows), info.world_size))
+        per_rank = math.ceil(len(eval_data.rows) / info.world_size)
+        idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
+        # the same seed at every evaluation (common random numbers: curves compare policies, not sampling noise)
         outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=args.eval_num_samples,
                                   temperature=args.eval_temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                                  seed=args.seed + 1_000_003, index_offset=info.rank)
+                                  seed=args.seed + 1_000_003, index_offset=info.rank * per_rank)
         rows = [eval_data.rows[i] for i in idx for _ in range(args.eval_num_samples)]
         comps = [c for group in outs for c in group]
         r = compute_rewards(reward_fn, [x["prompt"] for x in rows], [decode(c.token_ids) for c in comps],

@@ -136,9 +136,11 @@ def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs:
 
 def evaluate(generator, tokenizer, eval_data, reward_fn, args: Args, info) -> dict:
     """Held-out accuracy: one sample per prompt at eval_temperature, graded; split over ranks."""
-    idx = list(range(info.rank, len(eval_data.rows), info.world_size))
+    per_rank = math.ceil(len(eval_data.rows) / info.world_size)
+    idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
     outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=1, temperature=args.eval_temperature,
-                              top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed + 7)
+                              top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed + 7,
+                              index_offset=info.rank * per_rank)
     comps = [o[0] for o in outs]
     rows = [eval_data.rows[i] for i in idx]
     rewards = compute_rewards(reward_fn, [r["prompt"] for r in rows],

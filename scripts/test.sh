@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+export PATH="$PWD/.venv/bin:$PATH" VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 .venv/bin/python -m pytest "$@"
 rc=$?
 [ "$rc" -eq 5 ] && echo "pytest collected no tests: failing" >&2

@@ -5,7 +5,8 @@
     out[i][k].token_ids / .logprobs / .finish_reason      # k-th sample of prompt i
     gen.sync_weights(full_named_parameters(engine, info))  # after each optimizer update
 
-Prompts are arbitrary token prefixes, so VinePPO can roll out from partial responses.
+Prompts are arbitrary token prefixes, so VinePPO can roll out from partial responses; `max_new_tokens` may be
+one budget per prompt (a rollout from a partial response gets what is left of the length limit).
 
 `vllm`: an in-process vLLM engine colocated with the trainer on each rank (VLLM_ENABLE_V1_MULTIPROCESSING=0;
 `external_launcher` when several ranks). Weights are updated in place with vLLM's `reload_weights`, then the
@@ -78,12 +79,14 @@ class VLLMGenerator:
         self.eos_token_id = eos_token_id
         self.sleep_enabled = kwargs["enable_sleep_mode"]
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
+                 stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], logprobs=0,
                            seed=seed_for(seed, index_offset + i), detokenize=False, stop_token_ids=stop_token_ids)
             for i in range(len(prompts))
         ]
@@ -122,9 +125,22 @@ class HFGenerator:
         self.model = model  # unwrapped HF module (a DeepSpeed engine's .module)
         self.eos_token_id, self.pad_token_id, self.synced_gpus = eos_token_id, pad_token_id, synced_gpus
 
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
+                 stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+        if isinstance(max_new_tokens, list):  # one generate call per distinct budget, results in prompt order
+            out: list = [None] * len(prompts)
+            for budget in sorted(set(max_new_tokens)):
+                idx = [i for i, b in enumerate(max_new_tokens) if b == budget]
+                for i, group in zip(idx, self._generate([prompts[i] for i in idx], n, temperature, top_p, budget,
+                                                        seed, index_offset + idx[0], stop_token_ids)):
+                    out[i] = group
+            return out
+        return self._generate(prompts, n, temperature, top_p, max_new_tokens, seed, index_offset, stop_token_ids)
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                  seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
         from transformers import GenerationConfig
 
         device = next(self.model.parameters()).device

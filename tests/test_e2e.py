@@ -76,10 +76,64 @@ def test_grpo_learns_a_simple_reward(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_grpo_two_processes_deepspeed(tmp_path, stage):
     """accelerate launch, 2 CPU processes, a vLLM engine per rank: ranks see different prompts, end identical."""
-    run(["accelerate", "launch", "--config_file", f"scripts/accelerate/zero{stage}.yaml",
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"scripts/accelerate/zero{stage}.yaml",
          "algorithms/grpo.py", "--output_dir", str(tmp_path), "--model_name_or_path", "builtin:tiny", *SMALL,
          "--total_episodes", "96", "--beta", "0.05"], timeout=900)
     last = metrics(tmp_path)[-1]
     assert last["check/world_size"] == 2.0
     assert last["check/ranks_identical_weights"] == 1.0
+    assert last["check/ranks_shared_prompts"] == 0.0
+
+
+PPO_SMALL = ["--model_name_or_path", "builtin:tiny", "--total_episodes", "64", "--local_num_prompts", "4",
+             "--num_samples_per_prompt", "4", "--local_micro_batch_size", "8", "--max_new_tokens", "8",
+             "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "1", "--sample_every", "1"]
+
+
+def test_ppo_reward_model_flavour(tmp_path):
+    """Flavour B: a reward model (here the tiny model with a fresh scalar head) scores completions, KL in the
+    reward, adaptive KL, non-EOS penalty; the held-out metric is still the task grader."""
+    from shared.scalar import load_scalar_model
+    from shared.tiny import builtin_tiny
+
+    import torch
+
+    rm_dir = tmp_path / "rm"
+    rm = load_scalar_model(str(builtin_tiny()), torch.float32)
+    rm.save_pretrained(rm_dir)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(builtin_tiny()).save_pretrained(rm_dir)
+    out = tmp_path / "run"
+    run([sys.executable, "algorithms/ppo.py", "--output_dir", str(out), *PPO_SMALL, "--reward_model_path",
+         str(rm_dir), "--kl_placement", "reward", "--kl_coef", "0.05", "--adaptive_kl", "--non_stop_penalty",
+         "--lam", "0.95", "--generator", "hf"])
+    steps = [r for r in metrics(out) if "loss/value_avg" in r]
+    assert len(steps) == 4 and steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
+    assert steps[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved beta
+    assert "eval/accuracy" in metrics(out)[-1]
+
+
+@pytest.mark.parametrize("script", ["ppo", "vineppo"])
+def test_ppo_family_single_process(tmp_path, script):
+    run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(tmp_path), *PPO_SMALL])
+    steps = [r for r in metrics(tmp_path) if "objective/scores" in r]
+    assert len(steps) == 4
+    for key in ("policy/clipfrac_avg", "val/ratio", "objective/kl", "time/generate", "time/train", "time/sync"):
+        assert all(key in r for r in steps), key
+    if script == "vineppo":
+        for key in ("mc_values/mean", "val/unique_state_frac", "val/steps_per_response", "time/value_estimation"):
+            assert all(key in r for r in steps), key
+        assert all(r["val/unique_state_frac"] <= 1.0 for r in steps)
+    else:
+        assert all("val/explained_variance" in r and "loss/value_avg" in r for r in steps)
+    assert metrics(tmp_path)[-1]["check/ranks_identical_weights"] == 1.0
+
+
+@pytest.mark.parametrize("script", ["ppo", "vineppo"])
+def test_ppo_family_two_processes_zero2(tmp_path, script):
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+         f"algorithms/{script}.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--total_episodes", "96"], timeout=900)
+    last = metrics(tmp_path)[-1]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
     assert last["check/ranks_shared_prompts"] == 0.0

@@ -1,0 +1,553 @@
+"""PPO with a learned value network (critic) for LLMs. Docs: docs/ppo.md
+
+Paper: Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347), as used for LLMs
+by RLHF (Ziegler et al. 2019; Ouyang et al. 2022; "The N+ Implementation Details of RLHF with PPO", Huang et al.
+2024) and as the baseline of VinePPO (Kazemnejad et al. 2024, https://arxiv.org/abs/2410.01679).
+Per-token rewards (the score on the last completion token, optionally minus a KL penalty on every token) are
+turned into advantages by GAE on a separate critic's values; the policy takes PPO-clip steps, the critic
+clipped value-regression steps, each with its own optimizer, on the same minibatches.
+
+Two flavours from the same file (spec: ../shared/specs/ppo.md):
+  A. verifiable rewards (graders / built-in task; 0 if truncated), KL as a k3 loss term (VinePPO's PPO):
+     the default here;
+  B. a reward model (`--reward_model_path`, any HF sequence-classification checkpoint, score at the last
+     non-pad token), KL as a per-token k1 reward penalty (`--kl_placement reward`, classic RLHF), optional
+     non-EOS penalty and adaptive KL controller.
+Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic instead of group statistics.
+Delta to VinePPO (algorithms/vineppo.py): VinePPO replaces the critic with Monte Carlo value estimates.
+
+Launch:
+    python algorithms/ppo.py                                                   # CPU, built-in task
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/ppo.py
+    accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/ppo.py \
+        --model_name_or_path realtreetune/rho-1b-sft-GSM8K --dataset openai/gsm8k:main --prompt_key question \
+        --reward_fn gsm8k --prompt_template $'[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:' --temperature 0.6 \
+        --top_p 0.9 --max_new_tokens 1024 --learning_rate 1e-6 --critic_learning_rate 1e-6
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
+                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
+                                seed_everything)
+from shared.generation import make_generator
+from shared.rewards import compute_rewards, load_reward_fn
+from shared.scalar import head, load_scalar_model, score_last_token, token_values
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "ppo"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (init, data order, sampling)"""
+    output_dir: str = "runs/ppo"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
+    dataset: str = "builtin"
+    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column holding the gold answer given to the reward function"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, or `module:function` / `file.py:function`"""
+    reward_model_path: str = ""
+    """if set, score completions with this reward model (HF sequence classification) instead of reward_fn"""
+    critic_model_path: str = ""
+    """initialise the critic from this checkpoint (default: the reward model if given, else the policy + a new head)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "vllm"
+    """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forwards"""
+    save_model: bool = True
+    """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # algorithm args
+    total_episodes: int = 102400
+    """total completions to sample over the run (steps = total_episodes / batch_size)"""
+    learning_rate: float = 1e-4
+    """policy AdamW learning rate (constant after warm-up)"""
+    critic_learning_rate: float = 3e-4
+    """critic AdamW learning rate (its own optimizer)"""
+    warmup_steps: int = 5
+    """linear learning-rate warm-up steps (both optimizers)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (each model)"""
+    num_samples_per_prompt: int = 8
+    """completions per prompt"""
+    local_num_prompts: int = 64
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
+    num_ppo_epochs: int = 2
+    """passes over each batch (VinePPO: 2; TRL/SFFD: 4)"""
+    num_minibatches: int = 2
+    """optimizer steps per pass over the batch"""
+    local_micro_batch_size: int = 256
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
+    temperature: float = 1.0
+    """sampling temperature; trainer logits are divided by it too (building_blocks.md §2)"""
+    top_p: float = 1.0
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    max_new_tokens: int = 16
+    """completion length limit; completions that hit it are 'truncated'"""
+    gamma: float = 1.0
+    """GAE discount"""
+    lam: float = 1.0
+    """GAE lambda (VinePPO's PPO: 1; RLHF PPO: 0.95)"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    cliprange_value: float = 0.2
+    """value clip range around the old values"""
+    whiten_advantages: bool = True
+    """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
+    kl_placement: str = "loss"
+    """`loss`: beta * k3 as a loss term (VinePPO); `reward`: -beta * k1 on every token's reward (RLHF)"""
+    kl_coef: float = 1e-4
+    """beta: KL coefficient (VinePPO 1e-4; RLHF with a reward model 0.05); 0 skips the reference model"""
+    adaptive_kl: bool = False
+    """adapt beta towards kl_target (Ziegler et al.; building_blocks.md §5.1)"""
+    kl_target: float = 6.0
+    """target per-sequence KL for the adaptive controller"""
+    kl_horizon: int = 10000
+    """horizon (in episodes) of the adaptive controller"""
+    non_stop_penalty: bool = False
+    """replace the score of completions without EOS by penalty_reward_value (RLHF flavour)"""
+    penalty_reward_value: float = -1.0
+    """score given to completions without EOS when non_stop_penalty is on"""
+    ratio_threshold: float = 10.0
+    """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
+    eval_every: int = 25
+    """evaluate on the held-out split every this many steps (0: only before and after training)"""
+    eval_num_prompts: int = 500
+    """held-out prompts per evaluation"""
+    eval_num_samples: int = 4
+    """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
+    eval_temperature: float = 1.0
+    """sampling temperature for evaluation"""
+    sample_every: int = 25
+    """log a table of sample completions every this many steps"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_prompts: tyro.conf.Suppress[int] = 0
+    local_minibatch_size: tyro.conf.Suppress[int] = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: algorithm-local pure functions
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """GAE over the masked (completion) positions of [B, T] tensors (ppo.md §1.2).
+
+    delta_t = r_t + gamma V_{t+1} - V_t (V after the last completion token is 0); A_t = delta_t + gamma lam A_{t+1}.
+    Returns advantages and returns (A + V), both 0 outside the mask."""
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros_like(last)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = (delta + gamma * lam * last) * m
+        advantages[:, t] = last
+        # after the completion nothing is bootstrapped (V = 0, A = 0); prompt positions are masked anyway
+        next_value = torch.where(m > 0, values[:, t], next_value)
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None = None,
+                  var: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over masked entries (building_blocks.md §4); mean/var may be given
+    (e.g. all-reduced over ranks). shift_mean=False adds the mean back."""
+    if mean is None:
+        mean = (x * mask).sum() / mask.sum()
+    if var is None:
+        var = (((x - mean) ** 2) * mask).sum() / mask.sum()
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def score_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T]: each sequence's score on its last completion token (the action emitting it)."""
+    rewards = torch.zeros_like(mask)
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(1)
+    rewards[torch.arange(mask.shape[0]), last] = scores * (mask.sum(1) > 0)
+    return rewards
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref (building_blocks.md §5)."""
+    d = logp - logp_ref
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float):
+    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho."""
+    ratio = torch.exp(logp - logp_old)
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
+    return loss, clipped, ratio
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
+    """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) per token (ppo.md §1.3) and the clipped indicator."""
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def adaptive_kl_update(beta: float, current_kl: float, target: float, n_steps: int, horizon: int) -> float:
+    """Ziegler et al.'s controller: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / horizon (§5.1)."""
+    error = max(-0.2, min(0.2, current_kl / target - 1))
+    return beta * (1 + error * n_steps / horizon)
+
+
+def init_value_head(model) -> None:
+    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (SFFD, VINE `pretrained_with_value_head.py`)."""
+    layer = head(model)
+    torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
+    if layer.bias is not None:
+        torch.nn.init.zeros_(layer.bias)
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                     with_entropy: bool = False):
+    """log pi(token_{t+1} | prefix) for t = 0..L-2 from logits / temperature, [B, L-1]; optionally the entropy."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(logits, -1)
+            entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+    return logp, entropy
+
+
+def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up."""
+    if args.kl_placement not in ("loss", "reward"):
+        raise ValueError(f"kl_placement: expected loss or reward, got {args.kl_placement!r}")
+    if args.generator not in ("vllm", "hf"):
+        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
+    if args.temperature <= 0:
+        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
+    if args.num_ppo_epochs < 1 or args.kl_coef < 0:
+        raise ValueError("num_ppo_epochs must be >= 1 and kl_coef >= 0")
+    if args.adaptive_kl and args.kl_coef == 0:
+        raise ValueError("adaptive_kl: needs kl_coef > 0 to adapt")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    validate(args)
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_prompts = args.local_num_prompts * info.world_size
+    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
+                                          "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
+    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
+                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+    if args.kl_placement == "loss" and args.reward_model_path:
+        tracker.write("note: KL as a loss term with a reward model; classic RLHF uses --kl_placement reward (k1)")
+
+    # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+
+    # data
+    model_path = resolve_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
+        args.max_prompt_length, limit=limit)
+    train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
+    sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset)  # also the held-out metric with a reward model
+
+    # models and optimizers: policy, critic (own optimizer), frozen reference and reward model
+    dtype = default_dtype(info.device)
+    schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
+    policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+                                           info, args.local_micro_batch_size, args.gradient_accumulation_steps,
+                                           args.max_grad_norm, dtype)
+    critic_path = args.critic_model_path or args.reward_model_path or model_path
+    critic = load_scalar_model(critic_path, dtype)
+    if critic_path == model_path:  # a fresh head on the policy's backbone
+        init_value_head(critic)
+    if args.gradient_checkpointing:
+        critic.gradient_checkpointing_enable()
+    critic = critic.to(info.device)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0)
+    critic, critic_optimizer, _ = prepare(critic, critic_optimizer,
+                                          torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
+                                          args.local_micro_batch_size, args.gradient_accumulation_steps,
+                                          args.max_grad_norm, dtype)
+    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    reward_model = None
+    if args.reward_model_path:
+        reward_model = prepare_frozen(load_scalar_model(args.reward_model_path, dtype), info, dtype)
+    seed_everything(local_seed)
+    kl_coef = args.kl_coef
+
+    # generation engine
+    generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                               world_size=info.world_size, zero_stage=info.zero_stage,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def evaluate(step: int) -> dict:
+        """Held-out accuracy with the task grader (independent of a reward model) and pass@k."""
+        per_rank = math.ceil(len(eval_data.rows) / info.world_size)
+        idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
+        outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=args.eval_num_samples,
+                                  temperature=args.eval_temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed + 1_000_003, index_offset=info.rank * per_rank)
+        rows = [eval_data.rows[i] for i in idx for _ in range(args.eval_num_samples)]
+        comps = [c for group in outs for c in group]
+        r = compute_rewards(reward_fn, [x["prompt"] for x in rows], [decode(c.token_ids) for c in comps],
+                            [x["answer"] for x in rows], [c.finished for c in comps], rows)
+        r = torch.tensor(r, dtype=torch.float64).view(len(idx), args.eval_num_samples)
+        stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum(), r.numel(), len(idx)], dtype=torch.float64)
+        info.all_reduce(stats)
+        return {"eval/accuracy": (stats[0] / stats[2]).item(),
+                f"eval/pass@{args.eval_num_samples}": (stats[1] / stats[3]).item()}
+
+    # training loop
+    timer = Timer()
+    start = time.time()
+    metrics = evaluate(0)
+    tracker.log(metrics, 0)
+    tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+    first_eval = metrics["eval/accuracy"]
+    policy.train()
+    critic.train()
+    B, mb = args.local_batch_size, args.local_micro_batch_size
+    for step in range(1, args.num_steps + 1):
+        # 1. rollout: this rank's slice of the global prompt batch
+        with timer("generate"):
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+            generator.sleep()
+        comps = [c for group in outs for c in group]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                     info.device)
+        mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
+        finished = torch.tensor([c.finished for c in comps], device=info.device)
+
+        # 2. scores: the grader (0 if truncated) or the reward model at the last non-pad token
+        with timer("reward"):
+            texts = [decode(c.token_ids) for c in comps]
+            if reward_model is not None:
+                with torch.no_grad():
+                    scores = torch.cat([score_last_token(reward_model, input_ids[s : s + mb], attn[s : s + mb])
+                                        for s in range(0, B, mb)])
+            else:
+                scores = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
+                                                      [x["answer"] for x in rows], [c.finished for c in comps], rows),
+                                      device=info.device)
+            if args.non_stop_penalty:
+                scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
+
+        # 3. log-probs and values before the update (no grad): old policy, reference, critic
+        old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
+        entropy_sum = torch.zeros(B, device=info.device)
+        with timer("logprob"), torch.no_grad():
+            for s in range(0, B, mb):
+                sl = slice(s, s + mb)
+                old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], args.temperature, True)
+                entropy_sum[sl] = (ent * mask[sl]).sum(1)
+                if ref_policy is not None:
+                    ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature)[0]
+                old_values[sl] = token_values(critic, input_ids[sl], attn[sl])[:, :-1]
+        old_values = old_values * mask
+
+        # 4. rewards: score on the last completion token, minus beta * k1 per token when the KL is in the reward
+        kl_k1 = kl_penalty(old_logp, ref_logp, "k1") * mask if ref_policy is not None else torch.zeros_like(mask)
+        rewards = score_rewards(scores, mask)
+        if args.kl_placement == "reward":
+            rewards = rewards - kl_coef * kl_k1
+
+        # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        if args.whiten_advantages:
+            sums = torch.stack([(advantages * mask).sum(), (advantages**2 * mask).sum(), mask.sum()]).double().cpu()
+            info.all_reduce(sums)
+            mean = sums[0] / sums[2]
+            var = sums[1] / sums[2] - mean**2
+            advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
+
+        # 6. update: num_ppo_epochs x num_minibatches steps of the policy, then the critic, on the same minibatch
+        stats = {k: [] for k in ("pg", "vf", "kl_loss", "clip", "vclip", "ratio", "ratio_var", "approxkl", "skip")}
+        grad_norms, critic_norms = [], []
+        with timer("train"):
+            for _ in range(args.num_ppo_epochs):
+                perm = torch.randperm(B)
+                for m in range(args.num_minibatches):
+                    mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
+                    tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(tokens.clone().cpu()).item()
+                    for a in range(args.gradient_accumulation_steps):
+                        idx = mb_idx[a * mb : (a + 1) * mb]
+                        m_mask = mask[idx]
+                        # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
+                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
+                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
+                        loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        kl_loss = torch.zeros((), device=info.device)
+                        if args.kl_placement == "loss" and ref_policy is not None:
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3") * m_mask, 0, 10)  # VINE clamp
+                            kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            loss = loss + kl_loss
+                        mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
+                        skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
+                        policy.backward(loss * (0.0 if skip else 1.0), scale_wrt_gas=False)
+                        norm = optimizer_step(policy)
+                        grad_norms += [norm] if norm is not None else []
+                        # critic: clipped value regression on the GAE returns
+                        values = token_values(critic, input_ids[idx], attn[idx])[:, :-1]
+                        vf, vclipped = value_loss(values, old_values[idx], returns[idx], args.cliprange_value)
+                        critic.backward((vf * m_mask).sum() * info.world_size / max(global_tokens, 1),
+                                        scale_wrt_gas=False)
+                        norm = optimizer_step(critic)
+                        critic_norms += [norm] if norm is not None else []
+                        with torch.no_grad():
+                            n = m_mask.sum().clamp(min=1)
+                            mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
+                            stats["pg"].append(mm(pg))
+                            stats["vf"].append(mm(vf))
+                            stats["kl_loss"].append(kl_loss.item())
+                            stats["clip"].append(mm(clipped))
+                            stats["vclip"].append(mm(vclipped))
+                            stats["ratio"].append(mean_ratio)
+                            stats["ratio_var"].append(mm((ratio - mean_ratio) ** 2))
+                            stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
+                            stats["skip"].append(float(skip))
+
+        # 7. weight sync
+        with timer("sync"):
+            generator.wake_up()
+            generator.sync_weights(full_named_parameters(policy, info))
+
+        # 8. log (reduced over ranks once per step)
+        lengths = mask.sum(1)
+        ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
+        avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+        local = {
+            "objective/scores": scores.mean().item(),
+            "objective/kl": kl_k1.sum(1).mean().item(),
+            "objective/non_score_reward": -(kl_coef * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
+            else 0.0,
+            "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
+            "loss/policy_avg": avg(stats["pg"]), "loss/value_avg": avg(stats["vf"]),
+            "loss/kl_avg": avg(stats["kl_loss"]),
+            "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
+            "val/clipfrac_avg": avg(stats["vclip"]), "val/ratio": avg(stats["ratio"]),
+            "val/ratio_var": avg(stats["ratio_var"]), "val/skipped_frac": avg(stats["skip"]),
+            "val/values_mean": (old_values.sum() / mask.sum()).item(),
+            "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
+            "val/sequence_lengths": lengths.mean().item(),
+            "val/stop_rate": finished.float().mean().item(),
+            "optim/grad_norm": avg(grad_norms), "optim/critic_grad_norm": avg(critic_norms),
+        }
+        gathered = info.gather_objects(local)
+        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        if args.adaptive_kl:
+            kl_coef = adaptive_kl_update(kl_coef, metrics["objective/kl"], args.kl_target, args.batch_size,
+                                         args.kl_horizon)
+        metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
+                        "objective/kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0],
+                        "episode": step * args.batch_size, **timer.pop()})
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            with timer("eval"):
+                metrics.update(evaluate(step))
+            metrics.update(timer.pop())
+        tracker.log(metrics, step)
+        tracker.progress(1, score=metrics["objective/scores"], acc=metrics.get("eval/accuracy", float("nan")))
+        if args.sample_every and step % args.sample_every == 0:
+            tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i].item(),
+                                  "finish_reason": comps[i].finish_reason}
+                                 for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+
+    metrics = evaluate(args.num_steps)
+    metrics["time/total"] = time.time() - start
+    metrics.update(check_ranks(policy, info, local_idx))
+    tracker.log(metrics, args.num_steps)
+    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
+                  f"in {metrics['time/total']:.0f}s")
+    final = ""
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        tracker.write(f"saved {final}")
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

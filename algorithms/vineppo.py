@@ -1,0 +1,533 @@
+"""VinePPO: PPO with Monte Carlo value estimates instead of a critic. Docs: docs/vineppo.md
+
+Paper: VinePPO (Kazemnejad et al. 2024, https://arxiv.org/abs/2410.01679). Reference: McGill-NLP/VinePPO
+(`math_episode_generator_with_mc_advantages.py` + the PPO trainer with `critic_model: null`).
+A response is split into reasoning steps; the value of each intermediate state S_j (prompt + the first j steps)
+is the mean reward of K fresh completions sampled from the current policy from that state, so every step gets
+an unbiased advantage A_j = 1[j last]*R + V(S_{j+1}) - V(S_j), broadcast to its tokens.
+
+Delta from PPO (algorithms/ppo.py, `diff` the two files): no critic, no value loss and no GAE; instead
+step splitting, one generate call with n=K per unique state (identical states across the batch deduplicated,
+prefix caching on), and step advantages. The PPO-clip update and the k3 KL loss are the same.
+Spec: ../shared/specs/vineppo.md.
+
+Launch:
+    python algorithms/vineppo.py                                               # CPU, built-in task
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/vineppo.py
+    accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/vineppo.py \
+        --model_name_or_path realtreetune/rho-1b-sft-GSM8K --dataset openai/gsm8k:main --prompt_key question \
+        --reward_fn gsm8k --prompt_template $'[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:' --temperature 0.6 \
+        --top_p 0.9 --max_new_tokens 1024 --learning_rate 1e-6 --max_step_for_value_estimation 25
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
+                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
+                                seed_everything)
+from shared.generation import make_generator
+from shared.rewards import compute_rewards, load_reward_fn
+from shared.steps import StepSplitError, get_splitter
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "vineppo"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (init, data order, sampling)"""
+    output_dir: str = "runs/vineppo"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
+    dataset: str = "builtin"
+    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column holding the gold answer given to the reward function"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """verifiable reward for trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, or `module:function`"""
+    step_splitter: str = "auto"
+    """how responses are cut into steps: `auto` (by dataset), `lines` (built-in task), `gsm8k`, `math`"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "vllm"
+    """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forwards"""
+    save_model: bool = True
+    """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # algorithm args
+    total_episodes: int = 102400
+    """total completions to sample over the run (steps = total_episodes / batch_size)"""
+    learning_rate: float = 1e-4
+    """policy AdamW learning rate (constant after warm-up)"""
+    warmup_steps: int = 5
+    """linear learning-rate warm-up steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_samples_per_prompt: int = 8
+    """completions per prompt"""
+    local_num_prompts: int = 64
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
+    num_ppo_epochs: int = 2
+    """passes over each batch (VinePPO: 2; TRL/SFFD: 4)"""
+    num_minibatches: int = 2
+    """optimizer steps per pass over the batch"""
+    local_micro_batch_size: int = 256
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
+    temperature: float = 1.0
+    """sampling temperature; trainer logits are divided by it too (building_blocks.md §2)"""
+    top_p: float = 1.0
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    max_new_tokens: int = 16
+    """completion length limit; completions that hit it are 'truncated'"""
+    num_mc_rollouts: int = 9
+    """K: continuations sampled from each intermediate state to estimate its value"""
+    max_step_for_value_estimation: int = 0
+    """roll out only states S_1..S_cap (0: all); later values are back-filled with the trajectory's own return"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    whiten_advantages: bool = True
+    """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
+    kl_coef: float = 1e-4
+    """beta of the k3 KL loss to the reference (VinePPO: 1e-4, clamped to [0, 10]); 0 skips the reference model"""
+    ratio_threshold: float = 10.0
+    """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
+    eval_every: int = 25
+    """evaluate on the held-out split every this many steps (0: only before and after training)"""
+    eval_num_prompts: int = 500
+    """held-out prompts per evaluation"""
+    eval_num_samples: int = 4
+    """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
+    eval_temperature: float = 1.0
+    """sampling temperature for evaluation"""
+    sample_every: int = 25
+    """log a table of sample completions every this many steps"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_prompts: tyro.conf.Suppress[int] = 0
+    local_minibatch_size: tyro.conf.Suppress[int] = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: algorithm-local pure functions
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None = None,
+                  var: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over masked entries (building_blocks.md §4); mean/var may be given
+    (e.g. all-reduced over ranks). shift_mean=False adds the mean back."""
+    if mean is None:
+        mean = (x * mask).sum() / mask.sum()
+    if var is None:
+        var = (((x - mean) ** 2) * mask).sum() / mask.sum()
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref (building_blocks.md §5)."""
+    d = logp - logp_ref
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float):
+    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho."""
+    ratio = torch.exp(logp - logp_old)
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
+    return loss, clipped, ratio
+
+
+def step_token_starts(token_ids: list[int], char_boundaries: list[int], decode) -> list[int]:
+    """Token index where each step starts, from the steps' character boundaries [0, ..., len(text)].
+
+    Token i belongs to the step containing its start offset len(decode(ids[:i])) (VINE maps tokens through
+    their start offsets); binary search keeps this at O(steps * log tokens) decodes. Steps that would start
+    inside the same token are merged, so the result is strictly increasing and starts at 0."""
+    starts = []
+    for b in char_boundaries[:-1]:
+        lo, hi = 0, len(token_ids)
+        while lo < hi:  # first i with len(decode(ids[:i])) >= b
+            mid = (lo + hi) // 2
+            if len(decode(token_ids[:mid])) >= b:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < len(token_ids) and (not starts or lo > starts[-1]):
+            starts.append(lo)
+    return starts or [0]
+
+
+def dedup_states(states_per_traj: list[list]) -> tuple[list, list[list[int | None]]]:
+    """Unique states (first-seen order) and, per trajectory, each state's index into them; None (a state not
+    rolled out) stays None. Identical states (e.g. S_0 of the samples of one prompt) are rolled out once."""
+    index, unique, out = {}, [], []
+    for states in states_per_traj:
+        row = []
+        for key in states:
+            if key is not None and key not in index:
+                index[key] = len(unique)
+                unique.append(key)
+            row.append(None if key is None else index[key])
+        out.append(row)
+    return unique, out
+
+
+def step_advantages(values: list[float], ret: float) -> list[float]:
+    """A_j = 1[j = n-1] * R + V(S_{j+1}) - V(S_j) with V(S_n) = 0 (vineppo.md §3); sums to R - V(S_0)."""
+    n = len(values)
+    return [(ret if j == n - 1 else 0.0) + (values[j + 1] if j + 1 < n else 0.0) - values[j] for j in range(n)]
+
+
+def backfill_values(values: list[float | None], ret: float) -> list[float]:
+    """States beyond max_step_for_value_estimation were not rolled out: V_j = r_j + V_{j+1} = R (only the
+    last step is rewarded), i.e. the trajectory's own outcome (VINE back-fill)."""
+    return [ret if v is None else v for v in values]
+
+
+def token_advantages(starts: list[int], step_adv: list[float], num_tokens: int) -> list[float]:
+    """Each token gets its step's advantage (piecewise constant; the EOS is in the last step)."""
+    out = [0.0] * num_tokens
+    bounds = starts + [num_tokens]
+    for j, a in enumerate(step_adv):
+        for i in range(bounds[j], bounds[j + 1]):
+            out[i] = a
+    return out
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                     with_entropy: bool = False):
+    """log pi(token_{t+1} | prefix) for t = 0..L-2 from logits / temperature, [B, L-1]; optionally the entropy."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(logits, -1)
+            entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+    return logp, entropy
+
+
+def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up."""
+    if args.num_mc_rollouts < 1:
+        raise ValueError("num_mc_rollouts: needs at least 1 rollout per state")
+    if args.generator not in ("vllm", "hf"):
+        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
+    if args.temperature <= 0:
+        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
+    if args.num_ppo_epochs < 1 or args.kl_coef < 0:
+        raise ValueError("num_ppo_epochs must be >= 1 and kl_coef >= 0")
+    if args.max_step_for_value_estimation < 0:
+        raise ValueError("max_step_for_value_estimation: must be >= 0 (0 = no cap)")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    validate(args)
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_prompts = args.local_num_prompts * info.world_size
+    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
+                                          "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
+    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
+                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+
+    # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+
+    # data
+    model_path = resolve_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
+        args.max_prompt_length, limit=limit)
+    train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
+    sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset)
+    splitter_name = args.step_splitter
+    if splitter_name == "auto":
+        lowered = args.dataset.lower()
+        splitter_name = "lines" if args.dataset == "builtin" else "gsm8k" if "gsm8k" in lowered else "math"
+    split_steps = get_splitter(splitter_name)
+
+    # models and optimizer: policy and frozen reference (no critic)
+    dtype = default_dtype(info.device)
+    schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
+    policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+                                           info, args.local_micro_batch_size, args.gradient_accumulation_steps,
+                                           args.max_grad_norm, dtype)
+    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    seed_everything(local_seed)
+    kl_coef = args.kl_coef
+
+    # generation engine
+    generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                               world_size=info.world_size, zero_stage=info.zero_stage,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def evaluate(step: int) -> dict:
+        """Held-out accuracy with the task grader and pass@k; prompts split by rank."""
+        per_rank = math.ceil(len(eval_data.rows) / info.world_size)
+        idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
+        outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=args.eval_num_samples,
+                                  temperature=args.eval_temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed + 1_000_003, index_offset=info.rank * per_rank)
+        rows = [eval_data.rows[i] for i in idx for _ in range(args.eval_num_samples)]
+        comps = [c for group in outs for c in group]
+        r = compute_rewards(reward_fn, [x["prompt"] for x in rows], [decode(c.token_ids) for c in comps],
+                            [x["answer"] for x in rows], [c.finished for c in comps], rows)
+        r = torch.tensor(r, dtype=torch.float64).view(len(idx), args.eval_num_samples)
+        stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum(), r.numel(), len(idx)], dtype=torch.float64)
+        info.all_reduce(stats)
+        return {"eval/accuracy": (stats[0] / stats[2]).item(),
+                f"eval/pass@{args.eval_num_samples}": (stats[1] / stats[3]).item()}
+
+    # training loop
+    timer = Timer()
+    start = time.time()
+    metrics = evaluate(0)
+    tracker.log(metrics, 0)
+    tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+    first_eval = metrics["eval/accuracy"]
+    policy.train()
+    B, mb = args.local_batch_size, args.local_micro_batch_size
+    for step in range(1, args.num_steps + 1):
+        # 1. rollout: this rank's slice of the global prompt batch
+        with timer("generate"):
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+        comps = [c for group in outs for c in group]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                     info.device)
+        mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
+        finished = torch.tensor([c.finished for c in comps], device=info.device)
+
+        # 2. scores: the grader (0 if truncated)
+        with timer("reward"):
+            texts = [decode(c.token_ids) for c in comps]
+            scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
+                                     [c.finished for c in comps], rows)
+
+        # 3. states: split each response into steps; state S_j = prompt + the tokens of steps < j
+        starts, parse_failed = [], 0
+        for c, text in zip(comps, texts):
+            try:
+                starts.append(step_token_starts(c.token_ids, split_steps(text), decode))
+            except StepSplitError:
+                starts.append(None)  # trajectory dropped from the loss (VINE `parse_failed`)
+                parse_failed += 1
+        cap = args.max_step_for_value_estimation or None
+        keys = [[None if cap is not None and j > cap else (local_idx[i // args.num_samples_per_prompt],
+                                                            tuple(c.token_ids[:k])) for j, k in enumerate(st or [])]
+                for i, (c, st) in enumerate(zip(comps, starts))]
+        unique, traj_states = dedup_states(keys)
+        requests = [(train_data.prompt_ids[p] + list(prefix), args.max_new_tokens - len(prefix), train_data.rows[p],
+                     list(prefix)) for p, prefix in unique]
+
+        # 4. Monte Carlo values: K continuations per unique state (one request with n=K each), graded in full
+        with timer("value_estimation"):
+            mc = generator.generate([r[0] for r in requests], n=args.num_mc_rollouts, temperature=args.temperature,
+                                    top_p=args.top_p, max_new_tokens=[r[1] for r in requests],
+                                    seed=args.seed * 7_919 + step + 500_009, index_offset=0) if requests else []
+            flat = [(r, cont) for r, group in zip(requests, mc) for cont in group]
+            mc_rewards = compute_rewards(
+                reward_fn, [r[2]["prompt"] for r, _ in flat], [decode(r[3] + cont.token_ids) for r, cont in flat],
+                [r[2]["answer"] for r, _ in flat], [cont.finished for _, cont in flat], [r[2] for r, _ in flat])
+            values = torch.tensor(mc_rewards).view(len(requests), args.num_mc_rollouts).mean(1).tolist() \
+                if requests else []
+            generator.sleep()
+
+        # 5. advantages: step TD on the MC values, broadcast to tokens, whitened over the batch (all ranks)
+        advantages = torch.zeros_like(mask)
+        for i, (c, st, state_idx) in enumerate(zip(comps, starts, traj_states)):
+            if st is None:
+                mask[i] = 0
+                continue
+            v = backfill_values([values[k] if k is not None else None for k in state_idx], scores[i])
+            adv = token_advantages(st, step_advantages(v, scores[i]), len(c.token_ids))
+            p = len(prompts[i]) - 1  # mask position of the first completion token
+            advantages[i, p : p + len(adv)] = torch.tensor(adv)
+        advantages = advantages * mask
+        scores_t = torch.tensor(scores)
+        if args.whiten_advantages:
+            sums = torch.stack([(advantages * mask).sum(), (advantages**2 * mask).sum(), mask.sum()]).double().cpu()
+            info.all_reduce(sums)
+            mean = sums[0] / sums[2]
+            var = sums[1] / sums[2] - mean**2
+            advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
+
+        # 6. log-probs before the update (no grad): old policy and reference
+        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)
+        entropy_sum = torch.zeros(B, device=info.device)
+        with timer("logprob"), torch.no_grad():
+            for s in range(0, B, mb):
+                sl = slice(s, s + mb)
+                old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], args.temperature, True)
+                entropy_sum[sl] = (ent * mask[sl]).sum(1)
+                if ref_policy is not None:
+                    ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature)[0]
+        kl_k1 = kl_penalty(old_logp, ref_logp, "k1") * mask if ref_policy is not None else torch.zeros_like(mask)
+
+        # 7. update: num_ppo_epochs x num_minibatches policy steps (PPO-clip + k3 KL loss), no value loss
+        stats = {k: [] for k in ("pg", "kl_loss", "clip", "ratio", "ratio_var", "approxkl", "skip")}
+        grad_norms = []
+        with timer("train"):
+            for _ in range(args.num_ppo_epochs):
+                perm = torch.randperm(B)
+                for m in range(args.num_minibatches):
+                    mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
+                    tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(tokens.clone().cpu()).item()
+                    for a in range(args.gradient_accumulation_steps):
+                        idx = mb_idx[a * mb : (a + 1) * mb]
+                        m_mask = mask[idx]
+                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
+                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
+                        loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        kl_loss = torch.zeros((), device=info.device)
+                        if ref_policy is not None:
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3") * m_mask, 0, 10)  # VINE clamp
+                            kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            loss = loss + kl_loss
+                        mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
+                        skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
+                        policy.backward(loss * (0.0 if skip else 1.0), scale_wrt_gas=False)
+                        norm = optimizer_step(policy)
+                        grad_norms += [norm] if norm is not None else []
+                        with torch.no_grad():
+                            n = m_mask.sum().clamp(min=1)
+                            mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
+                            stats["pg"].append(mm(pg))
+                            stats["kl_loss"].append(kl_loss.item())
+                            stats["clip"].append(mm(clipped))
+                            stats["ratio"].append(mean_ratio)
+                            stats["ratio_var"].append(mm((ratio - mean_ratio) ** 2))
+                            stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
+                            stats["skip"].append(float(skip))
+
+        # 8. weight sync
+        with timer("sync"):
+            generator.wake_up()
+            generator.sync_weights(full_named_parameters(policy, info))
+
+        # 9. log (reduced over ranks once per step)
+        lengths = [len(c.token_ids) for c in comps]
+        num_states = sum(k is not None for row in traj_states for k in row)
+        mc_trunc = [not cont.finished for _, cont in flat]
+        avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+        local = {
+            "objective/scores": scores_t.mean().item(),
+            "objective/kl": kl_k1.sum(1).mean().item(),
+            "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
+            "loss/policy_avg": avg(stats["pg"]), "loss/kl_avg": avg(stats["kl_loss"]),
+            "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
+            "val/ratio": avg(stats["ratio"]), "val/ratio_var": avg(stats["ratio_var"]),
+            "val/skipped_frac": avg(stats["skip"]),
+            "mc_values/mean": avg(values), "mc_values/std": torch.tensor(values).std().item() if len(values) > 1 else 0.0,
+            "val/mc_roll_trunc_frac": avg(mc_trunc), "val/unique_state_frac": len(requests) / max(num_states, 1),
+            "val/steps_per_response": avg([len(st) for st in starts if st is not None]),
+            "val/parse_failed": parse_failed / len(comps), "val/mc_rollouts": float(len(flat)),
+            "val/sequence_lengths": avg(lengths), "val/stop_rate": finished.float().mean().item(),
+            "optim/grad_norm": avg(grad_norms),
+        }
+        gathered = info.gather_objects(local)
+        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size, **timer.pop()})
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            with timer("eval"):
+                metrics.update(evaluate(step))
+            metrics.update(timer.pop())
+        tracker.log(metrics, step)
+        tracker.progress(1, score=metrics["objective/scores"], acc=metrics.get("eval/accuracy", float("nan")))
+        if args.sample_every and step % args.sample_every == 0:
+            tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i],
+                                  "finish_reason": comps[i].finish_reason}
+                                 for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+
+    metrics = evaluate(args.num_steps)
+    metrics["time/total"] = time.time() - start
+    metrics.update(check_ranks(policy, info, local_idx))
+    tracker.log(metrics, args.num_steps)
+    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
+                  f"in {metrics['time/total']:.0f}s")
+    final = ""
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        tracker.write(f"saved {final}")
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

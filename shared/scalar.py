@@ -1,0 +1,61 @@
+"""Scalar-head models: reward models and critics, as HF `AutoModelForSequenceClassification(num_labels=1)`.
+
+One format for both, so a reward model trained here (or any HF sequence-classification checkpoint) loads
+with `from_pretrained`, can initialise a critic, and scores completions the same way everywhere:
+
+    rm = load_scalar_model(path, dtype)               # reward model or critic
+    scores = score_last_token(rm, input_ids, attn)    # [B], read at the last non-pad token (pitfalls P12)
+    values = token_values(critic, input_ids, attn)    # [B, L], one value per position
+
+The score is read at index `attention_mask.sum(1) - 1` of right-padded batches, never located through
+`pad_token_id` (HF's own pooling finds the first pad token, which is wrong when pad == eos). If the
+checkpoint's config stores `reward_mean` / `reward_std` (written by a reward-model trainer), scores are
+returned normalised as (r - mean) / std.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_scalar_model(path: str, dtype: torch.dtype):
+    """A backbone with a 1-output linear head; a causal-LM checkpoint gets a freshly initialised head."""
+    from transformers import AutoModelForSequenceClassification
+
+    from shared.distributed import disable_dropout
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    disable_dropout(model)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def head(model) -> torch.nn.Module:
+    """The model's scalar head (`score` for Llama/Qwen/Mistral, `classifier` for others)."""
+    module = getattr(model, "module", model)
+    for name in ("score", "classifier", "v_head"):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ValueError(f"{type(module).__name__} has no scalar head (expected .score or .classifier)")
+
+
+def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Head output at every position, [B, L] (fp32)."""
+    module = getattr(model, "module", model)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    base = getattr(module, module.base_model_prefix)
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    return head(module)(hidden).squeeze(-1).float()
+
+
+def score_last_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     normalize: bool = True) -> torch.Tensor:
+    """Score of each right-padded sequence at its last non-pad token, [B]; normalised if the config has stats."""
+    values = token_values(model, input_ids, attention_mask)
+    last = attention_mask.sum(1).long() - 1
+    scores = values.gather(1, last.unsqueeze(1)).squeeze(1)
+    config = getattr(model, "module", model).config
+    if normalize and getattr(config, "reward_mean", None) is not None:
+        scores = (scores - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
+    return scores

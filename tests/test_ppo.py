@@ -1,0 +1,113 @@
+"""Unit tests of ppo.py's pure functions (ppo.md "Tests this implementation should have")."""
+
+import math
+
+import pytest
+import torch
+
+from algorithms.ppo import (Args, adaptive_kl_update, compute_gae, init_value_head, kl_penalty, masked_whiten,
+                            policy_loss, score_rewards, validate, value_loss)
+
+
+def gae_loop(rewards, values, gamma, lam):
+    """Reference: the textbook backward loop over one sequence's completion tokens (LMHPD tests/test_gae.py style)."""
+    T = len(rewards)
+    adv, last = [0.0] * T, 0.0
+    for t in reversed(range(T)):
+        next_value = values[t + 1] if t + 1 < T else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.8)])
+def test_gae_matches_a_plain_loop_on_masked_rows(gamma, lam):
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0.0]])
+    rewards, values = torch.randn(3, 6) * mask, torch.randn(3, 6)
+    adv, ret = compute_gae(rewards, values, mask, gamma, lam)
+    for i in range(3):
+        pos = mask[i].nonzero().flatten().tolist()
+        expected = gae_loop(rewards[i, pos].tolist(), values[i, pos].tolist(), gamma, lam)
+        torch.testing.assert_close(adv[i, pos], torch.tensor(expected), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ret[i, pos], adv[i, pos] + values[i, pos])
+    assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+
+
+def test_gae_with_gamma_lambda_one_gives_reward_to_go():
+    mask = torch.tensor([[0, 1, 1, 1.0]])
+    rewards = torch.tensor([[0, 0.1, -0.2, 1.0]])
+    values = torch.tensor([[9.0, 0.3, 0.5, 0.7]])
+    adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(ret, torch.tensor([[0, 0.9, 0.8, 1.0]]))  # A + V = sum of future rewards
+    torch.testing.assert_close(adv, torch.tensor([[0, 0.6, 0.3, 0.3]]))  # = R - V_t
+
+
+def test_score_goes_on_the_last_completion_token():
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 1.0]])
+    rewards = score_rewards(torch.tensor([2.0, -1.0]), mask)
+    torch.testing.assert_close(rewards, torch.tensor([[0, 0, 2.0, 0, 0], [0, 0, 0, 0, -1.0]]))
+
+
+def test_value_head_init():
+    torch.manual_seed(0)
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=8, num_labels=1)
+    model = LlamaForSequenceClassification(cfg)
+    init_value_head(model)
+    std = model.score.weight.std().item()
+    assert abs(std - 1 / math.sqrt(513)) < 0.1 / math.sqrt(513)
+    assert model.score.bias is None or (model.score.bias == 0).all()
+
+
+def test_clipped_value_loss_hand_computed():
+    old = torch.tensor([0.0, 0.0, 0.0])
+    new = torch.tensor([0.5, 0.1, -0.5])
+    ret = torch.tensor([1.0, 1.0, 1.0])
+    loss, clipped = value_loss(new, old, ret, cliprange_value=0.2)
+    # V=0.5: unclipped (0.5-1)^2=0.25, clipped V=0.2 -> 0.64: max 0.64; V=0.1: both 0.81; V=-0.5: 2.25 vs 1.44
+    torch.testing.assert_close(loss, 0.5 * torch.tensor([0.64, 0.81, 2.25]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_policy_loss_is_ratio_one_at_the_old_policy():
+    logp = torch.randn(4)
+    loss, clipped, ratio = policy_loss(logp, logp.clone(), torch.tensor([1.0, -1.0, 2.0, 0.0]), 0.2)
+    torch.testing.assert_close(ratio, torch.ones(4))
+    assert clipped.sum() == 0
+    torch.testing.assert_close(loss, torch.tensor([-1.0, 1.0, -2.0, 0.0]))
+    loss, clipped, _ = policy_loss(torch.log(torch.tensor([1.5, 0.5])), torch.zeros(2), torch.tensor([1.0, -1.0]), 0.2)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8]))
+    torch.testing.assert_close(clipped, torch.ones(2))
+
+
+def test_masked_whiten_zero_mean_unit_variance():
+    x = torch.randn(4, 7) * 3 + 2
+    mask = (torch.rand(4, 7) > 0.3).float()
+    w = masked_whiten(x, mask)
+    vals = w[mask > 0]
+    assert abs(vals.mean().item()) < 1e-5 and abs(vals.var(unbiased=False).item() - 1) < 1e-3
+    kept = masked_whiten(x, mask, shift_mean=False)[mask > 0]
+    assert abs(kept.mean().item() - x[mask > 0].mean().item()) < 1e-4
+
+
+def test_k3_clamped_kl_is_zero_at_init_and_nonnegative():
+    logp = torch.randn(10)
+    assert (kl_penalty(logp, logp, "k3") == 0).all() and (kl_penalty(logp, logp + 1, "k3") >= 0).all()
+
+
+def test_adaptive_kl_controller_formula_and_clip():
+    assert adaptive_kl_update(0.1, 6.0, 6.0, 512, 10000) == pytest.approx(0.1)
+    assert adaptive_kl_update(0.1, 7.2, 6.0, 512, 10000) == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))
+    assert adaptive_kl_update(0.1, 60.0, 6.0, 512, 10000) == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))  # clipped
+    assert adaptive_kl_update(0.1, 0.0, 6.0, 512, 10000) == pytest.approx(0.1 * (1 - 0.2 * 512 / 10000))
+
+
+@pytest.mark.parametrize("change, flag", [({"kl_placement": "both"}, "kl_placement"), ({"generator": "x"}, "generator"),
+                                          ({"adaptive_kl": True, "kl_coef": 0.0}, "adaptive_kl")])
+def test_invalid_config_is_rejected(change, flag):
+    with pytest.raises(ValueError, match=flag):
+        validate(Args(**change))
