@@ -93,10 +93,10 @@ class Args:
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forwards"""
     save_model: bool = True
-    """save the final policy as an HF checkpoint in output_dir/final"""
+    """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
     # algorithm args
-    total_episodes: int = 102400
+    total_episodes: int = 51200
     """total completions to sample over the run (steps = total_episodes / batch_size)"""
     learning_rate: float = 1e-4
     """policy AdamW learning rate (constant after warm-up)"""
@@ -544,7 +544,8 @@ def main(args: Args) -> str:
     final = ""
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        tracker.write(f"saved {final}")
+        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
+        tracker.write(f"saved {final} and the critic in {args.output_dir}/critic")
     tracker.close()
     return final
 

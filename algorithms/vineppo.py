@@ -37,7 +37,7 @@ from shared.distributed import (check_ranks, default_dtype, exact_div, full_name
                                 seed_everything)
 from shared.generation import make_generator
 from shared.rewards import compute_rewards, load_reward_fn
-from shared.steps import StepSplitError, get_splitter
+from shared.steps import StepSplitError, get_splitter, step_token_starts
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -89,7 +89,7 @@ class Args:
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # algorithm args
-    total_episodes: int = 102400
+    total_episodes: int = 51200
     """total completions to sample over the run (steps = total_episodes / batch_size)"""
     learning_rate: float = 1e-4
     """policy AdamW learning rate (constant after warm-up)"""
@@ -179,26 +179,6 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
     clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
     return loss, clipped, ratio
-
-
-def step_token_starts(token_ids: list[int], char_boundaries: list[int], decode) -> list[int]:
-    """Token index where each step starts, from the steps' character boundaries [0, ..., len(text)].
-
-    Token i belongs to the step containing its start offset len(decode(ids[:i])) (VINE maps tokens through
-    their start offsets); binary search keeps this at O(steps * log tokens) decodes. Steps that would start
-    inside the same token are merged, so the result is strictly increasing and starts at 0."""
-    starts = []
-    for b in char_boundaries[:-1]:
-        lo, hi = 0, len(token_ids)
-        while lo < hi:  # first i with len(decode(ids[:i])) >= b
-            mid = (lo + hi) // 2
-            if len(decode(token_ids[:mid])) >= b:
-                hi = mid
-            else:
-                lo = mid + 1
-        if lo < len(token_ids) and (not starts or lo > starts[-1]):
-            starts.append(lo)
-    return starts or [0]
 
 
 def dedup_states(states_per_traj: list[list]) -> tuple[list, list[list[int | None]]]:

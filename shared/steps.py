@@ -282,3 +282,23 @@ def get_splitter(name: str) -> Callable[[str], list[int]]:
     if name not in _SPLITTERS:
         raise ValueError(f"unknown step splitter name={name!r}; expected one of {sorted(_SPLITTERS)}")
     return _SPLITTERS[name]
+
+
+def step_token_starts(token_ids: list[int], char_boundaries: list[int], decode) -> list[int]:
+    """Token index where each step starts, from the steps' character boundaries [0, ..., len(text)].
+
+    Token i belongs to the step containing its start offset len(decode(ids[:i])) (VINE maps tokens through
+    their start offsets); binary search keeps this at O(steps * log tokens) decodes. Steps that would start
+    inside the same token are merged, so the result is strictly increasing and starts at 0."""
+    starts = []
+    for b in char_boundaries[:-1]:
+        lo, hi = 0, len(token_ids)
+        while lo < hi:  # first i with len(decode(ids[:i])) >= b
+            mid = (lo + hi) // 2
+            if len(decode(token_ids[:mid])) >= b:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < len(token_ids) and (not starts or lo > starts[-1]):
+            starts.append(lo)
+    return starts or [0]

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from algorithms.vineppo import (Args, backfill_values, dedup_states, step_advantages, step_token_starts,
-                                token_advantages, validate)
+from algorithms.vineppo import Args, backfill_values, dedup_states, step_advantages, token_advantages, validate
+from shared.steps import step_token_starts
 
 
 def test_worked_example_from_the_spec():
