@@ -26,10 +26,11 @@ import tyro
 
 from shared import data as data_utils
 from shared.checkpoint import save_hf
-from shared.distributed import (default_dtype, exact_div, init_distributed, load_causal_lm, load_tokenizer, optimizer_step,
+from shared.distributed import (default_dtype, init_distributed, load_causal_lm, load_tokenizer, optimizer_step,
                                 prepare, seed_everything)
+from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import compute_rewards, load_reward_fn
+from shared.rewards import load_reward_fn
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -134,23 +135,6 @@ def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs:
     raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {reduction!r}")
 
 
-def evaluate(generator, tokenizer, eval_data, reward_fn, args: Args, info) -> dict:
-    """Held-out accuracy: one sample per prompt at eval_temperature, graded; split over ranks."""
-    per_rank = math.ceil(len(eval_data.rows) / info.world_size)
-    idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
-    outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=1, temperature=args.eval_temperature,
-                              top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed + 7,
-                              index_offset=info.rank * per_rank)
-    comps = [o[0] for o in outs]
-    rows = [eval_data.rows[i] for i in idx]
-    rewards = compute_rewards(reward_fn, [r["prompt"] for r in rows],
-                              [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps],
-                              [r["answer"] for r in rows], [c.finished for c in comps], rows)
-    stats = torch.tensor([sum(rewards), len(rewards)], dtype=torch.float64)
-    info.all_reduce(stats)
-    return {"eval/accuracy": (stats[0] / stats[1]).item()}
-
-
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes
     info = init_distributed()
@@ -222,7 +206,9 @@ def main(args: Args) -> str:
         from shared.distributed import full_named_parameters
 
         generator.sync_weights(full_named_parameters(model, info))
-        metrics = evaluate(generator, tokenizer, eval_data, reward_fn, args, info)
+        metrics = evaluate_accuracy(generator, eval_data, reward_fn,
+                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), info, 1,
+                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 7)
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] held-out accuracy {metrics['eval/accuracy']:.3f}")
 

@@ -22,7 +22,6 @@ Launch:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from shared.checkpoint import save_hf
 from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
                                 load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
                                 seed_everything)
+from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
 from shared.rewards import compute_rewards, load_reward_fn
 from shared.steps import StepSplitError, get_splitter, step_token_starts
@@ -310,22 +310,9 @@ def main(args: Args) -> str:
                                enable_sleep_mode=args.vllm_enable_sleep)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
 
-    def evaluate(step: int) -> dict:
-        """Held-out accuracy with the task grader and pass@k; prompts split by rank."""
-        per_rank = math.ceil(len(eval_data.rows) / info.world_size)
-        idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
-        outs = generator.generate([eval_data.prompt_ids[i] for i in idx], n=args.eval_num_samples,
-                                  temperature=args.eval_temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                                  seed=args.seed + 1_000_003, index_offset=info.rank * per_rank)
-        rows = [eval_data.rows[i] for i in idx for _ in range(args.eval_num_samples)]
-        comps = [c for group in outs for c in group]
-        r = compute_rewards(reward_fn, [x["prompt"] for x in rows], [decode(c.token_ids) for c in comps],
-                            [x["answer"] for x in rows], [c.finished for c in comps], rows)
-        r = torch.tensor(r, dtype=torch.float64).view(len(idx), args.eval_num_samples)
-        stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum(), r.numel(), len(idx)], dtype=torch.float64)
-        info.all_reduce(stats)
-        return {"eval/accuracy": (stats[0] / stats[2]).item(),
-                f"eval/pass@{args.eval_num_samples}": (stats[1] / stats[3]).item()}
+    def evaluate(step: int) -> dict:  # held-out grader accuracy and pass@k (shared/evaluation.py)
+        return evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
 
     # training loop
     timer = Timer()

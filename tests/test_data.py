@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from shared import data, task
 from shared.data import DataError
