@@ -22,7 +22,6 @@ def test_loss_mask_covers_response_and_eos_only(tiny_model):
         predicted = ids[i, 1:][mask[i].bool()].tolist()
         assert predicted[-1] == tok.eos_token_id
         assert tok.decode(predicted[:-1]) in ("3", "7\n12\n18")
-    # changing a prompt token's target does not change the loss on the response... but changing the response does
     assert nll.shape == mask.shape == (2, ids.shape[1] - 1)
 
 
