@@ -44,6 +44,7 @@ from shared.distributed import (check_ranks, default_dtype, exact_div, full_name
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
 from shared.rewards import compute_rewards, load_reward_fn
+from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -77,6 +78,8 @@ class Args:
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """`auto` (by dataset), `builtin`, `gsm8k`, `math`, or your own `module:function` / `file.py:function`"""
+    reward_model_path: str = ""
+    """score completions with this reward model (rm.py checkpoint or any HF sequence classifier) instead of reward_fn; held-out accuracy still uses the grader"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
@@ -330,6 +333,10 @@ def main(args: Args) -> str:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
+    reward_model = None
+    if args.reward_model_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
+        check_same_tokenizer(resolve_model_path(args.reward_model_path), tokenizer)
+        reward_model = prepare_frozen(load_scalar_model(resolve_model_path(args.reward_model_path), dtype), info, dtype)
     ref_policy = None
     if args.beta > 0:  # the reference is only loaded when the KL term is used (U13: no NaN KL when beta = 0)
         ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
@@ -368,22 +375,29 @@ def main(args: Args) -> str:
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
 
-        # 2. reward
+        # 2. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
+        input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
+                                                      for _ in range(args.num_generations)],
+                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+
+        # 3. reward: the grader, or a reward model's score of prompt + completion
         with timer("reward"):
             texts = [decode(c.token_ids) for c in comps]
-            scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
-                                     [c.finished for c in comps], rows)
+            if reward_model is not None:
+                with torch.no_grad():
+                    scores = torch.cat([score_last_token(reward_model, input_ids[s : s + args.local_micro_batch_size],
+                                                         attn[s : s + args.local_micro_batch_size])
+                                        for s in range(0, args.local_batch_size, args.local_micro_batch_size)]).tolist()
+            else:
+                scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
+                                         [c.finished for c in comps], rows)
 
-        # 3. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
+        # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_adv = compute_advantages(all_scores.view(args.num_prompts, args.num_generations), args.advantage_scaling)
         zero_std = (all_scores.view(args.num_prompts, args.num_generations).std(1) == 0).float().mean()
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
-        # 4. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
-        input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
-                                                      for _ in range(args.num_generations)],
-                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
         finished = torch.tensor([c.finished for c in comps])
         mask = completion_mask(resp, finished, args.mask_truncated_completions)
         sampler_logp = torch.zeros_like(mask)

@@ -43,7 +43,7 @@ from shared.distributed import (check_ranks, default_dtype, exact_div, full_name
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
 from shared.rewards import compute_rewards, load_reward_fn
-from shared.scalar import head, load_scalar_model, score_last_token, token_values
+from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -345,6 +345,7 @@ def main(args: Args) -> str:
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
     reward_model = None
     if args.reward_model_path:
+        check_same_tokenizer(args.reward_model_path, tokenizer)
         reward_model = prepare_frozen(load_scalar_model(args.reward_model_path, dtype), info, dtype)
     seed_everything(local_seed)
     kl_coef = args.kl_coef

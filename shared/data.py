@@ -9,6 +9,8 @@ Every row is validated: a missing key, an empty or non-string field, a malformed
 non-UTF-8 file raises one ValueError naming the dataset, split and row. Prompts longer than
 `max_prompt_length` tokens are dropped and counted (the caller logs the count).
 
+Preference data (dpo.py, rm.py) is loaded by `load_preferences`, with the bad-row policy documented there.
+
 Tokenization keeps exactly one BOS: with a chat template the template's text is tokenized with
 `add_special_tokens=False`; without one the tokenizer adds its BOS (if it has one) once (pitfalls P5).
 """
@@ -108,12 +110,16 @@ def format_prompt(text: str, template: str) -> str:
     return template.replace("{prompt}", text)
 
 
-def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
-    """Token ids of a prompt with exactly one BOS (if the tokenizer has one)."""
-    if use_chat_template:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+def encode_prompt(tokenizer, text: str | list[dict], use_chat_template: bool) -> list[int]:
+    """Token ids of a prompt with exactly one BOS (if the tokenizer has one).
+
+    `text` may also be a conversation (a list of {"role", "content"} messages), rendered with the chat
+    template and ending with the generation prompt of the assistant turn."""
+    if isinstance(text, list) or use_chat_template:
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("the tokenizer has no chat template (needed for chat_template or conversational data)")
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(rendered, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(text, add_special_tokens=True).input_ids
@@ -155,6 +161,113 @@ def load_prompts(dataset: str, split: str, tokenizer, prompt_key: str = "prompt"
     if not kept_rows:
         raise DataError(f"{where}: all {len(rows)} prompts are longer than max_prompt_length={max_prompt_length}")
     return PromptData(kept_rows, kept_ids, len(rows) - len(kept_rows))
+
+
+@dataclass
+class PreferenceData:
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    chosen_ids: list[list[int]]     # response tokens + EOS
+    rejected_ids: list[list[int]]
+    num_identical: int = 0          # rows skipped because chosen == rejected
+    num_too_long: int = 0           # rows skipped for max_prompt_length / max_seq_length
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _check_messages(value, where: str, field_name: str) -> list[dict]:
+    if not value:
+        raise DataError(f"{where}: field {field_name!r} is an empty conversation")
+    for j, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: field {field_name!r} message {j} is not a {{'role', 'content'}} text message")
+    return value
+
+
+def _preference_text(row: dict, key: str, where: str):
+    if key not in row:
+        raise DataError(f"{where}: missing key {key!r} (has {sorted(row)})")
+    value = row[key]
+    if isinstance(value, list):
+        return _check_messages(value, where, key)
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {key!r} is a {type(value).__name__}, expected text or a list of messages")
+    if not value.strip():
+        raise DataError(f"{where}: field {key!r} is empty")
+    return value
+
+
+def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                     rejected_key: str = "rejected", prompt_template: str = "{prompt}",
+                     response_template: str = "{response}", use_chat_template: bool = False,
+                     max_prompt_length: int = 512, max_seq_length: int = 1024, limit: int | None = None
+                     ) -> PreferenceData:
+    """Load and tokenize (prompt, chosen, rejected) pairs.
+
+    Row formats ("builtin": the built-in task's pairs, shared/task.py::builtin_preferences):
+      - text: `prompt`, `chosen`, `rejected` are strings (chosen/rejected are the responses only);
+      - conversational (TRL style): `chosen` / `rejected` are lists of {"role", "content"} messages ending
+        with the assistant reply; the prompt is the `prompt` column (text or messages) if present, else the
+        messages before the reply, which must be the same in chosen and rejected. Rendered with the chat template.
+
+    Bad-row policy: a missing, non-text or empty prompt/chosen/rejected field, or a malformed conversation,
+    is an error naming the row (the file is broken; silently training on part of it would hide that). A
+    row whose chosen and rejected responses are identical carries no preference: it is skipped and counted
+    (`num_identical`), as are rows over max_prompt_length / max_seq_length (`num_too_long`). If no row is
+    left, that is an error."""
+    where = f"dataset {dataset!r} split {split!r}"
+    raw = builtin_task.builtin_preferences(split) if dataset == "builtin" else load_rows(dataset, split)
+    if not raw:
+        raise DataError(f"{where}: no rows")
+    if limit:
+        raw = raw[:limit]
+    out = PreferenceData([], [], [], [])
+    for i, row in enumerate(raw):
+        at = f"{where} row {i}"
+        chosen = _preference_text(row, chosen_key, at)
+        rejected = _preference_text(row, rejected_key, at)
+        if isinstance(chosen, list) != isinstance(rejected, list):
+            raise DataError(f"{at}: {chosen_key!r} and {rejected_key!r} must both be text or both be conversations")
+        if isinstance(chosen, list):
+            if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+                raise DataError(f"{at}: the last message of {chosen_key!r} and {rejected_key!r} must be the assistant's")
+            if prompt_key in row:
+                prompt = _preference_text(row, prompt_key, at)
+            else:
+                if chosen[:-1] != rejected[:-1]:
+                    raise DataError(f"{at}: chosen and rejected conversations differ before the last reply "
+                                    f"and there is no {prompt_key!r} column")
+                prompt = chosen[:-1]
+                if not prompt:
+                    raise DataError(f"{at}: the conversation has no prompt before the reply")
+            chosen, rejected = chosen[-1]["content"], rejected[-1]["content"]
+            for key, text in ((chosen_key, chosen), (rejected_key, rejected)):
+                if not text.strip():
+                    raise DataError(f"{at}: field {key!r} has an empty reply")
+        else:
+            prompt = _preference_text(row, prompt_key, at)
+        if isinstance(prompt, str):
+            prompt = format_prompt(prompt, prompt_template)
+        p = encode_prompt(tokenizer, prompt, use_chat_template)
+        c = encode_response(tokenizer, response_template.replace("{response}", chosen))
+        r = encode_response(tokenizer, response_template.replace("{response}", rejected))
+        if c == r:
+            out.num_identical += 1
+            continue
+        if len(p) > max_prompt_length or len(p) + max(len(c), len(r)) > max_seq_length:
+            out.num_too_long += 1
+            continue
+        out.rows.append({**row, "prompt": prompt,
+                         "chosen": chosen, "rejected": rejected})
+        out.prompt_ids.append(p)
+        out.chosen_ids.append(c)
+        out.rejected_ids.append(r)
+    if not out.rows:
+        raise DataError(f"{where}: no usable pair ({out.num_identical} with identical chosen and rejected, "
+                        f"{out.num_too_long} over max_prompt_length={max_prompt_length} / "
+                        f"max_seq_length={max_seq_length})")
+    return out
 
 
 @dataclass

@@ -59,3 +59,16 @@ def score_last_token(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if normalize and getattr(config, "reward_mean", None) is not None:
         scores = (scores - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
     return scores
+
+
+def check_same_tokenizer(model_path: str, tokenizer, what: str = "reward_model_path") -> None:
+    """Scores are computed on the policy's token ids, so the scalar model must share the policy's vocabulary."""
+    from shared.distributed import load_tokenizer
+
+    try:
+        other = load_tokenizer(model_path)
+    except (OSError, ValueError):
+        return  # no tokenizer saved with the model: nothing to compare
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{what}: {model_path} has a different tokenizer from the policy; its scores would read "
+                         "the policy's token ids as its own (train the reward model on the policy's tokenizer)")

@@ -9,6 +9,12 @@ minutes on a CPU. Steps are lines, so VinePPO's states are line prefixes exactly
 
 The full problem space (10^NUM_TERMS digit tuples) is shuffled once with a fixed seed; the first
 `TEST_SIZE` problems are the held-out split and the rest is the train split, so the splits are disjoint.
+
+Preference pairs for dpo.py / rm.py (`builtin_preferences`): for every problem and every step k, `chosen` is
+the correct response and `rejected` the same chain with one arithmetic slip at line k (off by 1-3; later
+lines are computed correctly from the wrong value, so the final answer is wrong too), e.g. "7\n13\n14" for
+"3+4+5+1=". `rejected_step` is k, the unit a unit-level reward model should blame. Three pairs per problem
+(28,500 train, 1,500 test), in a fixed shuffled order; deterministic.
 """
 
 from __future__ import annotations
@@ -30,14 +36,42 @@ def make_example(digits: tuple[int, ...] | list[int]) -> dict:
     }
 
 
+def corrupt(digits, k: int, delta: int) -> list[int]:
+    """The running sums with one slip: line k is off by delta and later lines continue from the wrong value."""
+    sums, total = [], digits[0]
+    for i, d in enumerate(digits[1:]):
+        total += d
+        if i == k:
+            total = total + delta if total + delta >= 0 else total - delta
+        sums.append(total)
+    return sums
+
+
 def builtin_split(split: str) -> list[dict]:
     """Rows with keys prompt / response / answer for split 'train' or 'test'."""
+    return [make_example(p) for p in _split_problems(split)]
+
+
+def _split_problems(split: str) -> list[tuple[int, ...]]:
     if split not in ("train", "test"):
         raise ValueError(f"built-in task has splits 'train' and 'test', not {split!r}")
     problems = list(itertools.product(range(10), repeat=NUM_TERMS))
     random.Random(SPLIT_SEED).shuffle(problems)
-    chosen = problems[:TEST_SIZE] if split == "test" else problems[TEST_SIZE:]
-    return [make_example(p) for p in chosen]
+    return problems[:TEST_SIZE] if split == "test" else problems[TEST_SIZE:]
+
+
+def builtin_preferences(split: str) -> list[dict]:
+    """Preference rows (prompt, answer, chosen, rejected, rejected_step): one pair per problem and step."""
+    rows = []
+    for problem in _split_problems(split):
+        ex = make_example(problem)
+        rng = random.Random(SPLIT_SEED + int("".join(map(str, problem))))
+        for k in range(NUM_TERMS - 1):
+            wrong = corrupt(problem, k, rng.choice([-3, -2, -1, 1, 2, 3]))
+            rows.append({"prompt": ex["prompt"], "answer": ex["answer"], "chosen": ex["response"],
+                         "rejected": "\n".join(str(v) for v in wrong), "rejected_step": k})
+    random.Random(SPLIT_SEED + 1).shuffle(rows)
+    return rows
 
 
 def extract_answer(completion: str) -> str | None:

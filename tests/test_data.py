@@ -159,3 +159,67 @@ def test_reward_fn_loading_and_validation(tmp_path):
         load_reward_fn("no_colon_here")
     with pytest.raises(ValueError, match="cannot infer"):
         load_reward_fn("auto", "some/dataset")
+
+
+# ---------------------------------------------------------------- preference pairs (dpo.py, rm.py)
+def test_builtin_preference_pairs_are_correct_vs_one_slip():
+    rows = task.builtin_preferences("test")
+    assert len(rows) == 3 * task.TEST_SIZE and len(task.builtin_preferences("train")) == 3 * (10**4 - task.TEST_SIZE)
+    assert {r["prompt"] for r in rows} == {r["prompt"] for r in task.builtin_split("test")}  # same held-out problems
+    for row in rows[:300]:
+        assert task.grade(row["chosen"], row["answer"]) == 1.0 and task.grade(row["rejected"], row["answer"]) == 0.0
+        good, bad = row["chosen"].split("\n"), row["rejected"].split("\n")
+        k = row["rejected_step"]
+        assert good[:k] == bad[:k] and good[k] != bad[k]  # the slip is at line k
+        digits = [int(c) for c in row["prompt"].rstrip("=").split("+")]
+        for j in range(k + 1, len(bad)):  # later lines continue correctly from the wrong value
+            assert int(bad[j]) == int(bad[j - 1]) + digits[j + 1]
+    assert task.builtin_preferences("test") == rows
+    assert sorted({r["rejected_step"] for r in rows[:30]}) == [0, 1, 2]  # shuffled: the first pairs mix steps
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "a", "chosen": "1", "rejected": "2"}, {"prompt": "b", "chosen": "1"}], r"row 1: missing key 'rejected'"),
+    ([{"prompt": "a", "rejected": "2"}], r"row 0: missing key 'chosen'"),
+    ([{"prompt": "a", "chosen": " ", "rejected": "2"}], r"row 0: field 'chosen' is empty"),
+    ([{"prompt": "", "chosen": "1", "rejected": "2"}], r"row 0: field 'prompt' is empty"),
+    ([{"prompt": "a", "chosen": 3, "rejected": "2"}], r"row 0: field 'chosen' is a int"),
+    ([{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "1"}],
+       "rejected": "2"}], r"row 0: 'chosen' and 'rejected' must both be text or both be conversations"),
+    ([{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "1"}],
+       "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "2"}]}],
+     r"row 0: chosen and rejected conversations differ before the last reply"),
+    ([{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant"}],
+       "rejected": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "2"}]}],
+     r"row 0: field 'chosen' message 1 is not"),
+    ([{"prompt": "a", "chosen": "1", "rejected": "1"}], r"no usable pair \(1 with identical chosen and rejected"),
+])
+def test_bad_preference_rows_are_errors_naming_the_row(tmp_path, tiny_model, rows, message):
+    _, tok = tiny_model
+    path = _write(tmp_path, "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=message):
+        data.load_preferences(path, "train", tok)
+
+
+def test_identical_and_overlong_pairs_are_skipped_and_counted(tmp_path, tiny_model):
+    _, tok = tiny_model
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "2+2=", "chosen": "4", "rejected": "4"},
+            {"prompt": "3+3=", "chosen": "6" * 80, "rejected": "5"}]
+    out = data.load_preferences(_write(tmp_path, "p.jsonl", "\n".join(json.dumps(r) for r in rows)), "train", tok,
+                                max_seq_length=40)
+    assert len(out) == 1 and out.num_identical == 1 and out.num_too_long == 1
+    assert out.chosen_ids[0] == data.encode_response(tok, "2") and out.prompt_ids[0] == data.encode_prompt(tok, "1+1=", False)
+
+
+def test_conversational_pairs_use_the_chat_template(tmp_path, tiny_model):
+    _, tok = tiny_model
+    conv = [{"role": "user", "content": "1+1="}]
+    rows = [{"chosen": conv + [{"role": "assistant", "content": "2"}],
+             "rejected": conv + [{"role": "assistant", "content": "3"}]},
+            {"prompt": conv, "chosen": [{"role": "assistant", "content": "2"}],
+             "rejected": [{"role": "assistant", "content": "5"}]}]
+    out = data.load_preferences(_write(tmp_path, "p.jsonl", "\n".join(json.dumps(r) for r in rows)), "train", tok)
+    expected = data.encode_prompt(tok, "1+1=", use_chat_template=True)
+    assert out.prompt_ids == [expected, expected]
+    assert expected.count(tok.bos_token_id) == 1
+    assert out.chosen_ids[0] == data.encode_response(tok, "2") and out.rejected_ids[1] == data.encode_response(tok, "5")

@@ -5,6 +5,7 @@ num_iterations > 1, several minibatches, truncation masking), a learning check, 
 `accelerate launch` runs under ZeRO-2 and ZeRO-3 whose ranks must end with identical weights."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -134,6 +135,116 @@ def test_ppo_family_single_process(tmp_path, script):
 def test_ppo_family_two_processes_zero2(tmp_path, script):
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
          f"algorithms/{script}.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--total_episodes", "96"], timeout=900)
+    last = metrics(tmp_path)[-1]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
+    assert last["check/ranks_shared_prompts"] == 0.0
+
+
+# ---------------------------------------------------------------- reward model and DPO
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory):
+    """A reward model trained by rm.py on the built-in pairs (short run), as later RL runs use it."""
+    out = tmp_path_factory.mktemp("rm")
+    run([sys.executable, "algorithms/rm.py", "--output_dir", str(out), "--total_episodes", "1280",
+         "--local_micro_batch_size", "32", "--eval_num_pairs", "64", "--eval_every", "20"])
+    return out
+
+
+def test_rm_saves_a_normalised_sequence_classifier(trained_rm):
+    rows = metrics(trained_rm)
+    for key in ("loss/rm", "rm/accuracy", "rm/margin", "rm/chosen", "rm/rejected", "optim/grad_norm"):
+        assert any(key in r for r in rows), key
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert len(evals) == 3 and all(k in evals[-1] for k in ("eval/margin", "eval/loss", "eval/reward_std"))
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from shared import data
+    from shared.distributed import load_tokenizer
+    from shared.scalar import score_last_token
+
+    model = AutoModelForSequenceClassification.from_pretrained(trained_rm / "final").eval()
+    assert model.config.reward_mean == pytest.approx(evals[-1]["eval/reward_mean"])
+    tok = load_tokenizer(str(trained_rm / "final"))
+    pairs = data.load_preferences("builtin", "test", tok, limit=64)
+    ids, attn, _ = data.pad_batch(pairs.prompt_ids * 2, pairs.chosen_ids + pairs.rejected_ids, tok.pad_token_id)
+    with torch.no_grad():
+        scores = score_last_token(model, ids, attn).double()  # normalised with the stored stats
+    assert abs(scores.mean().item()) < 1e-3 and scores.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-3)
+    acc = (scores[:64] > scores[64:]).double().mean().item()
+    assert acc == pytest.approx(evals[-1]["eval/accuracy"], abs=1e-9)  # same pairs, same scores as rm.py's eval
+
+
+def test_rm_trained_by_rm_py_is_the_reward_of_grpo(trained_rm, tmp_path):
+    """The rm.py checkpoint, passed as --reward_model_path, scores GRPO's completions end to end."""
+    run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path), "--reward_model_path",
+         str(trained_rm / "final"), *SMALL, "--generator", "hf"])
+    steps = [r for r in metrics(tmp_path) if "objective/scores" in r]
+    assert len(steps) == 4
+    assert all(r["objective/scores"] != int(r["objective/scores"]) for r in steps)  # real-valued RM scores, not 0/1
+    assert "eval/accuracy" in metrics(tmp_path)[-1]  # held-out accuracy still from the grader
+
+
+def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
+    run([sys.executable, "algorithms/ppo.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--reward_model_path",
+         str(trained_rm / "final"), "--kl_placement", "reward", "--generator", "hf"])
+    steps = [r for r in metrics(tmp_path) if "loss/value_avg" in r]
+    assert len(steps) == 4 and all(math.isfinite(r["objective/scores"]) for r in steps)
+
+
+DPO_SMALL = ["--total_episodes", "256", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
+             "--eval_num_samples", "2", "--eval_num_pairs", "32", "--eval_every", "4"]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_offline_pairs(tmp_path, loss_type):
+    run([sys.executable, "algorithms/dpo.py", "--output_dir", str(tmp_path), *DPO_SMALL, "--loss_type", loss_type,
+         "--generator", "hf" if loss_type == "ipo" else "vllm"])
+    rows = metrics(tmp_path)
+    first_eval = next(r for r in rows if "eval/loss/dpo" in r)
+    if loss_type == "sigmoid":  # policy == reference before the first update: delta = 0 for every pair
+        assert first_eval["eval/loss/dpo"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first_eval["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    steps = [r for r in rows if "loss/dpo" in r]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected", "time/train"):
+        assert key in steps[-1], key
+    assert steps[-1]["rewards/margins"] > 0  # the policy moved toward the chosen responses
+    last = rows[-1]
+    assert last["check/ranks_identical_weights"] == 1.0 and any("eval/accuracy" in r for r in rows[-3:])
+    assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "samples.jsonl").read_text()
+
+
+def test_dpo_reference_logps_precomputed_equal_on_the_fly(tmp_path):
+    """Same run with cached reference log-probs and with a frozen reference model: same losses."""
+    common = ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_prompts", "0",
+              "--eval_num_pairs", "16", "--no_save_model", "--loss_type", "dpop", "--logit_temperature", "0.6"]
+    run([sys.executable, "algorithms/dpo.py", "--output_dir", str(tmp_path / "a"), *common])
+    run([sys.executable, "algorithms/dpo.py", "--output_dir", str(tmp_path / "b"), *common, "--no_precompute_ref_logps"])
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    la, lb = [r for r in a if "loss/dpo" in r], [r for r in b if "loss/dpo" in r]
+    assert la and len(la) == len(lb)
+    for x, y in zip(la, lb):
+        for key in ("loss/dpo", "rewards/chosen", "rewards/rejected", "dpop/penalty"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+    ea, eb = [r for r in a if "eval/loss/dpo" in r], [r for r in b if "eval/loss/dpo" in r]
+    assert ea[-1]["eval/loss/dpo"] == pytest.approx(eb[-1]["eval/loss/dpo"], rel=1e-4)
+
+
+def test_dpo_self_generated_pairs(tmp_path):
+    run([sys.executable, "algorithms/dpo.py", "--output_dir", str(tmp_path), "--pair_source", "self_generated",
+         "--num_generation_prompts", "32", "--num_samples_per_prompt", "8", *DPO_SMALL, "--total_episodes", "128",
+         "--loss_type", "dpop", "--logit_temperature", "0.6"])
+    rows = metrics(tmp_path)
+    info = rows[0]
+    assert 0 < info["pairs/sample_accuracy"] < 1 and info["pairs/num_pairs"] == info["data/train_pairs"] > 0
+    assert info["pairs/num_pairs"] <= 32 * 16  # at most 4 x 4 pairs per prompt with 8 samples
+    assert any("loss/dpo" in r for r in rows)
+
+
+def test_dpo_two_processes_zero3(tmp_path):
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
+         "algorithms/dpo.py", "--output_dir", str(tmp_path), *DPO_SMALL, "--eval_num_pairs", "33"], timeout=900)
     last = metrics(tmp_path)[-1]
     assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
     assert last["check/ranks_shared_prompts"] == 0.0

@@ -1,0 +1,498 @@
+"""DPO: Direct Preference Optimization, with cDPO, robust DPO, IPO, hinge and DPO-Positive. Docs: docs/dpo.md
+
+Paper: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290. No reward model and no sampling during
+training: on pairs (x, y_w, y_l) the policy's log-likelihood ratio to a frozen reference is pushed up on
+the chosen response and down on the rejected one. With s(y) = sum of response-token log-probs,
+
+    delta = [s_theta(y_w) - s_ref(y_w)] - [s_theta(y_l) - s_ref(y_l)]
+    sigmoid (DPO)   -log sigmoid(beta delta)
+    cdpo            -(1-eps) log sigmoid(beta delta) - eps log sigmoid(-beta delta)        (label smoothing)
+    robust          [-(1-eps) log sigmoid(beta delta) + eps log sigmoid(-beta delta)] / (1 - 2 eps)
+    hinge (SLiC)    relu(1 - beta delta)
+    ipo             (delta' - 1/(2 beta))^2, delta' from length-averaged log-ratios (TRL) or summed
+    dpop (DPO+)     cdpo on z = delta - lambda max(0, s_ref(y_w) - s_theta(y_w))   (Pal et al. 2024)
+
+Pairs come from an offline preference dataset (`--pair_source offline`), or are generated from the
+starting policy and graded (`--pair_source self_generated`, VinePPO's DPO+ baseline: sample, mark samples
+with reward >= 0.5 correct, pair every correct with every incorrect sample of a prompt, subsample).
+Reference log-probs are computed once before training and cached (`--precompute_ref_logps`, the default),
+or by a frozen reference model on the fly.
+
+With no flags it trains the built-in SFT warm start with DPO-Positive on the built-in preference pairs
+(correct running sums vs one arithmetic slip) and reports held-out task accuracy and implicit-reward
+accuracy. DPO-Positive is the default because plain DPO (`--loss_type sigmoid`) lowers the likelihood of the
+chosen responses along with the rejected ones and, measured here, the task accuracy (docs/dpo.md).
+
+Spec: ../shared/specs/dpo.md. Launch:
+    python algorithms/dpo.py                                    # CPU, built-in pairs, a few minutes
+    python algorithms/dpo.py --pair_source self_generated --loss_type dpop --logit_temperature 0.6
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/dpo.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \
+        --eval_split test --learning_rate 5e-7 --total_episodes 60000 --local_micro_batch_size 4 \
+        --gradient_accumulation_steps 4 --max_seq_length 1024 --eval_num_prompts 0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, full_named_parameters, init_distributed, load_causal_lm,
+                                load_tokenizer, optimizer_step, prepare, prepare_frozen, seed_everything)
+from shared.evaluation import evaluate_accuracy
+from shared.generation import make_generator
+from shared.rewards import compute_rewards, load_reward_fn
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+LOSS_TYPES = ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop")
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "dpo"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (data order, sampling)"""
+    output_dir: str = "runs/dpo"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """policy to train: hub name or local path; `builtin:tiny-sft` is the built-in warm start"""
+    ref_model_name_or_path: str = ""
+    """frozen reference policy (default: the starting policy itself)"""
+    dataset: str = "builtin"
+    """`builtin` (built-in task + preference pairs), a local .jsonl/.json/.parquet file, or a hub dataset"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split: task accuracy (needs answers) and implicit-reward accuracy (needs pairs)"""
+    prompt_key: str = "prompt"
+    """column holding the prompt (text or messages; optional for conversational chosen/rejected)"""
+    chosen_key: str = "chosen"
+    """column holding the preferred response (text, or a conversation ending with the assistant reply)"""
+    rejected_key: str = "rejected"
+    """column holding the dispreferred response"""
+    answer_key: str = "answer"
+    """column holding the gold answer (held-out accuracy; grading of self-generated pairs)"""
+    prompt_template: str = "{prompt}"
+    """template applied to text prompts; `{prompt}` is replaced by the dataset prompt"""
+    response_template: str = "{response}"
+    """template applied to each offline response text"""
+    chat_template: bool = False
+    """wrap text prompts with the tokenizer's chat template (conversational rows always use it)"""
+    max_prompt_length: int = 256
+    """pairs or prompts whose prompt is longer than this many tokens are skipped (and counted)"""
+    max_seq_length: int = 512
+    """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
+    reward_fn: str = "auto"
+    """grader for held-out accuracy and self-generated pairs: `auto`, `builtin`, `gsm8k`, `math`, or `module:function`"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "vllm"
+    """generation backend for self-generated pairs and evaluation: `vllm` (colocated) or `hf`"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forward"""
+    save_model: bool = True
+    """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # algorithm args
+    loss_type: str = "dpop"
+    """`sigmoid` (DPO) | `cdpo` | `robust` | `hinge` | `ipo` | `dpop` (DPO-Positive, VinePPO's DPO+; default: plain DPO lowers the built-in task's accuracy, docs/dpo.md)"""
+    beta: float = 0.1
+    """beta: strength of the implicit KL to the reference (TRL 0.1; VinePPO DPO+ 0.1 MATH / 0.3 GSM8K)"""
+    label_smoothing: float = 0.0
+    """eps: probability that a label is flipped, for cdpo / robust / dpop (must be 0 for sigmoid, hinge, ipo)"""
+    dpop_lambda: float = 50.0
+    """lambda of DPO-Positive: weight of max(0, s_ref(y_w) - s_theta(y_w)) (VinePPO 50)"""
+    ipo_length_normalize: bool = True
+    """IPO on length-averaged log-ratios (TRL, confirmed with the IPO authors); False: summed (OpenRLHF, SFFD)"""
+    logit_temperature: float = 1.0
+    """divide policy and reference logits by this (VinePPO DPO+ uses its sampling temperature 0.6; TRL 1)"""
+    precompute_ref_logps: bool = True
+    """compute reference log-probs once before training (no reference model in memory) instead of on the fly"""
+    total_episodes: int = 28800
+    """number of preference pairs to consume (epochs = total_episodes / number of pairs)"""
+    learning_rate: float = 1e-4
+    """peak learning rate (linear warm-up, cosine decay to 10%); 1e-6 to 5e-7 suits 0.5B-7B models"""
+    warmup_ratio: float = 0.03
+    """fraction of optimizer steps used for linear warm-up (VinePPO 3%)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_micro_batch_size: int = 64
+    """pairs per forward pass on each rank (chosen and rejected go through one forward: 2x sequences)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+
+    # self-generated pairs (pair_source=self_generated)
+    pair_source: str = "offline"
+    """`offline`: pairs from the dataset's chosen/rejected columns; `self_generated`: sample and grade (DPO+)"""
+    num_generation_prompts: int = 2048
+    """train prompts to sample from for self-generated pairs (0: all)"""
+    num_samples_per_prompt: int = 16
+    """samples per prompt for self-generated pairs (VinePPO 64)"""
+    generation_temperature: float = 0.6
+    """sampling temperature for self-generated pairs (VinePPO 0.6)"""
+    generation_top_p: float = 0.9
+    """nucleus sampling for self-generated pairs (VinePPO 0.9)"""
+    max_new_tokens: int = 16
+    """completion length limit (self-generated pairs and evaluation)"""
+    correct_threshold: float = 0.5
+    """a sample is correct if its reward is >= this (VinePPO 0.5)"""
+    max_pairs_per_prompt: int = 64
+    """at most this many (correct, incorrect) pairs per prompt, drawn without replacement (VinePPO 64)"""
+
+    # evaluation
+    eval_every: int = 150
+    """evaluate every this many optimizer steps (0: only before and after training)"""
+    eval_num_prompts: int = 500
+    """held-out prompts for task accuracy (0: skip; needs the answer column)"""
+    eval_num_samples: int = 4
+    """samples per held-out prompt"""
+    eval_temperature: float = 1.0
+    """sampling temperature for held-out accuracy"""
+    eval_num_pairs: int = 500
+    """held-out pairs for implicit-reward accuracy (0: skip; needs chosen/rejected columns in eval_split)"""
+    num_sample_completions: int = 4
+    """held-out completions written to samples.jsonl (and printed) at each evaluation"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: sequence log-probs, the preference losses, self-generated pairs
+def sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """s(y) = sum over response tokens of log pi(y_t | x, y_<t) from logits / temperature, and |y|; both [B]."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature  # logits at t predict token t+1
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    mask = response_mask[:, 1:].to(logp.dtype)
+    return (logp * mask).sum(1), mask.sum(1)
+
+
+def preference_loss(pol_w: torch.Tensor, pol_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor,
+                    loss_type: str, beta: float, label_smoothing: float = 0.0, dpop_lambda: float = 50.0,
+                    len_w: torch.Tensor | None = None, len_l: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair loss, [B], from summed log-probs (spec dpo.md §2). len_w/len_l make IPO length-averaged."""
+    eps = label_smoothing
+    delta = (pol_w - ref_w) - (pol_l - ref_l)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * delta)
+    if loss_type == "cdpo":
+        return -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if loss_type == "ipo":
+        if len_w is not None and len_l is not None:
+            delta = (pol_w - ref_w) / len_w - (pol_l - ref_l) / len_l
+        return (delta - 1 / (2 * beta)) ** 2
+    if loss_type == "dpop":
+        z = delta - dpop_lambda * torch.relu(ref_w - pol_w)
+        return -(1 - eps) * F.logsigmoid(beta * z) - eps * F.logsigmoid(-beta * z)
+    raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def make_pairs(samples: list[tuple[list[int], float]], threshold: float, max_pairs: int,
+               rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """VinePPO DPO+ pairs of one prompt: every (correct, incorrect) pair of its samples, where correct means
+    reward >= threshold, subsampled without replacement to at most max_pairs. [] if either side is empty."""
+    correct = [ids for ids, r in samples if r >= threshold]
+    wrong = [ids for ids, r in samples if r < threshold]
+    pairs = [(c, w) for c in correct for w in wrong]
+    return rng.sample(pairs, max_pairs) if len(pairs) > max_pairs else pairs
+
+
+def validate(args: Args) -> None:
+    if args.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {args.loss_type!r}")
+    if args.pair_source not in ("offline", "self_generated"):
+        raise ValueError(f"pair_source: expected offline or self_generated, got {args.pair_source!r}")
+    if args.generator not in ("vllm", "hf"):
+        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
+    if args.beta <= 0:
+        raise ValueError(f"beta: must be > 0, got {args.beta}")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing: must be in [0, 0.5), got {args.label_smoothing}")
+    if args.label_smoothing and args.loss_type in ("sigmoid", "hinge", "ipo"):
+        raise ValueError(f"label_smoothing: not used by loss_type={args.loss_type}; use --loss_type cdpo "
+                         "(conservative DPO), robust or dpop")
+    if args.logit_temperature <= 0:
+        raise ValueError(f"logit_temperature: must be > 0, got {args.logit_temperature}")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes
+    validate(args)
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+
+    # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003
+
+    # data: held-out prompts (task accuracy) and pairs (implicit-reward accuracy); bad-row policy in
+    # shared/data.py::load_preferences
+    model_path = resolve_model_path(args.model_name_or_path)
+    ref_path = resolve_model_path(args.ref_model_name_or_path) if args.ref_model_name_or_path else model_path
+    tokenizer = load_tokenizer(model_path)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
+                rejected_key=args.rejected_key, prompt_template=args.prompt_template,
+                response_template=args.response_template, use_chat_template=args.chat_template,
+                max_prompt_length=args.max_prompt_length, max_seq_length=args.max_seq_length)
+    needs_grader = args.eval_num_prompts > 0 or args.pair_source == "self_generated"
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if needs_grader else None
+    eval_data = None
+    if args.eval_num_prompts:
+        eval_data = data_utils.load_prompts(args.dataset, args.eval_split, tokenizer, args.prompt_key,
+                                            args.answer_key, args.prompt_template, args.chat_template,
+                                            args.max_prompt_length, limit=args.eval_num_prompts)
+    held_out = None
+    if args.eval_num_pairs:
+        held_out = data_utils.load_preferences(args.dataset, args.eval_split, limit=args.eval_num_pairs, **load)
+
+    # models and optimizer
+    dtype = default_dtype(info.device)
+    policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    warmup = max(1, int(args.warmup_ratio * args.num_steps))
+
+    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10% of the peak
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.num_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
+                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
+    seed_everything(local_seed)
+    generator = None
+    if args.eval_num_prompts or args.pair_source == "self_generated":
+        generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                                   dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length,
+                                   world_size=info.world_size, zero_stage=info.zero_stage)
+    pad_id = tokenizer.pad_token_id
+    timer = Timer()
+
+    # training pairs: offline from the dataset, or sampled from the starting policy and graded (DPO+)
+    if args.pair_source == "offline":
+        train = data_utils.load_preferences(args.dataset, args.train_split, **load)
+        tracker.write(f"{len(train)} training pairs ({train.num_identical} with identical chosen/rejected and "
+                      f"{train.num_too_long} over-long skipped)")
+        skipped = {"data/skipped_identical": train.num_identical, "data/skipped_too_long": train.num_too_long}
+    else:
+        with timer("generate_pairs"):
+            prompts = data_utils.load_prompts(args.dataset, args.train_split, tokenizer, args.prompt_key,
+                                              args.answer_key, args.prompt_template, args.chat_template,
+                                              args.max_prompt_length, limit=args.num_generation_prompts or None)
+            n = len(prompts.rows)
+            per_rank = math.ceil(n / info.world_size)
+            mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
+            outs = generator.generate([prompts.prompt_ids[i] for i in mine], n=args.num_samples_per_prompt,
+                                      temperature=args.generation_temperature, top_p=args.generation_top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919,
+                                      index_offset=info.rank * per_rank)
+            local_pairs, stats = [], torch.zeros(4, dtype=torch.float64)  # prompts, samples, correct, usable
+            for i, group in zip(mine, outs):
+                row = prompts.rows[i]
+                rewards = compute_rewards(reward_fn, [row["prompt"]] * len(group), [decode(c.token_ids) for c in group],
+                                          [row["answer"]] * len(group), [c.finished for c in group], [row] * len(group))
+                pairs = make_pairs([(c.token_ids, r) for c, r in zip(group, rewards)], args.correct_threshold,
+                                   args.max_pairs_per_prompt, random.Random(args.seed * 1_000_003 + i))
+                local_pairs += [(i, c, w) for c, w in pairs if len(prompts.prompt_ids[i]) + max(len(c), len(w))
+                                <= args.max_seq_length]
+                n_ok = sum(r >= args.correct_threshold for r in rewards)
+                stats += torch.tensor([1, len(group), n_ok, float(bool(pairs))], dtype=torch.float64)
+            info.all_reduce(stats)
+            all_pairs = [p for part in info.gather_objects(local_pairs) for p in part]
+        if not all_pairs:
+            raise ValueError(f"pair_source=self_generated: no prompt had both a correct and an incorrect sample among "
+                             f"{args.num_samples_per_prompt} (sample accuracy {stats[2].item() / stats[1].item():.3f})")
+        train = data_utils.PreferenceData([prompts.rows[i] for i, _, _ in all_pairs],
+                                          [prompts.prompt_ids[i] for i, _, _ in all_pairs],
+                                          [c for _, c, _ in all_pairs], [w for _, _, w in all_pairs])
+        skipped = {"pairs/sample_accuracy": stats[2].item() / stats[1].item(),
+                   "pairs/frac_prompts_with_pairs": stats[3].item() / stats[0].item(),
+                   "pairs/num_pairs": len(train), **timer.pop()}
+        tracker.write(f"{len(train)} self-generated pairs from {int(stats[0].item())} prompts x "
+                      f"{args.num_samples_per_prompt} samples (sample accuracy {skipped['pairs/sample_accuracy']:.3f}, "
+                      f"{skipped['pairs/frac_prompts_with_pairs']:.2f} of prompts have a pair)")
+    tracker.log({"data/train_pairs": len(train), **skipped}, 0)
+    sampler = data_utils.PromptSampler(len(train), args.seed)
+    tracker.write(f"{args.num_steps} steps of {args.batch_size} pairs ({args.total_episodes / len(train):.2f} epochs)")
+
+    def pair_batch(d: data_utils.PreferenceData, idx: list[int]):
+        """[chosen; rejected] of the pairs idx as one right-padded batch of 2B sequences."""
+        prompts = [d.prompt_ids[i] for i in idx]
+        return data_utils.pad_batch(prompts + prompts, [d.chosen_ids[i] for i in idx] +
+                                    [d.rejected_ids[i] for i in idx], pad_id, info.device)
+
+    # reference log-probs: cached once for every pair this run will touch, or a frozen model on the fly
+    def reference_logps(model, d: data_utils.PreferenceData, indices: list[int]) -> dict[int, tuple[float, float]]:
+        """{pair index: (s_ref(y_w), s_ref(y_l))}. Every rank runs the same number of forwards (ZeRO-3 needs
+        it), each on its own slice, and the results are gathered."""
+        per_rank = math.ceil(len(indices) / info.world_size)
+        mine = indices[info.rank * per_rank : (info.rank + 1) * per_rank]
+        mb = args.local_micro_batch_size
+        out = {}
+        with torch.no_grad():
+            for s in range(0, per_rank, mb):
+                idx = mine[s : s + mb] or indices[:1]  # a rank with nothing left still joins the forward
+                input_ids, attn, resp = pair_batch(d, idx)
+                logps, _ = sequence_logps(model, input_ids, attn, resp, args.logit_temperature)
+                out.update({i: (logps[j].item(), logps[len(idx) + j].item()) for j, i in enumerate(idx)})
+        merged = {}
+        for part in info.gather_objects(out):
+            merged.update(part)
+        return merged
+
+    ref_model = ref_cache = held_out_ref = None
+    if not args.precompute_ref_logps or ref_path != model_path:
+        ref_model = prepare_frozen(load_causal_lm(ref_path, dtype), info, dtype)
+    if args.precompute_ref_logps:
+        with timer("ref_logps"):
+            order = data_utils.PromptSampler(len(train), args.seed)
+            needed = args.num_steps * args.batch_size
+            used = list(range(len(train))) if needed >= len(train) else sorted(set(order.next_indices(needed)))
+            source = ref_model if ref_model is not None else policy  # before any update, policy == reference
+            policy.eval()
+            ref_cache = reference_logps(source, train, used)
+            if held_out is not None:
+                held_out_ref = reference_logps(source, held_out, list(range(len(held_out))))
+            policy.train()
+        ref_model = None  # freed: training needs no reference model
+        tracker.log(timer.pop(), 0)
+
+    def ref_for(d, idx, cache, input_ids, attn, resp) -> tuple[torch.Tensor, torch.Tensor]:
+        if cache is not None:
+            ref = torch.tensor([cache[i] for i in idx], dtype=torch.float32, device=info.device)
+            return ref[:, 0], ref[:, 1]
+        with torch.no_grad():
+            logps, _ = sequence_logps(ref_model, input_ids, attn, resp, args.logit_temperature)
+        return logps[: len(idx)], logps[len(idx) :]
+
+    def loss_and_stats(d, idx, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-pair losses of pairs idx and their summed stats: pairs, loss, reward acc, chosen/rejected rewards,
+        chosen/rejected logps, dpop penalty."""
+        input_ids, attn, resp = pair_batch(d, idx)
+        logps, lengths = sequence_logps(policy, input_ids, attn, resp, args.logit_temperature)
+        pol_w, pol_l = logps[: len(idx)], logps[len(idx) :]
+        ref_w, ref_l = ref_for(d, idx, cache, input_ids, attn, resp)
+        ipo_lengths = (lengths[: len(idx)], lengths[len(idx) :]) if args.ipo_length_normalize else (None, None)
+        losses = preference_loss(pol_w, pol_l, ref_w, ref_l, args.loss_type, args.beta, args.label_smoothing,
+                                 args.dpop_lambda, *ipo_lengths)
+        with torch.no_grad():  # TRL's implicit rewards: beta * (s_theta - s_ref)
+            chosen_r, rejected_r = args.beta * (pol_w - ref_w), args.beta * (pol_l - ref_l)
+            stats = torch.tensor([len(idx), losses.sum().item(), (chosen_r > rejected_r).sum().item(),
+                                  chosen_r.sum().item(), rejected_r.sum().item(), pol_w.sum().item(),
+                                  pol_l.sum().item(), torch.relu(ref_w - pol_w).sum().item()], dtype=torch.float64)
+        return losses, stats
+
+    def stats_to_metrics(stats: torch.Tensor, prefix: str) -> dict:
+        n = stats[0].item()
+        v = (stats / n).tolist()
+        return {f"{prefix}loss/dpo": v[1], f"{prefix}rewards/accuracies": v[2], f"{prefix}rewards/chosen": v[3],
+                f"{prefix}rewards/rejected": v[4], f"{prefix}rewards/margins": v[3] - v[4],
+                f"{prefix}logps/chosen": v[5], f"{prefix}logps/rejected": v[6], f"{prefix}dpop/penalty": v[7]}
+
+    def evaluate(step: int) -> dict:
+        """Held-out task accuracy with the grader, and implicit-reward accuracy on held-out pairs."""
+        metrics = {}
+        policy.eval()
+        if held_out is not None:
+            n = len(held_out)
+            per_rank = math.ceil(n / info.world_size)
+            mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
+            stats = torch.zeros(8, dtype=torch.float64)
+            with torch.no_grad():
+                for s in range(0, per_rank, args.local_micro_batch_size):
+                    idx = mine[s : s + args.local_micro_batch_size]
+                    if not idx:  # ZeRO-3: every rank runs the same number of forwards
+                        loss_and_stats(held_out, [0], held_out_ref)
+                        continue
+                    _, st = loss_and_stats(held_out, idx, held_out_ref)
+                    stats += st
+            info.all_reduce(stats)
+            metrics.update(stats_to_metrics(stats, "eval/"))
+        if eval_data is not None:
+            generator.sync_weights(full_named_parameters(policy, info))
+            metrics.update(evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 7))
+            outs = generator.generate(eval_data.prompt_ids[: args.num_sample_completions], n=1, temperature=1.0, top_p=1.0,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed + step)
+            if info.is_main:
+                tracker.log_samples([{"prompt": eval_data.rows[i]["prompt"], "completion": decode(g[0].token_ids),
+                                      "answer": eval_data.rows[i]["answer"]} for i, g in enumerate(outs)], step)
+        policy.train()
+        tracker.log(metrics, step)
+        tracker.write(f"[step {step}] " + ", ".join(f"{k} {metrics[k]:.3f}" for k in
+                                                    ("eval/accuracy", "eval/rewards/accuracies") if k in metrics))
+        return metrics
+
+    # training loop
+    evaluate(0)
+    window = torch.zeros(8, dtype=torch.float64)
+    local_idx: list[int] = []
+    for step in range(1, args.num_steps + 1):
+        with timer("train"):
+            global_idx = sampler.next_indices(args.batch_size)
+            local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+            for m in range(args.gradient_accumulation_steps):
+                idx = local_idx[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
+                losses, stats = loss_and_stats(train, idx, ref_cache)
+                policy.backward(losses.sum() / args.local_batch_size, scale_wrt_gas=False)  # mean over the step
+                grad_norm = optimizer_step(policy)
+                window += stats
+        if step % 10 == 0 or step == args.num_steps:
+            info.all_reduce(window)
+            metrics = {**stats_to_metrics(window, ""), "lr": scheduler.get_last_lr()[0],
+                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm, **timer.pop()}
+            tracker.log(metrics, step)
+            tracker.progress(0, loss=metrics["loss/dpo"], acc=metrics["rewards/accuracies"])
+            window.zero_()
+        tracker.progress(1)
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            evaluate(step)
+    evaluate(args.num_steps)
+    tracker.log(check_ranks(policy, info, local_idx), args.num_steps)
+
+    final = ""
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        tracker.write(f"saved {final}")
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

@@ -1,0 +1,305 @@
+"""Reward modeling: a Bradley-Terry scalar reward model trained on preference pairs. Docs: docs/rm.md
+
+A language-model backbone with a linear head `Linear(H, 1)` scores `prompt + response` at its last non-pad
+token (the EOS). On pairs (x, y_w, y_l) the model is trained to rank the chosen response above the rejected
+one (Bradley & Terry 1952; Ouyang et al. 2022, https://arxiv.org/abs/2203.02155):
+
+    loss = -mean log sigmoid(r_w - r_l - margin) + center_rewards_coefficient * mean((r_w + r_l)^2)
+
+The checkpoint is a plain HF `AutoModelForSequenceClassification`, with the mean and std of its scores on
+the held-out pairs stored in config.json (`reward_mean`, `reward_std`, OpenRLHF's normalisation), so it is
+the reward model of ppo.py / grpo.py (`--reward_model_path`) as is: `shared/scalar.py::score_last_token`
+reads the score at the last non-pad token and normalises it with those stats.
+
+With no flags it trains on the built-in preference pairs (correct running sums vs the same chain with one
+arithmetic slip), starting from the built-in SFT warm start, and reports held-out pairwise accuracy.
+
+Spec: ../shared/specs/rm.md. Launch:
+    python algorithms/rm.py                                     # CPU, built-in pairs, a few minutes
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/rm.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \
+        --eval_split test --learning_rate 1e-5 --total_episodes 60000 --local_micro_batch_size 4 \
+        --gradient_accumulation_steps 4 --max_seq_length 1024
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, init_distributed, load_tokenizer, optimizer_step, prepare,
+                                seed_everything)
+from shared.scalar import head, load_scalar_model, score_last_token
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "rm"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (head init, data order)"""
+    output_dir: str = "runs/rm"
+    """where metrics.jsonl, samples.jsonl and the final reward model (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """backbone: hub name or local path (causal LM or sequence classifier); `builtin:tiny-sft` is the built-in warm start"""
+    dataset: str = "builtin"
+    """`builtin` (built-in preference pairs), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for pairwise accuracy (and the normalisation stats)"""
+    prompt_key: str = "prompt"
+    """column holding the prompt (text or messages; optional for conversational chosen/rejected)"""
+    chosen_key: str = "chosen"
+    """column holding the preferred response (text, or a conversation ending with the assistant reply)"""
+    rejected_key: str = "rejected"
+    """column holding the dispreferred response"""
+    margin_key: str = ""
+    """optional column with a per-pair margin m in log sigmoid(r_w - r_l - m) (Llama 2); empty: no margin"""
+    prompt_template: str = "{prompt}"
+    """template applied to text prompts; `{prompt}` is replaced by the dataset prompt"""
+    response_template: str = "{response}"
+    """template applied to each response text"""
+    chat_template: bool = False
+    """wrap text prompts with the tokenizer's chat template (conversational rows always use it)"""
+    max_prompt_length: int = 256
+    """pairs whose prompt is longer than this many tokens are skipped (and counted)"""
+    max_seq_length: int = 512
+    """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forward"""
+
+    # algorithm args
+    total_episodes: int = 128000
+    """number of preference pairs to consume (epochs = total_episodes / number of pairs)"""
+    learning_rate: float = 3e-4
+    """peak learning rate (linear warm-up, cosine decay to 10%); 1e-5 suits 0.5B-7B backbones"""
+    warmup_ratio: float = 0.03
+    """fraction of optimizer steps used for linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    local_micro_batch_size: int = 64
+    """pairs per forward pass on each rank (chosen and rejected go through one forward: 2x sequences)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    center_rewards_coefficient: float = 0.0
+    """eta in eta * mean((r_w + r_l)^2), which keeps rewards centred at 0 (TRL suggests 0.01); 0 disables it"""
+    eval_every: int = 250
+    """evaluate held-out pairwise accuracy every this many optimizer steps (0: only at the end)"""
+    eval_num_pairs: int = 500
+    """held-out pairs per evaluation (the final one also sets reward_mean / reward_std)"""
+    num_sample_pairs: int = 4
+    """held-out pairs whose scores are written to samples.jsonl at each evaluation"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: head init and the Bradley-Terry loss
+def init_reward_head(model) -> None:
+    """Head weight ~ N(0, 1/sqrt(H+1)), bias 0 (open-instruct `reward_modeling.py`, SFFD `reward.py`)."""
+    layer = head(model)
+    torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
+    if layer.bias is not None:
+        torch.nn.init.zeros_(layer.bias)
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                       center_coef: float = 0.0) -> torch.Tensor:
+    """Per-pair loss -log sigmoid(r_w - r_l - m) + eta (r_w + r_l)^2, [B] (TRL `RewardTrainer.compute_loss`)."""
+    diff = chosen - rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff)
+    if center_coef:
+        loss = loss + center_coef * (chosen + rejected) ** 2
+    return loss
+
+
+def score_pairs(model, prompts: list[list[int]], chosen: list[list[int]], rejected: list[list[int]], pad_id: int,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of chosen and rejected in one right-padded forward of 2B sequences: (r_w [B], r_l [B])."""
+    input_ids, attn, _ = data_utils.pad_batch(prompts + prompts, chosen + rejected, pad_id, device)
+    scores = score_last_token(model, input_ids, attn, normalize=False)
+    return scores[: len(prompts)], scores[len(prompts) :]
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    if args.center_rewards_coefficient < 0:
+        raise ValueError(f"center_rewards_coefficient: must be >= 0, got {args.center_rewards_coefficient}")
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+
+    # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
+    seed_everything(args.seed)
+
+    # data: (prompt, chosen, rejected) token ids; bad-row policy in shared/data.py::load_preferences
+    model_path = resolve_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
+                rejected_key=args.rejected_key, prompt_template=args.prompt_template,
+                response_template=args.response_template, use_chat_template=args.chat_template,
+                max_prompt_length=args.max_prompt_length, max_seq_length=args.max_seq_length)
+    train = data_utils.load_preferences(args.dataset, args.train_split, **load)
+    held_out = data_utils.load_preferences(args.dataset, args.eval_split, limit=args.eval_num_pairs, **load)
+
+    def margins(d: data_utils.PreferenceData) -> list[float] | None:
+        if not args.margin_key:
+            return None
+        out = []
+        for i, row in enumerate(d.rows):
+            value = row.get(args.margin_key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise data_utils.DataError(f"dataset {args.dataset!r}: pair {i}: margin column {args.margin_key!r} "
+                                           f"is {value!r}, expected a finite number")
+            out.append(float(value))
+        return out
+
+    train_margin, held_out_margin = margins(train), margins(held_out)
+    tracker.write(f"{len(train)} training pairs ({train.num_identical} identical chosen/rejected and "
+                  f"{train.num_too_long} over-long skipped), {len(held_out)} held-out pairs, {args.num_steps} steps")
+    tracker.log({"data/train_pairs": len(train), "data/skipped_identical": train.num_identical,
+                 "data/skipped_too_long": train.num_too_long}, 0)
+    sampler = data_utils.PromptSampler(len(train), args.seed)
+
+    # model: backbone + scalar head; any stored normalisation is dropped (this run measures its own)
+    dtype = default_dtype(info.device)
+    model = load_scalar_model(model_path, dtype)
+    model.config.reward_mean = model.config.reward_std = None
+    if not any(a.endswith("ForSequenceClassification") for a in model.config.architectures or []):
+        init_reward_head(model)  # a causal-LM backbone gets a fresh head per spec; a trained RM keeps its own
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(info.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    warmup = max(1, int(args.warmup_ratio * args.num_steps))
+
+    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10% of the peak
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.num_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = prepare(model, optimizer, scheduler, info, args.local_micro_batch_size,
+                                          args.gradient_accumulation_steps, args.max_grad_norm, dtype)
+    pad_id = tokenizer.pad_token_id
+
+    def evaluate(step: int) -> dict:
+        """Pairwise accuracy, margin and loss on the held-out pairs (each rank scores a slice), plus the
+        mean / std of all held-out scores (chosen and rejected pooled: OpenRLHF's normalisation stats)."""
+        model.eval()
+        n = len(held_out)
+        mine = list(range(info.rank, n, info.world_size))
+        sums = torch.zeros(6, dtype=torch.float64)  # count, correct, margin, loss, sum r, sum r^2
+        samples = []
+        with torch.no_grad():
+            for s in range(0, len(mine), args.local_micro_batch_size):
+                idx = mine[s : s + args.local_micro_batch_size]
+                r_w, r_l = score_pairs(model, [held_out.prompt_ids[i] for i in idx],
+                                       [held_out.chosen_ids[i] for i in idx], [held_out.rejected_ids[i] for i in idx],
+                                       pad_id, info.device)
+                m = None if held_out_margin is None else torch.tensor([held_out_margin[i] for i in idx],
+                                                                      device=r_w.device)
+                loss = bradley_terry_loss(r_w, r_l, m, args.center_rewards_coefficient)
+                both = torch.cat([r_w, r_l]).double().cpu()
+                sums += torch.tensor([len(idx), (r_w > r_l).sum().item(), (r_w - r_l).sum().item(),
+                                      loss.sum().item(), both.sum().item(), (both**2).sum().item()], dtype=torch.float64)
+                for j, i in enumerate(idx):
+                    if i < args.num_sample_pairs:
+                        samples.append({"prompt": str(held_out.rows[i]["prompt"]), "chosen": held_out.rows[i]["chosen"],
+                                        "rejected": held_out.rows[i]["rejected"], "score_chosen": r_w[j].item(),
+                                        "score_rejected": r_l[j].item()})
+        info.all_reduce(sums)
+        samples = [x for part in info.gather_objects(samples) for x in part]
+        model.train()
+        count = sums[0].item()
+        mean = sums[4].item() / (2 * count)
+        std = math.sqrt(max(sums[5].item() / (2 * count) - mean**2, 0.0))
+        metrics = {"eval/accuracy": sums[1].item() / count, "eval/margin": sums[2].item() / count,
+                   "eval/loss": sums[3].item() / count, "eval/reward_mean": mean, "eval/reward_std": std}
+        tracker.log(metrics, step)
+        tracker.log_samples(samples, step)
+        tracker.write(f"[step {step}] held-out pairwise accuracy {metrics['eval/accuracy']:.3f}, "
+                      f"margin {metrics['eval/margin']:.2f}")
+        return metrics
+
+    # training loop
+    timer = Timer()
+    model.train()
+    evaluate(0)
+    window = torch.zeros(6, dtype=torch.float64)  # pairs, loss, correct, margin, chosen, rejected
+    local_idx: list[int] = []
+    for step in range(1, args.num_steps + 1):
+        with timer("train"):
+            global_idx = sampler.next_indices(args.batch_size)
+            local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+            for m in range(args.gradient_accumulation_steps):
+                idx = local_idx[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
+                r_w, r_l = score_pairs(model, [train.prompt_ids[i] for i in idx], [train.chosen_ids[i] for i in idx],
+                                       [train.rejected_ids[i] for i in idx], pad_id, info.device)
+                margin = None if train_margin is None else torch.tensor([train_margin[i] for i in idx],
+                                                                        device=r_w.device)
+                losses = bradley_terry_loss(r_w, r_l, margin, args.center_rewards_coefficient)
+                model.backward(losses.sum() / args.local_batch_size, scale_wrt_gas=False)  # mean over the step
+                grad_norm = optimizer_step(model)
+                with torch.no_grad():
+                    window += torch.tensor([len(idx), losses.sum().item(), (r_w > r_l).sum().item(),
+                                            (r_w - r_l).sum().item(), r_w.sum().item(), r_l.sum().item()],
+                                           dtype=torch.float64)
+        if step % 10 == 0 or step == args.num_steps:
+            info.all_reduce(window)
+            n = window[0].item()
+            metrics = {"loss/rm": window[1].item() / n, "rm/accuracy": window[2].item() / n,
+                       "rm/margin": window[3].item() / n, "rm/chosen": window[4].item() / n,
+                       "rm/rejected": window[5].item() / n, "lr": scheduler.get_last_lr()[0],
+                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm, **timer.pop()}
+            tracker.log(metrics, step)
+            tracker.progress(0, loss=metrics["loss/rm"], acc=metrics["rm/accuracy"])
+            window.zero_()
+        tracker.progress(1)
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            evaluate(step)
+    final_metrics = evaluate(args.num_steps)
+    tracker.log(check_ranks(model, info, local_idx), args.num_steps)
+
+    # the stats make scores normalised ((r - mean) / std) wherever shared/scalar.py::score_last_token reads them
+    stats = {"reward_mean": final_metrics["eval/reward_mean"], "reward_std": max(final_metrics["eval/reward_std"], 1e-6)}
+    final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info, extra_config=stats)
+    tracker.write(f"saved {final} (reward_mean {stats['reward_mean']:.3f}, reward_std {stats['reward_std']:.3f})")
+    tracker.close()
+    return str(final)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))
