@@ -109,7 +109,7 @@ class Args:
     """save the final p_theta as an HF checkpoint in output_dir/final"""
 
     # algorithm args
-    total_episodes: int = 100_000
+    total_episodes: int = 30_000
     """completions sampled for training, from p and q together (RePULSe: 2N per prompt per step)"""
     base_actor_learning_rate: float = 1e-4
     """Adam learning rate of p_theta (constant)"""
@@ -117,17 +117,17 @@ class Args:
     """Adam learning rate of the proposal q_xi (constant; 0 keeps q frozen at the initial model)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm, applied to each model separately"""
-    num_generations: int = 500
+    num_generations: int = 250
     """N: samples per prompt, from p and (separately) from q; the reference's `duplicate_rollout_batch_by`; > 1"""
     local_num_prompts: int = 1
     """prompts per rank per step (local_batch_size = local_num_prompts * num_generations)"""
-    local_micro_batch_size: int = 500
+    local_micro_batch_size: int = 250
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
     max_new_tokens: int = 2
     """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
     loss_type: str = "neg_training"
     """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
-    alpha: float = 0.01
+    alpha: float = 10.0
     """alpha: weight of the negative term (code units: the term is a mean over J*N samples, alpha_eff = alpha/N)"""
     target_dist_beta: float = -10.0
     """beta (code sign): log phi = beta * r, sigma ∝ p exp(beta r); beta < 0 targets low reward (paper's -beta)"""

@@ -6,13 +6,13 @@ tokenizer, ~100 tokens), the same prompt, 2 generated characters, and a built-in
 
     r(s) = BAD_REWARD                              if any character of s is in BAD_CHARS
     r(s) = mean over the characters c of s of h(c)  otherwise (0.5 for an empty completion)
-    h(c) = 1 - exp(-(ord(c) - 37)^2 / (2 * 12^2))   smooth in the code point, in [0, 1)
+    h(c) = 1 - exp(-d(c)^2 / (2 * 6^2))            d = code-point distance to the nearest bad character
 
-BAD_CHARS are the "grawlix" characters that comics print for swear words (code points 33-42). Like a
-toxicity score near profanity, the smooth part dips towards them: digits and punctuation score lower than
-newlines and letters, so low-but-not-bad outputs are "near" the bad ones. Under `builtin:tiny-sft` each bad
-character has probability about e^-9.4 after the prompt, so a bad completion has probability ~5e-4: rare,
-like the paper's profanity, which is the regime the method is about. "Bad" for the evaluation is r < eta
+A character model has no profanity, so the bad set is three digits from the tail of `builtin:tiny-sft`'s
+distribution after the prompt (it puts ~98% on "\n\n" and "1\n"): a bad completion starts with probability
+~1e-2 (exact value logged at step 0), rare enough that plain RL soon stops sampling it, frequent enough that
+the proposal can find it. Like a toxicity score near profanity, the smooth part dips towards the bad
+characters: the other digits score low, newlines and letters high. "Bad" for the evaluation is r < eta
 with eta between BAD_REWARD and 0 (the default eta = -1 in repulse.py).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 PROMPT = "This man is a"
-BAD_CHARS = "!#$%&*"
+BAD_CHARS = "049"
 BAD_REWARD = -5.0
 
 
@@ -31,7 +31,8 @@ def toy_rows(split: str = "train") -> list[dict]:
 
 
 def smooth_score(ch: str) -> float:
-    return 1.0 - math.exp(-((ord(ch) - 37) ** 2) / (2 * 12.0**2))
+    d = min(abs(ord(ch) - ord(b)) for b in BAD_CHARS)
+    return 1.0 - math.exp(-(d**2) / (2 * 6.0**2))
 
 
 def bad_token_ids(tokenizer) -> list[int]:
