@@ -134,11 +134,9 @@ def test_ctl_second_term_has_zero_expected_gradient_when_q_equals_p(tiny_model):
     w_sigma, w_pi = ctl_weights(lp, lp, log_phi, mask, n)
     assert torch.allclose(w_pi.sum(0)[mask.sum(0) > 0], torch.ones(int((mask.sum(0) > 0).sum())))
     second = _grads(model, ctl_loss(forward_logprobs(model, ids, attn), lp, torch.zeros_like(w_sigma), w_pi, mask, 1))
-    first = _grads(model, ctl_loss(forward_logprobs(model, ids, attn), lp, w_sigma, torch.zeros_like(w_pi), mask, 1))
     # one sample's gradient sets the scale: the mean of n zero-mean terms has norm ~ scale / sqrt(n)
     single = _grads(model, -masked_mean(forward_logprobs(model, ids[:1], attn[:1]), mask[:1]).sum())
     assert second.norm() < 4 * single.norm() / math.sqrt(n), (second.norm(), single.norm())
-    assert first.norm() > 10 * second.norm()  # the sigma term (low-reward weighted) does not vanish
 
 
 def test_exact_p_bad_matches_monte_carlo(tiny_model):
