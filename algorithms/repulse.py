@@ -1,0 +1,579 @@
+"""RePULSe: Reducing the Probability of Undesirable Low-reward Sequences, with its baselines. Docs: docs/repulse.md
+
+Paper: S. Zhao, A. Li, R. Brekelmans, R. Grosse, "Reducing the Probability of Undesirable Outputs in Language
+Models Using Probabilistic Inference", NeurIPS 2025, https://arxiv.org/abs/2510.21184. Reference code:
+github.com/Silent-Zebra/RePULSe @ a6e8812 (a fork of OpenRLHF). Spec: ../shared/specs/repulse.md.
+
+Plain RL lowers the probability of a bad output only when it is sampled, so rare bad outputs stop being
+pushed down (the tail problem). RePULSe trains a proposal LM q_xi to sample from the low-reward target
+
+    sigma_theta(s|x) ∝ p_theta(s|x) exp(beta r(x,s))        (code's sign: beta < 0 targets LOW reward)
+
+and adds to the policy's RL loss alpha times a "-SFT" term that pushes log p_theta down on the q samples,
+self-normalised-importance-weighted towards sigma_theta. Three models: p_theta (trained,
+--base_actor_learning_rate), q_xi (a copy of the initial model trained with Contrastive Twist Learning and
+the proposal-centric twist log psi_t = log q(s_t|.) - sg log p(s_t|.), --actor_learning_rate), and a
+frozen p_0 for the KL penalty (loaded only when --kl_coef > 0). Per step (spec §2.7):
+    S_p ~ p, S_q ~ q (same prompts, N each); R = r' - c_KL sum_t (log p - log p_0); b = RLOO baseline
+    1) q step: CTL loss on S_q (own Adam, grad clip)
+    2) p step: mean[mean_t(-log p) (R - b)] + alpha mean[w mean_t(log p)] on S_p / S_q (own Adam, grad clip)
+Losses use per-token MEANS and average over all J*N samples, as the reference, so its alpha transfers
+(alpha_eff = alpha / N). Delta from REINFORCE/RLOO (the p step with alpha = 0, grpo.py's sampling
+plumbing): the proposal, its CTL step and the weighted negative term. Modes (docs/repulse.md):
+    --loss_type reinforce --alpha 0                                      REINFORCE (RLOO)
+    --loss_type reinforce --reward_transform minus_alpha_exp_beta_r      r' = r - alpha exp(beta r)
+    --use_base_as_proposal                                               p_theta as the proposal (ablation)
+    (defaults)                                                           RePULSe
+--total_episodes counts every completion sampled for training (p and q), the paper's x-axis, so RePULSe
+gets half as many p updates as the baselines for the same budget (compute matching, spec §2.7).
+
+With no flags: the toy (shared/toy.py): builtin:tiny-sft, the prompt "This man is a", 2 generated tokens,
+a reward of -5 when a "bad" character appears; the exact log P(bad) of p_theta is computed by enumerating
+the ~100-token vocabulary after every step. Launch:
+    python algorithms/repulse.py                                    # CPU toy, RePULSe, ~4 minutes
+    python algorithms/repulse.py --loss_type reinforce --alpha 0    # the REINFORCE baseline on the toy
+    python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py \
+        --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct --reward_model_path <rm> \
+        --dataset <prompts.jsonl> --chat_template --max_new_tokens 20 --num_generations 5 \
+        --local_num_prompts 50 --kl_coef 0.2 --target_dist_beta -10 --alpha 0.1 \
+        --base_actor_learning_rate 3e-5 --actor_learning_rate 3e-5 --eta -5 --cvar_level 0.0001
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from shared import data as data_utils
+from shared import toy
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
+                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
+                                seed_everything)
+from shared.generation import HFGenerator, make_generator
+from shared.rewards import compute_rewards, load_reward_fn
+from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "repulse"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (init, data order, sampling)"""
+    output_dir: str = "runs/repulse"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint of p_theta (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """hub name or local path of the initial LM (p_theta, q_xi and p_0 all start from it)"""
+    dataset: str = "toy"
+    """`toy` (the single prompt of shared/toy.py), `builtin`, a local .jsonl/.json/.parquet file, or a hub dataset"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for evaluation (the toy uses its single prompt)"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column holding the answer given to a verifiable reward function"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt; `{prompt}` is replaced"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """`auto` (`toy` for the toy dataset, else by dataset), `toy`, `builtin`, `gsm8k`, `math`, or `module:function`"""
+    reward_model_path: str = ""
+    """score prompt + completion with this reward model (rm.py checkpoint or HF sequence classifier) instead"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "hf"
+    """backend sampling p_theta: `hf` (model.generate) or `vllm`; q_xi is always sampled with `hf` (one engine/rank)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forwards"""
+    save_model: bool = True
+    """save the final p_theta as an HF checkpoint in output_dir/final"""
+
+    # algorithm args
+    total_episodes: int = 30_000
+    """completions sampled for training, from p and q together (RePULSe: 2N per prompt per step)"""
+    base_actor_learning_rate: float = 1e-4
+    """Adam learning rate of p_theta (constant)"""
+    actor_learning_rate: float = 3e-4
+    """Adam learning rate of the proposal q_xi (constant; 0 keeps q frozen at the initial model)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm, applied to each model separately"""
+    num_generations: int = 250
+    """N: samples per prompt, from p and (separately) from q; the reference's `duplicate_rollout_batch_by`; > 1"""
+    local_num_prompts: int = 1
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations)"""
+    local_micro_batch_size: int = 250
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
+    max_new_tokens: int = 2
+    """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
+    loss_type: str = "neg_training"
+    """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
+    alpha: float = 10.0
+    """alpha: weight of the negative term (code units: the term is a mean over J*N samples, alpha_eff = alpha/N)"""
+    target_dist_beta: float = -10.0
+    """beta (code sign): log phi = beta * r, sigma ∝ p exp(beta r); beta < 0 targets low reward (paper's -beta)"""
+    use_base_as_proposal: bool = False
+    """use p_theta itself as the proposal (ablation): S_q := S_p, weights ≈ softmax(beta r), no q model"""
+    reward_transform: str = "none"
+    """`none` or `minus_alpha_exp_beta_r`: r' = r - rew_trans_alpha * exp(rew_trans_beta * r) in the RL term only"""
+    rew_trans_alpha: float | None = None
+    """alpha of the reward transform (default: --alpha)"""
+    rew_trans_beta: float | None = None
+    """beta of the reward transform (default: --target_dist_beta)"""
+    kl_coef: float = 0.0
+    """c_KL = 1/beta_KL: fixed coefficient of the summed k1 KL(p_theta || p_0) subtracted from the return"""
+    code_compat_unmasked_neg_weights: bool = False
+    """reproduce the reference's UNMASKED sum of log p_theta in the negative term's weights (spec §6.3)"""
+    eta: float = -1.0
+    """bad-output threshold for evaluation: P(bad) = fraction of held-out samples with r < eta"""
+    cvar_level: float = 0.01
+    """a: CVaR_a = mean of the k = max(1, floor(a M)) lowest rewards among the M held-out samples"""
+    eval_every: int = 20
+    """evaluate by held-out sampling every this many steps (0: only before and after training)"""
+    eval_num_prompts: int = 500
+    """held-out prompts per evaluation"""
+    eval_num_samples: int = 1000
+    """samples per held-out prompt"""
+    sample_every: int = 20
+    """log a table of sample completions (p and q) every this many steps"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_prompts: tyro.conf.Suppress[int] = 0
+    samples_per_step: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: algorithm-local pure functions (spec §2; all tensors of one rank, samples prompt-major [J*N])
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """log pi(token_{t+1} | prefix) for t = 0..L-2 from float32 logits at temperature 1, [B, L-1]."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float()
+    return logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean over response tokens, [B] (the reference's length normalisation, spec §2.4)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def rloo_baseline(returns: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline b_i = (sum_k R_k - R_i) / (N - 1) per prompt; returns [J, N] (pitfalls P20)."""
+    n = returns.shape[-1]
+    if n < 2:
+        raise ValueError("num_generations: the RLOO baseline needs at least 2 samples per prompt")
+    return (returns.sum(-1, keepdim=True) - returns) / (n - 1)
+
+
+def transform_reward(r: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """`minus_alpha_exp_beta_r`: r' = r - alpha exp(beta r); beta = -1, alpha = 1 gives r - e^{-r} (spec §2.5)."""
+    return r - alpha * torch.exp(beta * r)
+
+
+def kl_return(reward: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
+              kl_coef: float) -> torch.Tensor:
+    """R = r' - c_KL sum_t m_t (log p_old - log p_0) (k1 estimator, no gradient; spec §2.5), [B]."""
+    return reward - kl_coef * ((logp_old - logp_ref) * mask).sum(-1)
+
+
+def snis_weights(logp_sum: torch.Tensor, log_phi: torch.Tensor, logq_sum: torch.Tensor) -> torch.Tensor:
+    """Self-normalised importance weights towards sigma ∝ p phi from samples of q (spec §2.2), detached.
+
+    All inputs [J, N]: log w~ = log p + log phi - log q, softmax over the N samples of each prompt."""
+    return torch.softmax((logp_sum + log_phi - logq_sum).detach().float(), dim=-1)
+
+
+def neg_weight_logp_sum(logp: torch.Tensor, mask: torch.Tensor, unmasked: bool) -> torch.Tensor:
+    """Sum of log p_theta over a sample's response, as used in the negative term's weights, [B].
+
+    Masked (default): sum_t m_t log p_t, the paper's log p(s|x). unmasked=True reproduces the reference code
+    (spec §6.3): it sums the last A = max response length positions ending at each response's last token, so
+    a shorter response also counts the log-probs of its last prompt tokens (the reference's right-aligned
+    batch; prompt positions before the sequence start, the reference's zero padding, are not modelled)."""
+    if not unmasked:
+        return (logp * mask).sum(-1)
+    lengths = mask.sum(-1).long()
+    end = mask.shape[-1] - torch.flip(mask, dims=[-1]).argmax(-1)  # one past the last response position
+    width = int(lengths.max().item())
+    pos = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+    window = ((pos >= (end - width)[:, None]) & (pos < end[:, None])).to(logp.dtype)
+    return (logp * window).sum(-1)
+
+
+def ctl_weights(logp: torch.Tensor, logq_old: torch.Tensor, log_phi: torch.Tensor, mask: torch.Tensor,
+                num_generations: int):
+    """The two detached SNIS weights of the CTL estimator (spec §2.3), on q samples, [J*N] and [J*N, T].
+
+    logp = log p_theta (current, no grad), logq_old = log q at sampling time, both [J*N, T] per response token.
+    w_sigma = softmax_i(sum_t lp + log phi - sum_t lq_old)                        (full-sequence target)
+    w_pi_t  = softmax_i(cumsum_t lp + log psi_t - cumsum_t lq_old), log psi_t = lq_t - lp_t (q current = q old)
+            = softmax_i(sum_{k<t} (lp_k - lq_k))                                    (prefix weight for pi_t)"""
+    lp, lq = logp * mask, logq_old * mask
+    N = num_generations
+    w_sigma = snis_weights(lp.sum(-1).view(-1, N), log_phi.view(-1, N), lq.sum(-1).view(-1, N)).view(-1)
+    log_psi = lq - lp
+    log_w_pi = lp.cumsum(-1) + log_psi - lq.cumsum(-1)  # [J*N, T]
+    w_pi = torch.softmax(log_w_pi.view(-1, N, lp.shape[-1]).detach().float(), dim=1).view_as(lp)
+    return w_sigma, w_pi
+
+
+def ctl_loss(logq: torch.Tensor, logp: torch.Tensor, w_sigma: torch.Tensor, w_pi: torch.Tensor,
+             mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """CTL with the proposal-centric twist (P Eqs. 6-7; reference `CTLLoss`): gradient only through log q.
+
+    sum_i masked_mean_t( -(w_sigma_i - w_pi_it) log psi_it ) / num_seqs, log psi = log q - sg log p.
+    The -w_sigma term is E_sigma[grad log psi]; the +w_pi term is E_pi_t[grad log psi_t] (zero in expectation)."""
+    log_psi = (logq - logp.detach()) * mask
+    per_token = -(w_sigma[:, None] - w_pi) * log_psi
+    return masked_mean(per_token, mask).sum() / num_seqs
+
+
+def rl_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """REINFORCE with a baseline: sum_i masked_mean_t(-log p_it) (R_i - b_i) / num_seqs (spec §2.4a)."""
+    return (masked_mean(-logp, mask) * advantages.detach()).sum() / num_seqs
+
+
+def neg_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The "-SFT" term: sum_i w_i masked_mean_t(log p_it) / num_seqs; minimising it lowers log p on the
+    weighted (low-reward) samples (spec §2.4b). With num_seqs = J*N this is (1/N) x the SNIS estimate."""
+    return (weights.detach() * masked_mean(logp, mask)).sum() / num_seqs
+
+
+@torch.no_grad()
+def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], eos_id: int, max_new_tokens: int) -> float:
+    """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary (spec §4.1).
+
+    log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g != EOS} [log p(g|x) + lse_b log p(b|x,g)]).
+    EOS as the first token ends the completion (as in sampling), so it is excluded from the second term; the
+    reference scores a second token after it too (a tiny difference, spec §6.14)."""
+    if max_new_tokens > 2:
+        raise ValueError("max_new_tokens: the exact P(bad) enumerates at most 2 generated tokens")
+    device = next(model.parameters()).device
+    x = torch.tensor([prompt_ids], device=device)
+    lp1 = torch.log_softmax(model(input_ids=x).logits[0, -1].float(), -1)
+    bad = torch.tensor(bad_ids, device=device)
+    first = torch.logsumexp(lp1[bad], 0)
+    if max_new_tokens == 1:
+        return first.item()
+    V = lp1.shape[0]
+    keep = torch.ones(V, dtype=torch.bool, device=device)
+    keep[bad], keep[eos_id] = False, False
+    goods = keep.nonzero().squeeze(-1)
+    x2 = torch.cat([x.expand(len(goods), -1), goods[:, None]], dim=1)
+    lp2 = torch.log_softmax(model(input_ids=x2).logits[:, -1].float(), -1)
+    second = torch.logsumexp(lp1[goods] + torch.logsumexp(lp2[:, bad], -1), 0)
+    return torch.logaddexp(first, second).item()
+
+
+def tail_metrics(rewards: torch.Tensor, eta: float, level: float) -> dict:
+    """P(bad) = fraction with r < eta; CVaR_a = mean of the k = max(1, floor(a M)) lowest rewards (spec §4.2)."""
+    k = max(1, int(math.floor(level * rewards.numel())))
+    return {"p_bad": (rewards < eta).float().mean().item(), "cvar": rewards.sort().values[:k].mean().item()}
+
+
+def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up."""
+    if args.num_generations < 2:
+        raise ValueError("num_generations: RLOO and the SNIS weights need at least 2 samples per prompt")
+    if args.loss_type not in ("neg_training", "reinforce"):
+        raise ValueError(f"loss_type: expected neg_training or reinforce, got {args.loss_type!r}")
+    if args.reward_transform not in ("none", "minus_alpha_exp_beta_r"):
+        raise ValueError(f"reward_transform: expected none or minus_alpha_exp_beta_r, got {args.reward_transform!r}")
+    if args.generator not in ("vllm", "hf"):
+        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
+    if args.kl_coef < 0 or args.alpha < 0:
+        raise ValueError("kl_coef and alpha must be >= 0")
+    if args.use_base_as_proposal and args.loss_type != "neg_training":
+        raise ValueError("use_base_as_proposal: only meaningful with --loss_type neg_training")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    validate(args)
+    info = init_distributed()
+    sample_q = args.loss_type == "neg_training" and not args.use_base_as_proposal  # separate proposal samples
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_num_prompts * args.num_generations
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_prompts = args.local_num_prompts * info.world_size
+    args.samples_per_step = args.batch_size * (2 if sample_q else 1)
+    grad_accum_q = exact_div(args.local_batch_size, args.local_micro_batch_size,
+                             "local_micro_batch_size: local_num_prompts * num_generations / local_micro_batch_size")
+    grad_accum_p = grad_accum_q * (2 if sample_q else 1)  # the p step sees S_p (RL term) and S_q (neg term)
+    args.num_steps = args.total_episodes // args.samples_per_step
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one step ({args.samples_per_step})")
+    rt_alpha = args.alpha if args.rew_trans_alpha is None else args.rew_trans_alpha
+    rt_beta = args.target_dist_beta if args.rew_trans_beta is None else args.rew_trans_beta
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+
+    # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+
+    # data: the toy's single prompt, or prompts of a dataset
+    model_path = resolve_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    if args.dataset == "toy":
+        rows = toy.toy_rows()
+        ids = [data_utils.encode_prompt(tokenizer, data_utils.format_prompt(r["prompt"], args.prompt_template),
+                                        args.chat_template) for r in rows]
+        train_data = eval_data = data_utils.PromptData(rows, ids)
+    else:
+        load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+            args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template,
+            args.chat_template, args.max_prompt_length, limit=limit)
+        train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+    tracker.write(f"{len(train_data.rows)} train prompts, {len(eval_data.rows)} eval prompts, {args.num_steps} steps "
+                  f"of {args.samples_per_step} samples ({'p and q' if sample_q else 'p only'})")
+    sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    reward_spec = ("toy" if args.dataset == "toy" else "auto") if args.reward_fn == "auto" else args.reward_fn
+    reward_fn = toy.make_toy_reward(tokenizer) if reward_spec == "toy" else load_reward_fn(reward_spec, args.dataset)
+    bad_ids = toy.bad_token_ids(tokenizer) if reward_spec == "toy" and not args.reward_model_path else None
+    exact = bad_ids is not None and args.dataset == "toy" and args.max_new_tokens <= 2
+
+    # models and optimizers: p_theta, q_xi (a copy of the initial LM), frozen p_0 and reward model
+    dtype = default_dtype(info.device)
+
+    def trainable(lr: float, grad_accum: int):
+        model = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+        optim = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        return prepare(model, optim, None, info, args.local_micro_batch_size, grad_accum, args.max_grad_norm, dtype)[0]
+
+    policy = trainable(args.base_actor_learning_rate, grad_accum_p)
+    proposal = trainable(args.actor_learning_rate, grad_accum_q) if sample_q else None
+    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    reward_model = None
+    if args.reward_model_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
+        check_same_tokenizer(resolve_model_path(args.reward_model_path), tokenizer)
+        reward_model = prepare_frozen(load_scalar_model(resolve_model_path(args.reward_model_path), dtype), info, dtype)
+    seed_everything(local_seed)
+
+    # generation engines: p with the chosen backend, q with HF generate on the live proposal
+    generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                               world_size=info.world_size, zero_stage=info.zero_stage,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    q_generator = HFGenerator(proposal.module, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                              synced_gpus=info.zero_stage == 3) if sample_q else None
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    mb = args.local_micro_batch_size
+
+    def batched(fn, *tensors):  # fn over micro-batches of rows, concatenated
+        return torch.cat([fn(*(t[s : s + mb] for t in tensors)) for s in range(0, tensors[0].shape[0], mb)])
+
+    def score(prompt_rows, comps, input_ids, attn) -> torch.Tensor:
+        if reward_model is not None:
+            with torch.no_grad():
+                return batched(lambda i, a: score_last_token(reward_model, i, a), input_ids, attn).float().cpu()
+        texts = [decode(c.token_ids) for c in comps]
+        return torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in prompt_rows], texts,
+                                            [x["answer"] for x in prompt_rows], [c.finished for c in comps],
+                                            prompt_rows))
+
+    def rollout(gen, prompt_idx, data, n, seed, offset):
+        """Sample n completions per prompt; tensors [B, L] and the [B, L-1] response mask, rewards [B]."""
+        outs = gen.generate([data.prompt_ids[i] for i in prompt_idx], n=n, temperature=1.0, top_p=1.0,
+                            max_new_tokens=args.max_new_tokens, seed=seed, index_offset=offset)
+        comps = [c for group in outs for c in group]
+        rows = [data.rows[i] for i in prompt_idx for _ in range(n)]
+        input_ids, attn, resp = data_utils.pad_batch([data.prompt_ids[i] for i in prompt_idx for _ in range(n)],
+                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+        mask = resp[:, 1:].float()  # position t predicts token t+1; EOS included
+        return comps, input_ids, attn, mask, score(rows, comps, input_ids, attn)
+
+    def logprobs(model, input_ids, attn):
+        with torch.no_grad():
+            return batched(lambda i, a: forward_logprobs(model, i, a), input_ids, attn)
+
+    def evaluate(step: int) -> dict:
+        """Held-out sampling from p_theta: P(bad), CVaR, mean reward and return; exact log P(bad) on the toy."""
+        out = {}
+        if exact:
+            out["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids,
+                                                        tokenizer.eos_token_id, args.max_new_tokens)
+        per_rank = math.ceil(len(eval_data.rows) / info.world_size)
+        idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
+        r, ret = torch.zeros(0), torch.zeros(0)
+        if idx:
+            _, ids, attn, mask, r = rollout(generator, idx, eval_data, args.eval_num_samples,
+                                            seed=args.seed + 1_000_003, offset=info.rank * per_rank)
+            ret = r
+            if ref_policy is not None:
+                ret = kl_return(r, logprobs(policy, ids, attn).cpu(), logprobs(ref_policy, ids, attn).cpu(),
+                                mask.cpu(), args.kl_coef)
+        r = torch.cat([torch.tensor(x) for x in info.gather_objects(r.tolist())])
+        ret = torch.cat([torch.tensor(x) for x in info.gather_objects(ret.tolist())])
+        tail = tail_metrics(r, args.eta, args.cvar_level)
+        out.update({"eval/p_bad": tail["p_bad"], "eval/cvar": tail["cvar"], "eval/mean_reward": r.mean().item(),
+                    "eval/mean_return": ret.mean().item(), "eval/num_samples": float(r.numel())})
+        return out
+
+    # training loop
+    timer = Timer()
+    start = time.time()
+    metrics = evaluate(0)
+    if exact:
+        metrics["exact/log_q_bad"] = metrics["exact/log_p_bad"]
+    tracker.log({**metrics, "episode": 0}, 0)
+    tracker.write(f"[step 0] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    first = metrics
+    policy.train()
+    N = args.num_generations
+    for step in range(1, args.num_steps + 1):
+        # 1. rollouts (no grad): S_p ~ p_theta and S_q ~ q_xi on the same prompts, N each
+        with timer("generate"):
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            offset = info.rank * args.local_num_prompts
+            comps_p, ids_p, attn_p, mask_p, r_p = rollout(generator, local_idx, train_data, N,
+                                                          args.seed * 7_919 + step, offset)
+            if sample_q:
+                comps_q, ids_q, attn_q, mask_q, r_q = rollout(q_generator, local_idx, train_data, N,
+                                                              args.seed * 7_919 + step + 500_000_003, offset)
+        r_p, mask_p = r_p.to(info.device), mask_p
+        # 2. log-probs at sampling time (the current p and q, before either update)
+        with timer("logprob"):
+            lp_old = logprobs(policy, ids_p, attn_p)  # [B, L-1] log p_theta on S_p
+            lref = logprobs(ref_policy, ids_p, attn_p) if ref_policy is not None else lp_old
+            if sample_q:
+                lq_old = logprobs(proposal, ids_q, attn_q)  # log q at sampling time
+                lpq = logprobs(policy, ids_q, attn_q)  # log p_theta on S_q (pre-update)
+                r_q = r_q.to(info.device)
+            else:  # p-proposal: S_q := S_p, log q_old := log p_old
+                ids_q, attn_q, mask_q, r_q, lq_old, lpq, comps_q = ids_p, attn_p, mask_p, r_p, lp_old, lp_old, comps_p
+        # 3. return with KL penalty and reward transform (p samples only), RLOO baseline per prompt
+        r_prime = transform_reward(r_p, rt_alpha, rt_beta) if args.reward_transform != "none" else r_p
+        R = kl_return(r_prime, lp_old, lref, mask_p, args.kl_coef)
+        adv = (R.view(-1, N) - rloo_baseline(R.view(-1, N))).view(-1)
+        # 4. SNIS weights of the negative term towards sigma ∝ p exp(beta r) (log phi never transformed)
+        log_phi_q = args.target_dist_beta * r_q
+        if args.loss_type == "neg_training":
+            lp_sum = neg_weight_logp_sum(lpq, mask_q, args.code_compat_unmasked_neg_weights)
+            w_neg = snis_weights(lp_sum.view(-1, N), log_phi_q.view(-1, N),
+                                 (lq_old * mask_q).sum(-1).view(-1, N)).view(-1)
+        else:
+            w_neg = torch.zeros_like(r_p)
+
+        # 5. q step (CTL), its own optimizer, before the p step (spec §2.7)
+        stats = {"ctl": 0.0, "rl": 0.0, "neg": 0.0}
+        norms_q, norms_p = [], []
+        with timer("train"):
+            if sample_q:
+                w_sigma, w_pi = ctl_weights(lpq, lq_old, log_phi_q, mask_q, N)
+                for s in range(0, args.local_batch_size, mb):
+                    sl = slice(s, s + mb)
+                    logq = forward_logprobs(proposal, ids_q[sl], attn_q[sl])
+                    loss = ctl_loss(logq, lpq[sl], w_sigma[sl], w_pi[sl], mask_q[sl], args.local_batch_size)
+                    proposal.backward(loss, scale_wrt_gas=False)
+                    norm = optimizer_step(proposal)
+                    norms_q += [norm] if norm is not None else []
+                    stats["ctl"] += loss.item()
+            # 6. p step: RL term on S_p (+ neg term on the same rows for p-proposal), then neg term on S_q
+            for s in range(0, args.local_batch_size, mb):
+                sl = slice(s, s + mb)
+                logp = forward_logprobs(policy, ids_p[sl], attn_p[sl])
+                loss = rl_loss(logp, mask_p[sl], adv[sl], args.local_batch_size)
+                stats["rl"] += loss.item()
+                if args.use_base_as_proposal:
+                    neg = neg_loss(logp, mask_p[sl], w_neg[sl], args.local_batch_size)
+                    stats["neg"] += neg.item()
+                    loss = loss + args.alpha * neg
+                policy.backward(loss, scale_wrt_gas=False)
+                norm = optimizer_step(policy)
+                norms_p += [norm] if norm is not None else []
+            if sample_q:
+                for s in range(0, args.local_batch_size, mb):
+                    sl = slice(s, s + mb)
+                    logp = forward_logprobs(policy, ids_q[sl], attn_q[sl])
+                    neg = neg_loss(logp, mask_q[sl], w_neg[sl], args.local_batch_size)
+                    stats["neg"] += neg.item()
+                    policy.backward(args.alpha * neg, scale_wrt_gas=False)
+                    norm = optimizer_step(policy)
+                    norms_p += [norm] if norm is not None else []
+
+        # 7. weight sync: push the updated p_theta into its generation engine (HF: no-op)
+        with timer("sync"):
+            generator.sync_weights(full_named_parameters(policy, info))
+
+        # 8. log (reduced over ranks once per step)
+        bad_p, bad_q = (r_p < args.eta).float().mean().item(), (r_q < args.eta).float().mean().item()
+        ess = (1.0 / (w_neg.view(-1, N) ** 2).sum(-1)).mean().item() / N if args.loss_type == "neg_training" else 0.0
+        local = {
+            "objective/scores": r_p.mean().item(),
+            "objective/returns": R.mean().item(),
+            "objective/kl": ((lp_old - lref) * mask_p).sum(-1).mean().item(),
+            "objective/frac_bad": bad_p,
+            "loss/policy_avg": stats["rl"], "loss/neg_avg": stats["neg"], "loss/proposal_avg": stats["ctl"],
+            "proposal/scores": r_q.mean().item(), "proposal/frac_bad": bad_q, "proposal/ess_frac": ess,
+            "val/advantages_std": adv.std().item(),
+            "val/sequence_lengths": mask_p.sum(-1).mean().item(),
+            "optim/grad_norm_p": sum(norms_p) / max(len(norms_p), 1),
+            "optim/grad_norm_q": sum(norms_q) / max(len(norms_q), 1),
+        }
+        gathered = info.gather_objects(local)
+        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        metrics.update({"episode": step * args.samples_per_step, **timer.pop()})
+        if exact:
+            metrics["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids,
+                                                            tokenizer.eos_token_id, args.max_new_tokens)
+            model_q = proposal if sample_q else policy
+            metrics["exact/log_q_bad"] = exact_log_prob_bad(model_q, eval_data.prompt_ids[0], bad_ids,
+                                                            tokenizer.eos_token_id, args.max_new_tokens)
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            with timer("eval"):
+                metrics.update(evaluate(step))
+            metrics.update(timer.pop())
+        tracker.log(metrics, step)
+        tracker.progress(1, score=metrics["objective/scores"], log_p_bad=metrics.get("exact/log_p_bad", float("nan")))
+        if args.sample_every and step % args.sample_every == 0:
+            rows = [{"model": "p", "completion": decode(comps_p[i].token_ids), "reward": r_p[i].item()}
+                    for i in range(0, len(comps_p), max(1, N // 4))]
+            rows += [{"model": "q", "completion": decode(comps_q[i].token_ids), "reward": r_q[i].item(),
+                      "weight": w_neg[i].item()} for i in w_neg.topk(min(4, len(w_neg))).indices.tolist()]
+            tracker.log_samples(rows, step)
+
+    metrics = evaluate(args.num_steps)
+    metrics["time/total"] = time.time() - start
+    metrics.update(check_ranks(policy, info, local_idx))
+    if proposal is not None:
+        metrics["check/proposal_ranks_identical_weights"] = check_ranks(proposal, info, [])["check/ranks_identical_weights"]
+    tracker.log(metrics, args.num_steps)
+    summary = " ".join(f"{k} {first[k]:.4g} -> {metrics[k]:.4g}" for k in
+                       ("exact/log_p_bad", "eval/p_bad", "eval/mean_reward") if k in metrics)
+    tracker.write(f"{summary} in {metrics['time/total']:.0f}s")
+    final = ""
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        tracker.write(f"saved {final}")
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))
