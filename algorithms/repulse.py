@@ -30,7 +30,7 @@ gets half as many p updates as the baselines for the same budget (compute matchi
 With no flags: the toy (shared/toy.py): builtin:tiny-sft, the prompt "This man is a", 2 generated tokens,
 a reward of -5 when a "bad" character appears; the exact log P(bad) of p_theta is computed by enumerating
 the ~100-token vocabulary after every step. Launch:
-    python algorithms/repulse.py                                    # CPU toy, RePULSe, ~4 minutes
+    python algorithms/repulse.py                                    # CPU toy, RePULSe, about 75 s
     python algorithms/repulse.py --loss_type reinforce --alpha 0    # the REINFORCE baseline on the toy
     python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
