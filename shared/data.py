@@ -144,8 +144,11 @@ class PromptData:
 def load_prompts(dataset: str, split: str, tokenizer, prompt_key: str = "prompt", answer_key: str = "answer",
                  prompt_template: str = "{prompt}", use_chat_template: bool = False, max_prompt_length: int = 512,
                  response_key: str | None = None, limit: int | None = None) -> PromptData:
-    """Load, validate, format and tokenize one split. Rows get 'prompt', 'answer' (and 'response')."""
-    keys = {"prompt": prompt_key, "answer": answer_key}
+    """Load, validate, format and tokenize one split. Rows get 'prompt', 'answer' (unless answer_key is empty) and
+    'response' (if response_key is given)."""
+    keys = {"prompt": prompt_key}
+    if answer_key:
+        keys["answer"] = answer_key
     if response_key:
         keys["response"] = response_key
     where = f"dataset {dataset!r} split {split!r}"

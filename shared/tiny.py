@@ -1,7 +1,8 @@
 """The built-in tiny model: a character-level tokenizer and a small Llama, built locally (no download).
 
 `builtin:tiny` is the randomly initialised model; `builtin:tiny-sft` is that model warm-started by
-`algorithms/sft.py` on the built-in task. Both are created on first use and cached under
+`algorithms/sft.py` on the built-in task; `builtin:tiny-rm` is a reward model trained by `algorithms/rm.py` (its
+defaults) from `builtin:tiny-sft` on the built-in preference pairs. All are created on first use and cached under
 `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`), guarded by a file lock so concurrent ranks or test
 processes build each one exactly once.
 """
@@ -120,24 +121,26 @@ def builtin_tiny() -> Path:
         return final
 
 
-def builtin_tiny_sft() -> Path:
-    """Path of the tiny model warm-started by `algorithms/sft.py` on the built-in task, trained on first use."""
-    base = builtin_tiny()
-    with _locked("tiny-sft") as root:
-        final = root / f"tiny-sft-{BUILTIN_VERSION}"
+def _clean_env() -> dict:
+    """The environment for a clean single-process run: the launcher's rendezvous and DeepSpeed settings dropped."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "CROSS_RANK")
+    return {k: v for k, v in os.environ.items()
+            if k not in launcher and not k.startswith(("TORCHELASTIC_", "ACCELERATE_", "DEEPSPEED_"))}
+
+
+def _built_by(name: str, script: str, base: Path) -> Path:
+    """Path of `name`, trained on first use by `algorithms/<script>` (default flags, seed 1) from `base`."""
+    with _locked(name) as root:
+        final = root / f"{name}-{BUILTIN_VERSION}"
         if not (final / "config.json").exists():
 
             def build(tmp: Path):
-                print(f"[cleanrlhf] building the warm-start checkpoint {final} with algorithms/sft.py (once)", flush=True)
-                # a clean single-process run: drop the launcher's rendezvous and DeepSpeed settings
-                launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                            "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "CROSS_RANK")
-                env = {k: v for k, v in os.environ.items()
-                       if k not in launcher and not k.startswith(("TORCHELASTIC_", "ACCELERATE_", "DEEPSPEED_"))}
-                cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / "sft.py"),
+                print(f"[cleanrlhf] building {final} with algorithms/{script} (once)", flush=True)
+                cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / script),
                        "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1"]
-                subprocess.run(cmd, check=True, env=env, cwd=PROJECT_ROOT)
-                # sft.py writes its final checkpoint under output_dir/final
+                subprocess.run(cmd, check=True, env=_clean_env(), cwd=PROJECT_ROOT)
+                # the scripts write their final checkpoint under output_dir/final
                 for item in (tmp / "final").iterdir():
                     shutil.move(str(item), tmp / item.name)
 
@@ -145,10 +148,23 @@ def builtin_tiny_sft() -> Path:
         return final
 
 
+def builtin_tiny_sft() -> Path:
+    """Path of the tiny model warm-started by `algorithms/sft.py` on the built-in task, trained on first use."""
+    return _built_by("tiny-sft", "sft.py", builtin_tiny())
+
+
+def builtin_tiny_rm() -> Path:
+    """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
+    return _built_by("tiny-rm", "rm.py", builtin_tiny_sft())
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map `builtin:tiny` / `builtin:tiny-sft` to cached local paths; anything else is returned unchanged."""
+    """Map `builtin:tiny`, `builtin:tiny-sft` and `builtin:tiny-rm` to cached local paths; anything else is returned
+    unchanged."""
     if name_or_path == "builtin:tiny":
         return str(builtin_tiny())
     if name_or_path == "builtin:tiny-sft":
         return str(builtin_tiny_sft())
+    if name_or_path == "builtin:tiny-rm":
+        return str(builtin_tiny_rm())
     return name_or_path

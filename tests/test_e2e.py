@@ -1,8 +1,9 @@
 """End-to-end runs of the scripts exactly as users launch them (style.md S11), on the built-in tiny model.
 
-Covers: sft.py, grpo.py with vLLM and with HF generation, the optional branches (KL to a reference,
-num_iterations > 1, several minibatches, truncation masking), a learning check, and 2-process
-`accelerate launch` runs under ZeRO-2 and ZeRO-3 whose ranks must end with identical weights."""
+Covers: sft.py; grpo.py with vLLM and with HF generation, the optional branches (KL to a reference,
+num_iterations > 1, several minibatches, truncation masking) and a learning check; ppo.py and vineppo.py; rm.py and
+its checkpoint as the reward of grpo.py, ppo.py and drca.py; dpo.py; and 2-process `accelerate launch` runs under
+ZeRO-2 and ZeRO-3 whose ranks must end with identical weights."""
 
 import json
 import math
@@ -190,6 +191,58 @@ def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
          str(trained_rm / "final"), "--kl_placement", "reward", "--generator", "hf"])
     steps = [r for r in metrics(tmp_path) if "loss/value_avg" in r]
     assert len(steps) == 4 and all(math.isfinite(r["objective/scores"]) for r in steps)
+
+
+DRCA_SMALL = ["--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
+              "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "8",
+              "--eval_num_samples", "2", "--eval_every", "2", "--sample_every", "1"]
+
+
+@pytest.mark.parametrize("generator,extra", [
+    ("vllm", []),
+    ("hf", ["--unit_extraction", "entropy", "--unit_entropy_threshold", "0.5", "--counterfactual", "mask",
+            "--entropy_source", "reference", "--unitless_fallback", "zeros"]),
+])
+def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extra):
+    """Units found, one RM call per unit on top of one per response, the reward identity holds, and the held-out
+    metrics are the grader's accuracy and the RM's mean score."""
+    run([sys.executable, "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path",
+         str(trained_rm / "final"), *DRCA_SMALL, "--generator", generator, *extra])
+    rows = metrics(tmp_path)
+    steps = [r for r in rows if "loss/value_avg" in r]
+    assert len(steps) == 4
+    for r in steps:
+        assert r["drca/units_per_seq"] > 0 and r["drca/credit_std"] > 0
+        assert r["drca/rm_calls"] == pytest.approx(16 * (1 + r["drca/units_per_seq"]))
+        assert r["drca/sum_identity_err"] < 1e-4
+        assert math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["val/explained_variance"])
+    assert steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
+    evals = [r for r in rows if "eval/reward" in r]
+    assert len(evals) == 3 and all("eval/accuracy" in r for r in evals)
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all(len(x["units"]) == len(x["credits"]) for x in samples) and any(x["units"] for x in samples)
+    assert rows[-1]["check/ranks_identical_weights"] == 1.0
+    assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "critic" / "config.json").exists()
+
+
+def test_drca_beta_zero_is_ppo_without_unit_calls(trained_rm, tmp_path):
+    run([sys.executable, "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path",
+         str(trained_rm / "final"), *DRCA_SMALL, "--generator", "hf", "--drca_beta", "0", "--no_save_model"])
+    steps = [r for r in metrics(tmp_path) if "loss/value_avg" in r]
+    assert all(r["drca/units_per_seq"] == 0 and r["drca/rm_calls"] == 16 for r in steps)
+
+
+def test_drca_two_processes_zero2(trained_rm, tmp_path):
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+         "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path", str(trained_rm / "final"),
+         *DRCA_SMALL, "--total_episodes", "96", "--no_save_model"], timeout=900)
+    rows = metrics(tmp_path)
+    last = rows[-1]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
+    assert last["check/ranks_shared_prompts"] == 0.0
+    steps = [r for r in rows if "loss/value_avg" in r]
+    assert len(steps) == 3 and all(r["drca/rm_calls"] == pytest.approx(32 * (1 + r["drca/units_per_seq"]))
+                                   for r in steps)
 
 
 DPO_SMALL = ["--total_episodes", "256", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",

@@ -1,0 +1,744 @@
+"""DRCA: PPO whose sequence reward is redistributed over text units by counterfactual difference rewards.
+Docs: docs/drca.md
+
+Source: the "Learning Segment Rewards" code (github.com/npnike10/LearningSegmentRewards, OpenRLHF fork:
+`train_drca_ray.py`, `utils/unit_reward.py`, `utils/unit_extraction.py`). The acronym is never expanded there;
+the code calls the method "unit-level difference rewards for fine-grained credit assignment", so we read it
+as Difference-Reward Credit Assignment (inferred). The beta-mixing is ABC's (Chan et al. 2024, "Dense Reward
+for Free in RLHF", https://arxiv.org/abs/2402.00782), with ABC's attention weights replaced by counterfactual
+unit differences (Wolpert & Tumer's difference rewards, applied to text units).
+
+Per rollout, with R = (RM(x, y) - mu) / sigma the reward model's normalised score:
+  1. split the response into at most N units: step labels (`regex`) or peaks of the policy's entropy (`entropy`);
+  2. for each unit k build a counterfactual response: `truncate` (the reference: the prefix before the unit,
+     the unit blanked with spaces, then EOS) or `mask` (leave-one-out: the unit blanked, the rest kept);
+  3. score every counterfactual with the same RM in batches: d_k = R - R~_k (mu cancels);
+  4. per-token rewards: beta * d_k / |unit k| on unit k's tokens, (1 - beta) * R on the last token, 0 elsewhere;
+  5. then PPO as in ppo.py's RLHF flavour: clip to [-10, 10], minus eta * k1 KL per token, GAE on a critic
+     (initialised from the RM), batch whitening, clipped policy and value updates.
+Delta from PPO (algorithms/ppo.py): only step 4's reward placement (and the RM calls it needs). beta = 0 gives
+exactly PPO's reward (R on the last token) and skips the counterfactual RM calls. Reference-code bugs are fixed
+by default and reproducible with flags (docs/drca.md lists them).
+
+Launch:
+    python algorithms/drca.py                      # CPU, built-in task, builtin:tiny-rm (trained by rm.py on first use)
+    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/drca.py
+    accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/drca.py \
+        --model_name_or_path <sft> --reward_model_path <rm trained by rm.py> --dataset <prompts.jsonl> \
+        --chat_template --max_new_tokens 2048 --learning_rate 6.57e-6 --critic_learning_rate 2.34e-6
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from shared import data as data_utils
+from shared.checkpoint import save_hf
+from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
+                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
+                                seed_everything)
+from shared.evaluation import evaluate_accuracy
+from shared.generation import make_generator
+from shared.rewards import load_reward_fn
+from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
+from shared.tiny import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+LABEL_PATTERN = r"^\*?[A-Z]{1,2}\.\s+"  # the reference's step labels: "A. ", "AB. ", "*A. "
+UNIT_PATTERNS = {
+    "labels": LABEL_PATTERN,
+    "labels+digits": r"^\*?(?:[A-Z]{1,2}|\d{1,2})\.\s+",  # also "1. ", "12. " (the reference's docstring intent)
+    "lines": r"^(?=\S)",  # every non-blank line starts a unit (the built-in task: one running sum per line)
+}
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "drca"
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of the experiment (init, data order, sampling)"""
+    output_dir: str = "runs/drca"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoints (output_dir/final, output_dir/critic) go"""
+    model_name_or_path: str = "builtin:tiny-sft"
+    """hub name or local path of the policy (and reference); `builtin:tiny-sft` is the built-in warm start"""
+    reward_model_path: str = "builtin:tiny-rm"
+    """reward model (HF sequence classification, e.g. from rm.py); `builtin:tiny-rm` is rm.py's default run"""
+    critic_model_path: str = ""
+    """initialise the critic from this checkpoint (default: the reward model, as the reference)"""
+    dataset: str = "builtin"
+    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column with the gold answer (held-out accuracy only; training uses the reward model)"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt; `{prompt}` is replaced"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """held-out grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `none`, or `module:function`"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "cleanrlhf"
+    """wandb project name"""
+    generator: str = "vllm"
+    """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the training forwards"""
+    save_model: bool = True
+    """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
+
+    # algorithm args: DRCA
+    drca_beta: float = 0.8
+    """beta: share of the reward spread over units (beta * d_k); (1 - beta) * R stays on the last token; 0 = PPO"""
+    max_units_per_sequence: int = 10
+    """N: at most this many units per response (the N-th absorbs the rest)"""
+    unit_extraction: str = "regex"
+    """`regex` (a pattern marks where units start) or `entropy` (units start at policy-entropy peaks)"""
+    unit_pattern: str = "auto"
+    """regex units: `labels` (reference: "A. "), `labels+digits`, `lines`, a raw regex, or `auto` (lines for builtin)"""
+    unit_entropy_threshold: float = 1.5
+    """entropy units: tau, in nats; a token whose entropy exceeds it starts a new unit"""
+    entropy_boundary: str = "before"
+    """entropy units: `before` (a peak token starts a unit) or `after` (the reference: it ends one)"""
+    entropy_cap: bool = True
+    """entropy units: cap at max_units_per_sequence (the reference ignores the cap)"""
+    entropy_source: str = "policy"
+    """entropy units: entropy of the current `policy` (the reference) or of the frozen `reference` model"""
+    counterfactual: str = "truncate"
+    """`truncate` (reference: prefix + blanked unit + EOS) or `mask` (leave-one-out: blank the unit, keep the rest)"""
+    unitless_fallback: str = "terminal"
+    """a response without units gets R on its last token (`terminal`) or, as the reference, nothing (`zeros`)"""
+    response_skip_tokens: int = -1
+    """response tokens before the unit region: -1 = auto (a leading <think>...</think> block and whitespace)"""
+    code_compat_regex_offsets: bool = False
+    """reproduce the reference's regex offsets (blank lines shift later units one character left)"""
+
+    # algorithm args: PPO
+    total_episodes: int = 51200
+    """total completions to sample over the run (steps = total_episodes / batch_size)"""
+    learning_rate: float = 1e-4
+    """policy AdamW learning rate (constant after warm-up)"""
+    critic_learning_rate: float = 3e-4
+    """critic AdamW learning rate (its own optimizer)"""
+    warmup_steps: int = 5
+    """linear learning-rate warm-up steps (both optimizers)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (each model)"""
+    num_samples_per_prompt: int = 8
+    """completions per prompt"""
+    local_num_prompts: int = 64
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
+    num_ppo_epochs: int = 2
+    """passes over each batch (reference DRCA: 1, its PPO baseline: 2)"""
+    num_minibatches: int = 2
+    """optimizer steps per pass over the batch"""
+    local_micro_batch_size: int = 256
+    """completions per forward/backward (and reward-model forward) on each rank"""
+    temperature: float = 1.0
+    """sampling temperature; trainer logits are divided by it too"""
+    top_p: float = 1.0
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    max_new_tokens: int = 16
+    """completion length limit; completions that hit it are 'truncated'"""
+    kl_coef: float = 0.01
+    """eta: per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference model"""
+    reward_clip: float = 10.0
+    """per-token rewards are clipped to [-reward_clip, reward_clip] before the KL term (reference 10)"""
+    gamma: float = 1.0
+    """GAE discount (reference 1)"""
+    lam: float = 1.0
+    """GAE lambda (reference 1)"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    cliprange_value: float = 0.5
+    """value clip range around the old values (reference 0.5)"""
+    whiten_advantages: bool = True
+    """normalise advantages to zero mean, unit variance over all tokens of the batch (all ranks)"""
+    eval_every: int = 25
+    """evaluate on the held-out split every this many steps (0: only before and after training)"""
+    eval_num_prompts: int = 500
+    """held-out prompts per evaluation"""
+    eval_num_samples: int = 4
+    """samples per held-out prompt (accuracy = mean correctness, reward = mean RM score)"""
+    eval_temperature: float = 1.0
+    """sampling temperature for evaluation"""
+    sample_every: int = 25
+    """log a table of sample completions with their units and credits every this many steps"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_prompts: tyro.conf.Suppress[int] = 0
+    local_minibatch_size: tyro.conf.Suppress[int] = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: unit extraction (pure functions, drca.md §2.2)
+def think_prefix_length(pieces: list[str]) -> int:
+    """Tokens before the unit region: a leading `<think>...</think>` block (pieces = the response's tokens, each
+    decoded with its special tokens) plus the whitespace-only tokens after it; 0 without one. An unterminated
+    block covers the whole response. (The reference hard-codes 4 for Qwen3: <think>, \\n\\n, </think>, \\n\\n.)"""
+    if not "".join(pieces).lstrip().startswith("<think>"):
+        return 0
+    text = ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        if "</think>" in text:
+            end = i + 1
+            while end < len(pieces) and not pieces[end].strip():
+                end += 1
+            return end
+    return len(pieces)
+
+
+def char_offsets(decode, ids: list[int]) -> list[int]:
+    """offsets[i] = len(decode(ids[:i])), i = 0..n: token i covers characters [offsets[i], offsets[i+1]).
+    Prefix decoding (not per-token decoding) keeps multi-byte characters split over tokens intact; a prefix
+    ending inside a character decodes to a trailing U+FFFD, which is not counted."""
+    offsets = [0]
+    for i in range(1, len(ids) + 1):
+        offsets.append(max(offsets[-1], len(decode(ids[:i]).rstrip("\ufffd"))))
+    return offsets
+
+
+def char_span_to_tokens(offsets: list[int], char_start: int, char_end: int) -> tuple[int, int]:
+    """[first token touching char_start, last token touching char_end - 1] as a half-open token span.
+    Zero-width tokens just before the first one (the leading bytes of a split character) are included."""
+    n = len(offsets) - 1
+    ts = next(i for i in range(n) if offsets[i + 1] > char_start)
+    while ts > 0 and offsets[ts - 1] == offsets[ts]:
+        ts -= 1
+    te = next(j for j in range(1, n + 1) if offsets[j] >= char_end)
+    return ts, te
+
+
+def regex_units(text: str, pattern: str, max_units: int, code_compat: bool = False) -> list[tuple[int, int]]:
+    """Character spans of the units: each match of `pattern` (multiline) starts one; at most max_units, the last
+    running to the end of the text (so it absorbs later matches); text before the first match is in no unit.
+
+    Default: unit k = [start_k, start_{k+1}) with trailing whitespace stripped. `code_compat` reproduces the
+    reference: lines matched one by one after dropping blank lines, so each blank line shifts later offsets
+    one character left (units lose their last character and start with "\\n"), unit k ends one character
+    before the next start, the last unit is not stripped."""
+    if code_compat:
+        starts, pos = [], 0
+        for line in [x for x in text.split("\n") if x]:
+            if re.match(pattern, line):
+                starts.append(pos)
+                if len(starts) >= max_units:
+                    break
+            pos += len(line) + 1
+        ends = [s - 1 for s in starts[1:]] + [len(text)]
+        return [(s, e) for s, e in zip(starts, ends)]
+    starts = [m.start() for m in re.finditer(pattern, text, re.M)][:max_units]
+    spans = []
+    for k, s in enumerate(starts):
+        e = starts[k + 1] if k + 1 < len(starts) else len(text)
+        e = s + len(text[s:e].rstrip())
+        if e > s:
+            spans.append((s, e))
+    return spans
+
+
+def entropy_units(entropy: list[float], threshold: float, max_units: int, boundary: str = "before",
+                  cap: bool = True) -> list[tuple[int, int]]:
+    """Token spans tiling [0, n) split at entropy peaks (H_i > threshold); H_i is the entropy of the distribution
+    that produced token i. `before`: a peak token starts a unit; `after` (the reference): it ends one.
+    With `cap`, only the first max_units - 1 interior boundaries are kept (the last unit absorbs the rest)."""
+    n = len(entropy)
+    if n == 0:
+        return []
+    if boundary == "before":
+        interior = [i for i in range(1, n) if entropy[i] > threshold]
+    elif boundary == "after":
+        interior = [i + 1 for i in range(n - 1) if entropy[i] > threshold]
+    else:
+        raise ValueError(f"entropy_boundary: expected before or after, got {boundary!r}")
+    if cap:
+        interior = interior[: max(max_units - 1, 0)]
+    bounds = [0] + interior + [n]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+# ALGO LOGIC: counterfactuals and difference rewards (drca.md §2.3-2.4)
+def counterfactual_response(response: list[int], start: int, end: int, mode: str, fill_id: int,
+                            eos_id: int) -> list[int]:
+    """Response tokens with [start, end) blanked by fill_id: `truncate` ends with EOS right after the unit
+    (length end + 1), `mask` keeps everything after it (leave-one-out)."""
+    blank = [fill_id] * (end - start)
+    if mode == "truncate":
+        return response[:start] + blank + [eos_id]
+    if mode == "mask":
+        return response[:start] + blank + response[end:]
+    raise ValueError(f"counterfactual: expected truncate or mask, got {mode!r}")
+
+
+def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, int]]], credits: list[list[float]],
+                       last_action: torch.Tensor, num_actions: int, beta: float,
+                       unitless_fallback: str = "terminal") -> torch.Tensor:
+    """Per-action rewards [B, A] before clipping and KL: beta * d_k / |A_k| on every action of unit k (action-space
+    spans [a, b), empty ones skipped), (1 - beta) * R on the last action (assigned, not added), 0 elsewhere.
+    A response without units gets R on its last action (`terminal`); with `zeros` (the reference) it gets nothing,
+    unless no response in the batch has a unit (then the reference falls back to plain PPO for all)."""
+    B = scores.shape[0]
+    rewards = torch.zeros(B, num_actions, dtype=torch.float32, device=scores.device)
+    any_units = any(len(u) > 0 for u in unit_spans)
+    for i in range(B):
+        if unit_spans[i]:
+            for (a, b), d in zip(unit_spans[i], credits[i]):
+                if b > a:
+                    rewards[i, a:b] = beta * d / (b - a)
+            rewards[i, last_action[i]] = (1 - beta) * scores[i]
+        elif unitless_fallback == "terminal" or not any_units:
+            rewards[i, last_action[i]] = scores[i]
+        elif unitless_fallback != "zeros":
+            raise ValueError(f"unitless_fallback: expected terminal or zeros, got {unitless_fallback!r}")
+    return rewards
+
+
+def shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
+                   kl_coef: float, reward_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """clamp(r, ±reward_clip) - eta * clamp(k1, ±10) per action (0 on padding); returns (r', k1)."""
+    kl = torch.clamp(logp - ref_logp, -10, 10) * mask
+    return (torch.clamp(rewards, -reward_clip, reward_clip) - kl_coef * kl) * mask, kl
+
+
+# ALGO LOGIC: PPO (as ppo.py)
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """GAE over the masked positions of [B, T] tensors; returns advantages and returns (A + V), 0 outside the mask."""
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros_like(last)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = (delta + gamma * lam * last) * m
+        advantages[:, t] = last
+        next_value = torch.where(m > 0, values[:, t], next_value)
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None = None,
+                  var: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over masked entries; mean/var may be given (all-reduced over ranks)."""
+    if mean is None:
+        mean = (x * mask).sum() / mask.sum()
+    if var is None:
+        var = (((x - mean) ** 2) * mask).sum() / mask.sum()
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float):
+    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho."""
+    ratio = torch.exp(logp - logp_old)
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
+    return loss, clipped, ratio
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
+    """Clipped value loss 0.5 max((V - G)^2, (V_clip - G)^2) per token and the clipped indicator."""
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def init_value_head(model) -> None:
+    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (when the critic does not start from a reward model)."""
+    layer = head(model)
+    torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
+    if layer.bias is not None:
+        torch.nn.init.zeros_(layer.bias)
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                     with_entropy: bool = False):
+    """log pi(token_{t+1} | prefix) for t = 0..L-2 from logits / temperature, [B, L-1]; optionally the entropy."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(logits, -1)
+            entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+    return logp, entropy
+
+
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-action values [B, L-1], normalised by the stored reward stats when the critic is a reward model
+    (the reference's `--normalize_reward` critic): V = (v - mu) / sigma."""
+    values = token_values(critic, input_ids, attention_mask)[:, :-1]
+    config = getattr(critic, "module", critic).config
+    if getattr(config, "reward_mean", None) is not None:
+        values = (values - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
+    return values
+
+
+def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up."""
+    choices = {"generator": ("vllm", "hf"), "unit_extraction": ("regex", "entropy"),
+               "entropy_boundary": ("before", "after"), "entropy_source": ("policy", "reference"),
+               "counterfactual": ("truncate", "mask"), "unitless_fallback": ("terminal", "zeros")}
+    for name, allowed in choices.items():
+        if getattr(args, name) not in allowed:
+            raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {getattr(args, name)!r}")
+    if not 0.0 <= args.drca_beta <= 1.0:
+        raise ValueError(f"drca_beta: must be in [0, 1], got {args.drca_beta}")
+    if args.max_units_per_sequence < 1:
+        raise ValueError(f"max_units_per_sequence: must be >= 1, got {args.max_units_per_sequence}")
+    if not args.reward_model_path:
+        raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
+    if args.unit_extraction == "regex" and args.unit_pattern not in UNIT_PATTERNS and args.unit_pattern != "auto":
+        try:
+            re.compile(args.unit_pattern)
+        except re.error as e:
+            raise ValueError(f"unit_pattern: not a regular expression ({e})") from None
+    if args.entropy_source == "reference" and args.kl_coef == 0:
+        raise ValueError("entropy_source: `reference` needs the reference model, which kl_coef 0 skips")
+    if args.temperature <= 0:
+        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
+    if args.num_ppo_epochs < 1 or args.kl_coef < 0 or args.reward_clip <= 0:
+        raise ValueError("num_ppo_epochs must be >= 1, kl_coef >= 0 and reward_clip > 0")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    validate(args)
+    info = init_distributed()
+    args.world_size = info.world_size
+    args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
+    args.batch_size = args.local_batch_size * info.world_size
+    args.num_prompts = args.local_num_prompts * info.world_size
+    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
+                                          "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
+    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
+                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    if args.unit_pattern == "auto":
+        args.unit_pattern = "lines" if args.dataset == "builtin" else "labels"
+    pattern = UNIT_PATTERNS.get(args.unit_pattern, args.unit_pattern)
+
+    # TRY NOT TO MODIFY: tracking
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+
+    # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003
+
+    # data
+    model_path = resolve_model_path(args.model_name_or_path)
+    rm_path = resolve_model_path(args.reward_model_path)
+    tokenizer = load_tokenizer(model_path)
+    check_same_tokenizer(rm_path, tokenizer)
+    answer_key = args.answer_key if args.reward_fn != "none" else ""  # no grader: prompts without answers are fine
+    load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, answer_key, args.prompt_template, args.chat_template,
+        args.max_prompt_length, limit=limit)
+    train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
+    sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if args.reward_fn != "none" else None
+    fill_ids = tokenizer.encode(" ", add_special_tokens=False)
+    if len(fill_ids) != 1:
+        raise ValueError(f"model_name_or_path: the tokenizer encodes ' ' as {fill_ids}, not one token to blank units")
+    fill_id, eos_id = fill_ids[0], tokenizer.eos_token_id
+
+    # models and optimizers: policy, critic (from the RM, own optimizer), frozen reference and reward model
+    dtype = default_dtype(info.device)
+    schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
+    policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+                                           info, args.local_micro_batch_size, args.gradient_accumulation_steps,
+                                           args.max_grad_norm, dtype)
+    critic_path = resolve_model_path(args.critic_model_path) if args.critic_model_path else rm_path
+    critic = load_scalar_model(critic_path, dtype)
+    if critic_path == model_path:  # a fresh head on the policy's backbone
+        init_value_head(critic)
+    if args.gradient_checkpointing:
+        critic.gradient_checkpointing_enable()
+    critic = critic.to(info.device)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0)
+    critic, critic_optimizer, _ = prepare(critic, critic_optimizer,
+                                          torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
+                                          args.local_micro_batch_size, args.gradient_accumulation_steps,
+                                          args.max_grad_norm, dtype)
+    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
+    seed_everything(local_seed)
+
+    # generation engine
+    generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                               world_size=info.world_size, zero_stage=info.zero_stage,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    mb = args.local_micro_batch_size
+
+    def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+        """Normalised RM scores in micro-batches; every rank runs the same number of forwards (ZeRO-3 gathers)."""
+        n_local = torch.tensor([math.ceil(len(responses) / mb)])
+        n_batches = int(info.all_reduce(n_local, "max").item())
+        out = []
+        with torch.no_grad():
+            for b in range(n_batches):
+                p, r = prompts[b * mb : (b + 1) * mb], responses[b * mb : (b + 1) * mb]
+                if not r:  # this rank is done: a dummy forward keeps the collectives in step
+                    p, r = prompts[:1] or [[eos_id]], responses[:1] or [[eos_id]]
+                    score_last_token(reward_model, *data_utils.pad_batch(p, r, tokenizer.pad_token_id,
+                                                                         info.device)[:2])
+                    continue
+                ids, attn, _ = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
+                out.append(score_last_token(reward_model, ids, attn))
+        return torch.cat(out) if out else torch.zeros(0, device=info.device)
+
+    def extract_units(response: list[int], entropy: torch.Tensor | None) -> list[tuple[int, int]]:
+        """Unit token spans in response coordinates; the last response token is never in a unit."""
+        skip = args.response_skip_tokens
+        if skip < 0:
+            skip = think_prefix_length([tokenizer.decode([t]) for t in response])
+        text_ids = response[skip:-1]
+        if not text_ids:
+            return []
+        if args.unit_extraction == "entropy":
+            spans = entropy_units(entropy[skip : skip + len(text_ids)].tolist(), args.unit_entropy_threshold,
+                                  args.max_units_per_sequence, args.entropy_boundary, args.entropy_cap)
+        else:
+            text = decode(text_ids)
+            offsets = char_offsets(decode, text_ids)
+            spans = [char_span_to_tokens(offsets, cs, ce) for cs, ce in
+                     regex_units(text, pattern, args.max_units_per_sequence, args.code_compat_regex_offsets)]
+        return [(skip + s, skip + e) for s, e in spans if e > s]
+
+    def evaluate(step: int) -> dict:
+        """Held-out grader accuracy / pass@k and the mean normalised RM score of the same samples."""
+        score_fn = lambda p, r: rm_scores(p, r).tolist()  # noqa: E731
+        return evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
+                                 score_fn=score_fn)
+
+    # training loop
+    timer = Timer()
+    start = time.time()
+    metrics = evaluate(0)
+    tracker.log(metrics, 0)
+    first = dict(metrics)
+    tracker.write(f"[step 0] held-out accuracy {metrics.get('eval/accuracy', float('nan')):.3f}, "
+                  f"reward {metrics['eval/reward']:.3f}")
+    policy.train()
+    critic.train()
+    B = args.local_batch_size
+    for step in range(1, args.num_steps + 1):
+        # 1. rollout: this rank's slice of the global prompt batch
+        with timer("generate"):
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+            generator.sleep()
+        comps = [c for group in outs for c in group]
+        responses = [c.token_ids for c in comps]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, responses, tokenizer.pad_token_id, info.device)
+        mask = resp[:, 1:].float()  # action t emits token t+1: 1 on completion tokens, EOS included
+        last_action = (mask * torch.arange(mask.shape[1], device=info.device)).argmax(1)
+        finished = torch.tensor([c.finished for c in comps], device=info.device)
+
+        # 2. log-probs, entropies and values before the update (no grad): old policy, reference, critic
+        old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
+        entropy = torch.zeros_like(mask)
+        with timer("logprob"), torch.no_grad():
+            for s in range(0, B, mb):
+                sl = slice(s, s + mb)
+                old_logp[sl], entropy[sl] = forward_logprobs(policy, input_ids[sl], attn[sl], args.temperature, True)
+                if ref_policy is not None:
+                    ref_logp[sl], ref_ent = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature,
+                                                             args.entropy_source == "reference")
+                    if args.entropy_source == "reference":
+                        entropy[sl] = ref_ent
+                old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
+        old_values = old_values * mask
+
+        # 3. units and counterfactual credits: R from the RM, then one RM call per unit, d_k = R - R~_k
+        with timer("units"):
+            units = [[] for _ in range(B)]
+            if args.drca_beta > 0:  # beta = 0 is plain PPO: no unit is needed
+                for i in range(B):
+                    first_action = len(prompts[i]) - 1  # action index of response token 0
+                    units[i] = extract_units(responses[i], entropy[i, first_action:].cpu())
+            cf_owner, cf_prompts, cf_responses = [], [], []
+            for i in range(B):
+                for s, e in units[i]:
+                    cf_owner.append(i)
+                    cf_prompts.append(prompts[i])
+                    cf_responses.append(counterfactual_response(responses[i], s, e, args.counterfactual, fill_id,
+                                                                eos_id))
+        with timer("reward"):
+            scores = rm_scores(prompts, responses)
+            cf_scores = rm_scores(cf_prompts, cf_responses)
+        credits = [[] for _ in range(B)]
+        for i, cf_score in zip(cf_owner, cf_scores.tolist()):
+            credits[i].append(scores[i].item() - cf_score)
+
+        # 4. per-token rewards: beta * d_k / |unit| on unit k, (1 - beta) R last; clip; minus eta * k1
+        action_units = [[(len(prompts[i]) + s - 1, len(prompts[i]) + e - 1) for s, e in units[i]] for i in range(B)]
+        raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
+                                         args.unitless_fallback)
+        rewards, kl_k1 = shaped_rewards(raw_rewards, old_logp, ref_logp if ref_policy is not None else old_logp,
+                                        mask, args.kl_coef, args.reward_clip)
+
+        # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        if args.whiten_advantages:
+            sums = torch.stack([(advantages * mask).sum(), (advantages**2 * mask).sum(), mask.sum()]).double().cpu()
+            info.all_reduce(sums)
+            mean = sums[0] / sums[2]
+            var = sums[1] / sums[2] - mean**2
+            advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
+
+        # 6. update: num_ppo_epochs x num_minibatches steps of the policy, then the critic, on the same minibatch
+        stats = {k: [] for k in ("pg", "vf", "clip", "vclip", "ratio", "approxkl")}
+        grad_norms, critic_norms = [], []
+        with timer("train"):
+            for _ in range(args.num_ppo_epochs):
+                perm = torch.randperm(B)
+                for m in range(args.num_minibatches):
+                    mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
+                    global_tokens = info.all_reduce(mask[mb_idx].sum().clone().cpu()).item()
+                    for a in range(args.gradient_accumulation_steps):
+                        idx = mb_idx[a * mb : (a + 1) * mb]
+                        m_mask = mask[idx]
+                        # policy: token mean of the clipped surrogate over the minibatch (all ranks)
+                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
+                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
+                        policy.backward((pg * m_mask).sum() * info.world_size / max(global_tokens, 1),
+                                        scale_wrt_gas=False)
+                        norm = optimizer_step(policy)
+                        grad_norms += [norm] if norm is not None else []
+                        # critic: clipped value regression on the GAE returns
+                        values = critic_values(critic, input_ids[idx], attn[idx])
+                        vf, vclipped = value_loss(values, old_values[idx], returns[idx], args.cliprange_value)
+                        critic.backward((vf * m_mask).sum() * info.world_size / max(global_tokens, 1),
+                                        scale_wrt_gas=False)
+                        norm = optimizer_step(critic)
+                        critic_norms += [norm] if norm is not None else []
+                        with torch.no_grad():
+                            n = m_mask.sum().clamp(min=1)
+                            mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
+                            stats["pg"].append(mm(pg))
+                            stats["vf"].append(mm(vf))
+                            stats["clip"].append(mm(clipped))
+                            stats["vclip"].append(mm(vclipped))
+                            stats["ratio"].append(mm(ratio))
+                            stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
+
+        # 7. weight sync
+        with timer("sync"):
+            generator.wake_up()
+            generator.sync_weights(full_named_parameters(policy, info))
+
+        # 8. log (reduced over ranks once per step)
+        lengths = mask.sum(1)
+        flat_credits = [d for c in credits for d in c]
+        with_units = [i for i in range(B) if units[i]]
+        # the identity sum_a r_a = beta * sum_k d_k + (1 - beta) R, before clipping (0 up to rounding)
+        identity_err = max([abs(raw_rewards[i].sum().item() - args.drca_beta * sum(credits[i])
+                                - (1 - args.drca_beta) * scores[i].item()) for i in with_units], default=0.0)
+        ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
+        avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+        local = {
+            "objective/scores": scores.mean().item(),
+            "objective/kl": kl_k1.sum(1).mean().item(),
+            "objective/non_score_reward": -(args.kl_coef * kl_k1).sum(1).mean().item(),
+            "objective/entropy": ((entropy * mask).sum(1) / lengths.clamp(min=1)).mean().item(),
+            "drca/units_per_seq": sum(len(u) for u in units) / B,
+            "drca/unitless_frac": 1 - len(with_units) / B,
+            "drca/credit_mean": avg(flat_credits),
+            "drca/credit_std": (avg([d * d for d in flat_credits]) - avg(flat_credits) ** 2) ** 0.5
+            if flat_credits else 0.0,
+            "drca/rm_calls": float(B + len(cf_responses)),
+            "drca/sum_identity_err": identity_err,
+            "drca/token_reward_clipfrac": ((raw_rewards.abs() > args.reward_clip).float() * mask).sum().item()
+            / mask.sum().item(),
+            "loss/policy_avg": avg(stats["pg"]), "loss/value_avg": avg(stats["vf"]),
+            "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
+            "val/clipfrac_avg": avg(stats["vclip"]), "val/ratio": avg(stats["ratio"]),
+            "val/values_mean": (old_values.sum() / mask.sum()).item(),
+            "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
+            "val/sequence_lengths": lengths.mean().item(),
+            "val/stop_rate": finished.float().mean().item(),
+            "optim/grad_norm": avg(grad_norms), "optim/critic_grad_norm": avg(critic_norms),
+        }
+        gathered = info.gather_objects(local)
+        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        metrics["drca/rm_calls"] = sum(g["drca/rm_calls"] for g in gathered)  # per step, all ranks
+        metrics["drca/sum_identity_err"] = max(g["drca/sum_identity_err"] for g in gathered)
+        metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
+                        "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size, **timer.pop()})
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            with timer("eval"):
+                metrics.update(evaluate(step))
+            metrics.update(timer.pop())
+        tracker.log(metrics, step)
+        tracker.progress(1, score=metrics["objective/scores"], units=metrics["drca/units_per_seq"],
+                         acc=metrics.get("eval/accuracy", float("nan")))
+        if args.sample_every and step % args.sample_every == 0:
+            tracker.log_samples([{"prompt": decode(prompts[i]), "completion": decode(responses[i]),
+                                  "score": scores[i].item(),
+                                  "units": [decode(responses[i][s:e]) for s, e in units[i]],
+                                  "credits": [round(d, 4) for d in credits[i]],
+                                  "finish_reason": comps[i].finish_reason}
+                                 for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+
+    metrics = evaluate(args.num_steps)
+    metrics["time/total"] = time.time() - start
+    metrics.update(check_ranks(policy, info, local_idx))
+    tracker.log(metrics, args.num_steps)
+    tracker.write(f"held-out accuracy {first.get('eval/accuracy', float('nan')):.3f} -> "
+                  f"{metrics.get('eval/accuracy', float('nan')):.3f}, reward {first['eval/reward']:.3f} -> "
+                  f"{metrics['eval/reward']:.3f} in {metrics['time/total']:.0f}s")
+    final = ""
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
+        tracker.write(f"saved {final} and the critic in {args.output_dir}/critic")
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

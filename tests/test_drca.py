@@ -1,0 +1,225 @@
+"""DRCA's pure functions (spec: ../shared/specs/drca.md, "Tests this implementation should have")."""
+
+import pytest
+import torch
+
+from algorithms import drca, ppo
+from algorithms.drca import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_span_to_tokens, compute_gae,
+                             counterfactual_response, entropy_units, masked_whiten, regex_units, shaped_rewards,
+                             think_prefix_length, unit_token_rewards)
+
+
+def units_text(text, spans):
+    return [text[a:b] for a, b in spans]
+
+
+# ---------------------------------------------------------------- unit extraction (spec tests 4, 5, 8, 11)
+def test_regex_units_on_the_spec_example():
+    text = "Intro\nA. x.\n\nB. y.\nC. z."
+    assert units_text(text, regex_units(text, LABEL_PATTERN, 10)) == ["A. x.", "B. y.", "C. z."]
+    assert units_text(text, regex_units(text, LABEL_PATTERN, 2)) == ["A. x.", "B. y.\nC. z."]  # the N-th absorbs
+    assert units_text(text, regex_units(text, LABEL_PATTERN, 1)) == ["A. x.\n\nB. y.\nC. z."]
+
+
+def test_regex_units_blank_lines_recommended_vs_reference_offsets():
+    text = "A. x\n\nB. y"
+    assert units_text(text, regex_units(text, LABEL_PATTERN, 10)) == ["A. x", "B. y"]
+    assert units_text(text, regex_units(text, LABEL_PATTERN, 10, code_compat=True)) == ["A. x", "\nB. y"]
+    # without blank lines the reference's offsets are right (its unit ends before the "\n")
+    text = "Intro\nA. x.\nB. y."
+    assert units_text(text, regex_units(text, LABEL_PATTERN, 10, code_compat=True)) == ["A. x.", "B. y."]
+
+
+def test_regex_label_sets():
+    text = "1. one\n*A. two\nAB. three\nabc. no\nABC. no"
+    assert units_text(text, regex_units(text, UNIT_PATTERNS["labels"], 10)) == ["*A. two", "AB. three\nabc. no\nABC. no"]
+    assert units_text(text, regex_units(text, UNIT_PATTERNS["labels+digits"], 10))[0] == "1. one"
+    assert regex_units("no labels here\nnor here", LABEL_PATTERN, 10) == []
+
+
+def test_lines_pattern_gives_one_unit_per_line_of_the_builtin_task():
+    text = "7\n12\n13"
+    assert units_text(text, regex_units(text, UNIT_PATTERNS["lines"], 10)) == ["7", "12", "13"]
+    assert units_text(text, regex_units(text, UNIT_PATTERNS["lines"], 2)) == ["7", "12\n13"]
+    assert units_text("7\n\n 12\n", regex_units("7\n\n 12\n", UNIT_PATTERNS["lines"], 10)) == ["7\n\n 12"]
+
+
+def test_entropy_units_on_the_spec_example():
+    H = [0.1, 2.0, 0.2, 0.3, 1.9, 0.1, 0.1]
+    assert entropy_units(H, 1.5, 10, "after", cap=False) == [(0, 2), (2, 5), (5, 7)]  # the reference
+    assert entropy_units(H, 1.5, 10) == [(0, 1), (1, 4), (4, 7)]  # recommended: a peak starts a unit
+    assert entropy_units(H, 1.5, 2) == [(0, 1), (1, 7)]
+    assert entropy_units(H, 1.5, 2, "after", cap=False) == [(0, 2), (2, 5), (5, 7)]  # the reference ignores N
+    assert entropy_units([3.0, 0.1], 1.5, 10) == [(0, 2)]  # a peak on the first token starts nothing new
+    assert entropy_units([0.1, 0.1, 3.0], 1.5, 10, "after") == [(0, 3)]  # ... nor one on the last ("after")
+    assert entropy_units([], 1.5, 10) == []
+    with pytest.raises(ValueError, match="entropy_boundary"):
+        entropy_units(H, 1.5, 10, "middle")
+
+
+def test_think_prefix_is_detected_not_hard_coded():
+    assert think_prefix_length(["<think>", "\n\n", "</think>", "\n\n", "A", "."]) == 4  # Qwen3, thinking off
+    assert think_prefix_length(["<think>", "hm", "</", "think>", "\n", "A"]) == 5
+    assert think_prefix_length(["A", ".", " ", "x"]) == 0
+    assert think_prefix_length(["<think>", "still thinking"]) == 2  # unterminated: no text region
+
+
+def test_char_offsets_with_a_char_tokenizer():
+    from shared.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    ids = tok.encode("7\n12\n13", add_special_tokens=False)
+    decode = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
+    offsets = char_offsets(decode, ids)
+    assert offsets == list(range(8))
+    assert char_span_to_tokens(offsets, 2, 4) == (2, 4)
+
+
+def test_char_offsets_by_prefix_decoding_keep_multibyte_characters():
+    """A byte-level BPE splits é / 日 over several tokens: per-token decoding gives U+FFFD pieces of the wrong
+    length; prefix decoding maps every unit to exactly the tokens that decode to it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["A. B. hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    text = "A. café 日本\nB. ü!"
+    ids = tok.encode(text).ids
+    decode = lambda x: tok.decode(x)  # noqa: E731
+    assert decode(ids) == text
+    assert sum(len(tok.decode([i])) for i in ids) != len(text)  # per-token decoding miscounts
+    offsets = char_offsets(decode, ids)
+    assert offsets[0] == 0 and offsets[-1] == len(text) and offsets == sorted(offsets)
+    for cs, ce in regex_units(text, LABEL_PATTERN, 10):
+        ts, te = char_span_to_tokens(offsets, cs, ce)
+        assert decode(ids[ts:te]) == text[cs:ce]
+
+
+# ---------------------------------------------------------------- counterfactuals (spec test 3)
+def test_counterfactual_shapes_and_eos():
+    resp, fill, eos = [10, 11, 12, 13, 14, 2], 0, 2
+    cf = counterfactual_response(resp, 1, 3, "truncate", fill, eos)
+    assert cf == [10, 0, 0, 2] and len(cf) == 3 + 1  # prompt + e + 1 tokens with the prompt in front
+    cf = counterfactual_response(resp, 1, 3, "mask", fill, eos)
+    assert cf == [10, 0, 0, 13, 14, 2] and len(cf) == len(resp)
+    assert counterfactual_response(resp, 0, 5, "truncate", fill, eos) == [0] * 5 + [2]
+    with pytest.raises(ValueError, match="counterfactual"):
+        counterfactual_response(resp, 0, 1, "drop", fill, eos)
+
+
+# ---------------------------------------------------------------- reward shaping (spec tests 1, 2, 9, 12)
+def batch():
+    scores = torch.tensor([1.5, -0.7, 0.3])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]]).float()
+    last = torch.tensor([5, 6, 3])
+    units = [[(1, 3), (3, 5)], [(2, 4), (4, 5), (5, 6)], [(1, 3)]]
+    credits = [[0.4, -1.1], [2.0, 0.5, -0.25], [0.9]]
+    return scores, mask, last, units, credits
+
+
+def test_beta_zero_gives_exactly_ppo_rewards():
+    scores, mask, last, units, credits = batch()
+    logp, ref = torch.randn(3, 7), torch.randn(3, 7)
+    raw = unit_token_rewards(scores, units, credits, last, 7, beta=0.0)
+    ours, _ = shaped_rewards(raw, logp, ref, mask, kl_coef=0.05, reward_clip=10.0)
+    theirs = ppo.score_rewards(scores, mask) - 0.05 * ppo.kl_penalty(logp, ref, "k1") * mask  # ppo.py, reward flavour
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_sum_of_token_rewards_identity():
+    scores, mask, last, units, credits = batch()
+    beta = 0.8
+    r = unit_token_rewards(scores, units, credits, last, 7, beta)
+    for i in range(3):
+        assert r[i].sum().item() == pytest.approx(beta * sum(credits[i]) + (1 - beta) * scores[i].item(), abs=1e-6)
+    # spread uniformly on the unit, (1 - beta) R on the last action, 0 elsewhere
+    torch.testing.assert_close(r[0], torch.tensor([0, 0.16, 0.16, -0.44, -0.44, 0.3, 0]))
+
+
+def test_unitless_fallback():
+    scores, mask, last, units, credits = batch()
+    units[1], credits[1] = [], []
+    r = unit_token_rewards(scores, units, credits, last, 7, 0.8, "terminal")
+    assert r[1].tolist() == [0, 0, 0, 0, 0, 0, pytest.approx(-0.7)]
+    r = unit_token_rewards(scores, units, credits, last, 7, 0.8, "zeros")
+    assert r[1].abs().sum() == 0 and r[0].abs().sum() > 0  # the reference: trained on the KL penalty alone
+    # no response with a unit at all: the reference falls back to plain PPO for the whole batch
+    r = unit_token_rewards(scores, [[], [], []], [[], [], []], last, 7, 0.8, "zeros")
+    torch.testing.assert_close(r, ppo.score_rewards(scores, mask))
+
+
+def test_reward_clip_before_kl_and_kl_clamped():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    raw = torch.tensor([[25.0, -30.0, 1.0, 7.0]])
+    logp, ref = torch.tensor([[0.0, -20.0, -1.0, 5.0]]), torch.tensor([[-15.0, 0.0, -1.5, 0.0]])
+    r, kl = shaped_rewards(raw, logp, ref, mask, kl_coef=0.1, reward_clip=10.0)
+    assert kl.tolist() == [[10.0, -10.0, 0.5, 0.0]]  # k1 clamped to [-10, 10], 0 on padding
+    torch.testing.assert_close(r, torch.tensor([[10.0 - 1.0, -10.0 + 1.0, 1.0 - 0.05, 0.0]]))
+
+
+# ---------------------------------------------------------------- PPO pieces (spec tests 6, 7, 10)
+def test_gae_gamma_lambda_one_is_reward_to_go():
+    torch.manual_seed(0)
+    _, mask, *_ = batch()
+    rewards, values = torch.randn(3, 7) * mask, torch.randn(3, 7)
+    adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
+    to_go = torch.flip(torch.cumsum(torch.flip(rewards, [1]), 1), [1]) * mask
+    torch.testing.assert_close(ret, to_go)
+    torch.testing.assert_close(adv + values * mask, to_go)
+
+
+def test_whitening_over_masked_tokens():
+    torch.manual_seed(0)
+    _, mask, *_ = batch()
+    w = masked_whiten(torch.randn(3, 7) * 5 + 3, mask)
+    n = mask.sum()
+    assert ((w * mask).sum() / n).item() == pytest.approx(0.0, abs=1e-5)
+    assert (((w**2) * mask).sum() / n).item() == pytest.approx(1.0, abs=1e-4)
+    assert (w * (1 - mask)).abs().sum() == 0
+
+
+def test_credit_is_independent_of_mu_and_scales_with_one_over_sigma(tiny_model):
+    from transformers import LlamaForSequenceClassification
+
+    from shared.scalar import score_last_token
+
+    _, tok = tiny_model
+    torch.manual_seed(0)
+    from shared.tiny import tiny_config
+
+    rm = LlamaForSequenceClassification(tiny_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id))
+    rm.config.num_labels = 1
+    rm.score = torch.nn.Linear(rm.config.hidden_size, 1, bias=False)
+    rm.eval()
+    prompt = tok.encode("3+4+5+1=")
+    resp = tok.encode("7\n12\n13", add_special_tokens=False) + [tok.eos_token_id]
+    cf = counterfactual_response(resp, 2, 4, "truncate", tok.encode(" ", add_special_tokens=False)[0],
+                                 tok.eos_token_id)
+    from shared.data import pad_batch
+
+    ids, attn, _ = pad_batch([prompt, prompt], [resp, cf], tok.pad_token_id)
+
+    def credit(mu, sigma):
+        rm.config.reward_mean, rm.config.reward_std = mu, sigma
+        with torch.no_grad():
+            s = score_last_token(rm, ids, attn)
+        return (s[0] - s[1]).item()
+
+    d = credit(0.0, 1.0)
+    assert d != 0
+    assert credit(3.7, 1.0) == pytest.approx(d, rel=1e-5)
+    assert credit(-2.0, 2.0) == pytest.approx(d / 2, rel=1e-5)
+
+
+def test_validate_names_the_flag():
+    for kwargs, flag in [({"drca_beta": 1.5}, "drca_beta"), ({"drca_beta": -0.1}, "drca_beta"),
+                         ({"unit_extraction": "words"}, "unit_extraction"), ({"counterfactual": "x"}, "counterfactual"),
+                         ({"unitless_fallback": "r"}, "unitless_fallback"), ({"max_units_per_sequence": 0},
+                                                                              "max_units_per_sequence"),
+                         ({"unit_pattern": "("}, "unit_pattern"), ({"reward_model_path": ""}, "reward_model_path"),
+                         ({"entropy_source": "reference", "kl_coef": 0.0}, "entropy_source")]:
+        with pytest.raises(ValueError, match=flag):
+            drca.validate(drca.Args(**kwargs))
+    drca.validate(drca.Args(drca_beta=0.0))  # beta = 0 is allowed: plain PPO
