@@ -138,9 +138,12 @@ def child_env(extra: dict | None = None) -> dict:
 
 
 # --- running contenders -----------------------------------------------------------------------------------------
-def run_child(script_argv: list[str], workdir: Path, env: dict | None = None, timeout: float | None = None) -> dict:
-    """Run `python <script> <args>` through the wrapper below, in its own process; wait for it.
+def run_child(script_argv: list[str], workdir: Path, env: dict | None = None, timeout: float | None = None,
+              profile: Path | None = None) -> dict:
+    """Run `python <script> <args>` through the wrapper below, in its own process; wait for it. With `profile`,
+    the child runs under cProfile and dumps its stats there (for "where the time goes", never for timings).
 
+    The profile covers training steps 2..N only (see `_profile_training_steps`).
     Returns {"rc", "wall_s", "peak_rss_mb", "gpu_max_allocated_mb", "gpu_max_reserved_mb", "log"}; the child's
     stdout+stderr go to workdir/log.txt. Raises RuntimeError with the log tail if the child fails."""
     workdir = Path(workdir)
@@ -148,7 +151,8 @@ def run_child(script_argv: list[str], workdir: Path, env: dict | None = None, ti
     result = workdir / "child_result.json"
     result.unlink(missing_ok=True)
     log = workdir / "log.txt"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--result", str(result), "--", *map(str, script_argv)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--result", str(result),
+           *(["--profile", str(profile)] if profile else []), "--", *map(str, script_argv)]
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         fh.write(" ".join(cmd) + "\n")
@@ -176,6 +180,31 @@ def run_child(script_argv: list[str], workdir: Path, env: dict | None = None, ti
     return out
 
 
+def _profile_training_steps():
+    """A cProfile.Profile that our scripts' Tracker switches on once the first training step has been logged and
+    off once the last one has: it covers steps 2..N (steady state), not imports, model loading or engine start."""
+    import cProfile
+
+    from shared import tracking
+
+    profiler, original = cProfile.Profile(), tracking.Tracker.log
+    state = {"on": False}
+
+    def log(self, metrics, step):
+        original(self, metrics, step)
+        if "time/train" not in metrics:
+            return
+        if not state["on"] and step < getattr(self.bar, "total", step + 1):
+            profiler.enable()
+            state["on"] = True
+        elif state["on"] and step >= getattr(self.bar, "total", step + 1):
+            profiler.disable()
+            state["on"] = False
+
+    tracking.Tracker.log = log
+    return profiler
+
+
 def _child_main(argv: list[str]) -> None:
     """Wrapper mode: run the script after `--` as __main__, then write its GPU memory peak to --result."""
     import runpy
@@ -187,9 +216,15 @@ def _child_main(argv: list[str]) -> None:
     sys.path[0] = str(Path(script).resolve().parent)  # as `python script.py` would
     if str(ROOT) not in sys.path:
         sys.path.insert(1, str(ROOT))
+    profiler = None
+    if "--profile" in argv[:sep]:
+        profiler = _profile_training_steps()
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(argv[argv.index("--profile") + 1])
         stats = {}
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -199,6 +234,20 @@ def _child_main(argv: list[str]) -> None:
 
 
 # --- output -----------------------------------------------------------------------------------------------------
+def top_functions(prof_path: Path, n: int = 20, sort: str = "tottime") -> list[dict]:
+    """The n functions with the most self time (or `sort`) in a cProfile dump: file:line(function), calls, seconds."""
+    import pstats
+
+    stats = pstats.Stats(str(prof_path)).sort_stats(sort)
+    out = []
+    for func in stats.fcn_list[:n]:
+        cc, nc, tt, ct, _ = stats.stats[func]
+        path, line, name = func
+        short = "/".join(Path(path).parts[-2:]) if path != "~" else ""
+        out.append({"function": f"{short}:{line}({name})" if short else name, "calls": nc, "self_s": tt, "cum_s": ct})
+    return out
+
+
 def fmt(v, digits: int = 3) -> str:
     if v is None:
         return "-"

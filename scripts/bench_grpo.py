@@ -2,6 +2,7 @@
 
     python scripts/bench_grpo.py                 # CPU, built-in tiny model, 3 alternating repeats (~5 min, 2 cores)
     python scripts/bench_grpo.py --quick         # smoke run: tiny batch, 1 repeat (~1-2 min)
+    python scripts/bench_grpo.py --contenders ours --repeats 1 --profile   # + cProfile of our step (top functions)
     python scripts/bench_grpo.py --gpu           # 1 GPU: Qwen/Qwen2.5-0.5B-Instruct, bf16, 256 new tokens
     python scripts/bench_grpo.py --gpu --model Qwen/Qwen2.5-1.5B-Instruct --max_new_tokens 512
 
@@ -63,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="JSON summary directory (default runs/bench/grpo)")
     p.add_argument("--keep", action="store_true", help="keep the contenders' run directories (metrics, logs)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, one more `ours` run under cProfile: top functions by self time")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one TRL contender
     p.add_argument("--child_dir", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -281,10 +284,17 @@ def main(argv=None) -> dict | None:
                     print(f"  {name} rep {rep}: median step {statistics.median(res['step_s']):.3f}s "
                           f"({time.perf_counter() - t:.0f}s)", flush=True)
                 runs[name].append(res)
+        profile = None
+        if a.profile and "ours" not in failed:
+            out = base / "ours_profile"
+            prof = (a.out or ROOT / "runs/bench/grpo") / "ours_profile.prof"
+            prof.parent.mkdir(parents=True, exist_ok=True)
+            bc.run_child(ours_argv(a, "vllm", out, a.seed), out, profile=prof)
+            profile = {"path": str(prof), "top_self_time": bc.top_functions(prof, 25)}
     summary = summarize_runs(a, runs)
     result = {"benchmark": "grpo", "env": env, "settings": {k: v for k, v in vars(a).items()
                                                             if k not in ("child", "child_dir", "out")},
-              **summary, "runs": runs}
+              **summary, "profile": profile, "runs": runs}
     path = bc.write_result("grpo", result, a.out)
 
     rows = []
@@ -304,6 +314,9 @@ def main(argv=None) -> dict | None:
             total = sum(s["phases_median_s"].values())
             split = ", ".join(f"{k} {v:.3f}s ({v / total:.0%})" for k, v in s["phases_median_s"].items())
             print(f"{name} step split (medians): {split}; sync fraction median {s['sync_fraction']['median']:.2%}")
+    if profile:
+        print(f"cProfile of steps 2..{a.steps} of one `ours` run ({profile['path']}):")
+        print(bc.table(profile["top_self_time"][:15], ["function", "calls", "self_s", "cum_s"]))
     print(f"wrote {path}")
     return result
 
