@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     d = dict(model="Qwen/Qwen2.5-0.5B-Instruct", steps=4, num_prompts=16, mc_num_prompts=8, max_new_tokens=256,
              micro_batch_size=16, learning_rate=1e-6) if a.gpu else \
-        dict(model="builtin:tiny-sft", steps=4, num_prompts=64, mc_num_prompts=32, max_new_tokens=16,
+        dict(model="builtin:tiny-sft", steps=4, num_prompts=64, mc_num_prompts=16, max_new_tokens=16,
              micro_batch_size=256, learning_rate=1e-4)
     if a.quick:
         d.update(steps=3, num_prompts=8, mc_num_prompts=4, max_new_tokens=16, micro_batch_size=16)
