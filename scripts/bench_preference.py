@@ -13,7 +13,7 @@ Contenders, each a fresh subprocess per repeat, alternating (A B C D, D C B A, .
 
 Identical settings: same model, the same training pairs (built-in preference pairs, the ones our run draws, as
 text: both sides tokenize to BOS + prompt + response + EOS), pairs per step, one micro-batch per step, beta 0.1,
-lr (DPO 1e-4, RM 3e-4) with 3% linear warm-up and cosine decay to 10%, plain AdamW without weight decay, grad
+lr (CPU: DPO 1e-4, RM 3e-4; GPU: 5e-7, 1e-5) with 3% linear warm-up and cosine decay to 10%, plain AdamW without weight decay, grad
 clip 1.0, no gradient checkpointing, fp32 on CPU. No evaluation inside the timed window; mismatches in
 docs/performance.md.
 
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--algos: expected dpo and/or rm, got {a.algos}")
     if a.steps % WINDOW or a.steps < 3 * WINDOW:
         p.error(f"--steps: a multiple of {WINDOW}, at least {3 * WINDOW}")
-    a.lr = {"dpo": 1e-4, "rm": 3e-4}
+    a.lr = {"dpo": 5e-7, "rm": 1e-5} if a.gpu else {"dpo": 1e-4, "rm": 3e-4}  # the scripts' CPU defaults; hub-model lrs
     return a
 
 
