@@ -118,6 +118,32 @@ class VLLMGenerator:
             self.llm.wake_up()
 
 
+class _SampledLogprobs:
+    """Logits processor (last in the list) recording log softmax(processed scores)[sampled token] at every step.
+
+    The token sampled at step t is only known at step t+1 (the last input id), so one [B, V] log-softmax is kept
+    per step instead of `output_scores`' [B, V] for every step (B*T*V floats: hundreds of GB at 512 x 256 tokens
+    with a 152k vocabulary; +2 GB already for 4k tokens with 32k, measured in docs/performance.md)."""
+
+    def __init__(self):
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """Log-probs [B, T] of the generated tokens [B, T] (the last step's token completes the record)."""
+        if self.prev is None or generated.shape[1] == 0:
+            return torch.zeros(generated.shape, dtype=torch.float32)
+        steps = self.steps + [self.prev.gather(-1, generated[:, -1:].to(self.prev.device)).squeeze(-1)]
+        self.prev, self.steps = None, []
+        return torch.stack(steps[: generated.shape[1]], dim=1).float()
+
+
 class HFGenerator:
     """`model.generate` on the training model itself (no copy, nothing to sync)."""
 
@@ -141,7 +167,7 @@ class HFGenerator:
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
                   seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
         device = next(self.model.parameters()).device
         P = max(len(p) for p in prompts)
@@ -155,24 +181,32 @@ class HFGenerator:
         self.model.eval()
         greedy = temperature == 0
         # a fresh GenerationConfig: no sampling defaults from the checkpoint (top_k, repetition_penalty, ...)
-        # leak in, so the sampler is exactly softmax(logits / T) with optional top-p (pitfalls P8)
+        # leak in, so the sampler is exactly softmax(logits / T) with optional top-p (pitfalls P8). Temperature and
+        # top-p are applied by our own processor list, followed by the recorder of the sampled tokens' log-probs
+        # (HF puts user processors before its own warpers, so the config keeps T = 1, top-p = 1: no warpers).
         config = GenerationConfig(
-            do_sample=not greedy, temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-            top_k=0, max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=stops,
-            pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
+            do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+            num_return_sequences=n, eos_token_id=stops, pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True, use_cache=True,
         )
+        recorder = _SampledLogprobs()
+        processors = LogitsProcessorList([] if greedy else [TemperatureLogitsWarper(temperature)])
+        if not greedy and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=top_p))
+        processors.append(recorder)
         saved, self.model.generation_config = self.model.generation_config, config  # (HF back-fills from it)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed_for(seed, index_offset))
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                          generation_config=config, synced_gpus=self.synced_gpus)
+                                          generation_config=config, logits_processor=processors,
+                                          synced_gpus=self.synced_gpus)
         finally:
             self.model.generation_config = saved
         self.model.train(was_training)
-        gen = out.sequences[:, P:].cpu()  # [len(prompts) * n, T], prompt-major
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # processed logits [B*n, T, V]
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+        gen = out.sequences[:, P:]  # [len(prompts) * n, T], prompt-major
+        logprobs = recorder.finish(gen).cpu()  # [B*n, T]
+        gen = gen.cpu()
         result = []
         for i in range(len(prompts)):
             group = []

@@ -14,7 +14,7 @@ import torch
 from algorithms.grpo import forward_logprobs
 from shared import data
 from shared.distributed import DistInfo, full_named_parameters
-from shared.generation import HFGenerator, VLLMGenerator
+from shared.generation import HFGenerator, VLLMGenerator, seed_for
 
 TOL = 1e-4
 T = 0.7
@@ -159,3 +159,49 @@ def test_hf_and_vllm_agree_greedily(engine, model_and_prompts):
     hf = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
     kw = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, seed=0)
     assert [g[0].token_ids for g in hf.generate(prompts, **kw)] == [g[0].token_ids for g in engine.generate(prompts, **kw)]
+
+
+def test_hf_sampled_logprobs_recorder_matches_output_scores(model_and_prompts):
+    """The HF backend records the sampled tokens' log-probs step by step (one [B, V] at a time) instead of keeping
+    `output_scores` for every step; with temperature and top-p it must sample the same tokens and return the same
+    processed log-probs as HF's own warpers + output_scores (the previous implementation)."""
+    from transformers import GenerationConfig
+
+    model, tok, prompts = model_and_prompts
+    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
+    out = gen.generate(prompts, n=3, temperature=T, top_p=0.8, max_new_tokens=10, seed=11)
+
+    P = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(do_sample=True, temperature=T, top_p=0.8, top_k=0, max_new_tokens=10,
+                              num_return_sequences=3, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                              output_scores=True, return_dict_in_generate=True)
+    saved, model.generation_config = model.generation_config, config
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_for(11, 0))
+            ref = model.generate(input_ids=ids, attention_mask=attn, generation_config=config)
+    finally:
+        model.generation_config = saved
+    seqs = ref.sequences[:, P:]
+    ref_lp = torch.log_softmax(torch.stack(ref.scores, 1).float(), -1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+    for row, c in enumerate(c for g in out for c in g):
+        assert c.token_ids == seqs[row, : len(c.token_ids)].tolist()
+        assert torch.allclose(torch.tensor(c.logprobs), ref_lp[row, : len(c.token_ids)], atol=1e-5)
+
+
+def test_sampled_logprobs_recorder_unit():
+    from shared.generation import _SampledLogprobs
+
+    torch.manual_seed(0)
+    scores = [torch.randn(2, 5) for _ in range(3)]
+    tokens = torch.tensor([[1, 4, 0], [3, 3, 2]])
+    rec, ids = _SampledLogprobs(), torch.tensor([[7], [7]])
+    for t in range(3):  # generate's loop: processors see the ids so far, then the sampled token is appended
+        assert rec(ids, scores[t]) is scores[t]
+        ids = torch.cat([ids, tokens[:, t : t + 1]], 1)
+    expected = torch.stack([torch.log_softmax(scores[t], -1).gather(-1, tokens[:, t : t + 1]).squeeze(-1)
+                            for t in range(3)], 1)
+    assert torch.allclose(rec.finish(tokens), expected)
+    assert len(rec.steps) == 0 and rec.prev is None  # nothing kept after finish

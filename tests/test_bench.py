@@ -1,0 +1,83 @@
+"""The benchmark scripts' pure helpers and CLIs (no timing, nothing launched; the scripts themselves are benchmarks)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bc = load("bench_common")
+
+
+def test_summarize():
+    assert bc.summarize([3.0, 1.0, 2.0, None]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    assert bc.summarize([]) == {"min": None, "median": None, "max": None, "n": 0}
+
+
+def test_paired_ratios():
+    assert bc.paired_ratios([1.0, 3.0], [2.0, 1.5]) == [0.5, 2.0]
+    assert bc.paired_ratios([1.0, None], [0.0, 2.0]) == []  # division by zero and missing values are skipped
+    with pytest.raises(ValueError):
+        bc.paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_alternating_order():
+    assert bc.alternating_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bc.alternating_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert bc.alternating_order(["a", "b", "c"], 2) == ["a", "b", "c"]
+
+
+def test_step_times_from_rows_drops_warmup_and_divides_windows():
+    rows = [{"step": 0, "time": 5.0, "eval/accuracy": 0.5},  # not a step row
+            {"step": 1, "time": 10.0, "time/train": 1.0},  # warm-up: only the reference point
+            {"step": 2, "time": 12.0, "time/train": 1.0},
+            {"step": 3, "time": 13.5, "time/train": 1.0},
+            {"step": 3, "time": 20.0, "eval/accuracy": 0.6}]
+    assert bc.step_times_from_rows(rows) == [2.0, 1.5]
+    windows = [{"step": 10, "time": 4.0, "time/train": 3.0}, {"step": 20, "time": 6.0, "time/train": 2.0}]
+    assert bc.step_times_from_rows(windows) == [pytest.approx(0.2)]
+
+
+def test_iteration_times():
+    ends = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]  # 2 optimizer steps per iteration: iterations end at 2, 4, 8
+    assert bc.iteration_times(ends, 2) == [2.0, 4.0]
+    assert bc.iteration_times(ends, 1) == [1.0, 1.0, 1.0, 2.0, 2.0]
+
+
+def test_table_and_fmt():
+    text = bc.table([{"a": 1.23456, "b": None}, {"a": 12345.6, "b": "x"}], ["a", "b"])
+    lines = text.splitlines()
+    assert lines[0].startswith("| a") and "1.23" in lines[2] and "12346" in lines[3] and "-" in lines[2]
+
+
+def test_child_env_puts_this_checkout_first():
+    env = bc.child_env({"X": "1"})
+    assert env["PYTHONPATH"].split(":")[0] == str(bc.ROOT) and env["X"] == "1"
+    assert "RANK" not in env
+
+
+@pytest.mark.parametrize("name", ["bench_grpo", "bench_preference", "bench_vineppo", "bench_generation"])
+def test_cli_defaults(name):
+    mod = load(name)
+    full, quick, gpu = mod.parse_args([]), mod.parse_args(["--quick"]), mod.parse_args(["--gpu"])
+    assert full.repeats >= 3 and quick.repeats == 1
+    assert full.model.startswith("builtin:") and "Qwen" in gpu.model
+
+
+def test_grpo_batch_mapping_to_trl():
+    a = load("bench_grpo").parse_args([])
+    # 64 prompts x 8 = 512 completions, 2 minibatches of 256 = 1 micro-batch each, 2 passes -> 4 optimizer steps
+    assert (a.batch, a.grad_accum, a.optimizer_steps_per_iteration) == (512, 1, 4)
+    with pytest.raises(SystemExit):
+        load("bench_grpo").parse_args(["--micro_batch_size", "100"])
