@@ -1,7 +1,7 @@
 """DRCA vs PPO head to head (an experiment, not a test): same warm start, same reward model, same seeds and budget.
 
     python scripts/compare_drca_ppo.py --seeds 1 2 3                          # built-in task on CPU
-    python scripts/compare_drca_ppo.py --seeds 1 2 3 --extra --total_episodes 25600   # flags for both arms
+    python scripts/compare_drca_ppo.py --seeds 1 2 3 --extra --total_episodes 51200   # flags for both arms
 
 The PPO arm is `algorithms/drca.py --drca_beta 0`: with beta = 0 the per-token reward is exactly ppo.py's
 RLHF-flavour reward (R on the last token, minus eta * k1; tests/test_drca.py checks it against ppo.py), and no
