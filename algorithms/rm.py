@@ -162,7 +162,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
     check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
                                 "keep_checkpoints"),
-                non_negative=("eval_every", "eval_num_pairs", "num_sample_pairs", "save_every", "stop_after_steps", "max_nonfinite_steps"))
+                non_negative=("eval_every", "eval_num_pairs", "num_sample_pairs", "save_every", "stop_after_steps",
+                              "max_nonfinite_steps"))
     if args.center_rewards_coefficient < 0:
         raise ValueError(f"center_rewards_coefficient: must be >= 0, got {args.center_rewards_coefficient}")
     info = init_distributed()

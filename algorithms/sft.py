@@ -155,7 +155,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
     check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
                                 "max_new_tokens", "keep_checkpoints"),
-                non_negative=("eval_every", "eval_num_prompts", "save_every", "stop_after_steps", "max_nonfinite_steps"))
+                non_negative=("eval_every", "eval_num_prompts", "save_every", "stop_after_steps",
+                              "max_nonfinite_steps"))
     if args.loss_reduction not in ("seq_mean", "token_mean"):
         raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {args.loss_reduction!r}")
     info = init_distributed()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import re
 import shutil
@@ -78,7 +77,8 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / "state.pt").exists()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / "state.pt").exists()]
     return sorted(found)
 
 

@@ -34,7 +34,8 @@ ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": 
 def launch(cmd: list[str], timeout: int = 600, ok: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     if ok:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
     return proc
 
 
@@ -151,6 +152,9 @@ def test_sigterm_saves_at_the_end_of_the_step_and_the_run_resumes(tmp_path):
     launch(cmd)
     steps = [r["step"] for r in metric_rows(out) if "eval/accuracy" in r]
     assert steps == list(range(1, 17)), steps  # every step's evaluation exactly once
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "final").config.num_hidden_layers == 3  # the final export loads
 
 
 # ---------------------------------------------------------------- checkpoint plumbing (unit)
