@@ -84,6 +84,7 @@ def init_distributed() -> DistInfo:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed reads it, also when another library made the group
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
