@@ -39,18 +39,20 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, full_named_parameters, init_distributed, load_causal_lm,
-                                load_tokenizer, optimizer_step, prepare, prepare_frozen, seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, full_named_parameters,
+                                init_distributed, load_causal_lm, load_tokenizer, prepare, prepare_frozen, run_cli,
+                                seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import compute_rewards, load_reward_fn
+from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -106,6 +108,20 @@ class Args:
     """trade compute for memory in the training forward"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # reliability (shared/checkpoint.py; docs/dpo.md#reliability)
+    save_every: int = 150
+    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG, loss window) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/rewards/accuracies` without task accuracy"""
 
     # algorithm args
     loss_type: str = "dpop"
@@ -223,6 +239,14 @@ def make_pairs(samples: list[tuple[list[int], float]], threshold: float, max_pai
 
 
 def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up."""
+    check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
+                                "num_samples_per_prompt", "max_new_tokens", "max_pairs_per_prompt", "eval_num_samples",
+                                "keep_checkpoints"),
+                non_negative=("num_generation_prompts", "eval_every", "eval_num_prompts", "eval_num_pairs",
+                              "num_sample_completions", "save_every", "stop_after_steps", "max_nonfinite_steps"))
+    if args.pair_source == "self_generated" and args.num_samples_per_prompt < 2:
+        raise ValueError("num_samples_per_prompt: self-generated pairs need at least 2 samples per prompt")
     if args.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {args.loss_type!r}")
     if args.pair_source not in ("offline", "self_generated"):
@@ -241,7 +265,7 @@ def validate(args: Args) -> None:
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes
+    # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
     validate(args)
     info = init_distributed()
     args.world_size = info.world_size
@@ -251,34 +275,43 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
 
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
-
     # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003
 
-    # data: held-out prompts (task accuracy) and pairs (implicit-reward accuracy); bad-row policy in
-    # shared/data.py::load_preferences
+    # data: held-out prompts (task accuracy), held-out pairs (implicit-reward accuracy), training pairs or the
+    # prompts to sample them from; validated before anything is written (bad-row policy:
+    # shared/data.py::load_preferences)
     model_path = resolve_model_path(args.model_name_or_path)
-    ref_path = resolve_model_path(args.ref_model_name_or_path) if args.ref_model_name_or_path else model_path
+    ref_path = resolve_model_path(args.ref_model_name_or_path, "ref_model_name_or_path") \
+        if args.ref_model_name_or_path else model_path
     tokenizer = load_tokenizer(model_path)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key, prompt_template=args.prompt_template,
                 response_template=args.response_template, use_chat_template=args.chat_template,
                 max_prompt_length=args.max_prompt_length, max_seq_length=args.max_seq_length)
-    needs_grader = args.eval_num_prompts > 0 or args.pair_source == "self_generated"
-    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if needs_grader else None
-    eval_data = None
-    if args.eval_num_prompts:
-        eval_data = data_utils.load_prompts(args.dataset, args.eval_split, tokenizer, args.prompt_key,
-                                            args.answer_key, args.prompt_template, args.chat_template,
-                                            args.max_prompt_length, limit=args.eval_num_prompts)
+    load_prompts = lambda split, limit: data_utils.load_prompts(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
+        args.max_prompt_length, limit=limit)
+    eval_data = load_prompts(args.eval_split, args.eval_num_prompts) if args.eval_num_prompts else None
     held_out = None
     if args.eval_num_pairs:
         held_out = data_utils.load_preferences(args.dataset, args.eval_split, limit=args.eval_num_pairs, **load)
+    if args.pair_source == "offline":
+        train = data_utils.load_preferences(args.dataset, args.train_split, **load)
+    else:
+        prompts = load_prompts(args.train_split, args.num_generation_prompts or None)
+    needs_grader = args.eval_num_prompts > 0 or args.pair_source == "self_generated"
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if needs_grader else None
+    if reward_fn is not None:
+        probe_reward_fn(reward_fn, (eval_data or prompts).rows)
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -296,6 +329,8 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     seed_everything(local_seed)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
     generator = None
     if args.eval_num_prompts or args.pair_source == "self_generated":
         generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -304,17 +339,20 @@ def main(args: Args) -> str:
     pad_id = tokenizer.pad_token_id
     timer = Timer()
 
-    # training pairs: offline from the dataset, or sampled from the starting policy and graded (DPO+)
+    # training pairs: offline from the dataset, or sampled from the starting policy and graded (DPO+); sampled
+    # pairs are kept in output_dir/checkpoints/self_generated_pairs.pt, so a resumed run trains on the same pairs
+    pairs_file = Path(args.output_dir) / "checkpoints" / "self_generated_pairs.pt"
+    saved_pairs = ckpt.path.parent / pairs_file.name if ckpt.path is not None else None  # the resumed run's
     if args.pair_source == "offline":
-        train = data_utils.load_preferences(args.dataset, args.train_split, **load)
         tracker.write(f"{len(train)} training pairs ({train.num_identical} with identical chosen/rejected and "
                       f"{train.num_too_long} over-long skipped)")
-        skipped = {"data/skipped_identical": train.num_identical, "data/skipped_too_long": train.num_too_long}
+        setup = {"data/train_pairs": len(train), "data/skipped_identical": train.num_identical,
+                 "data/skipped_too_long": train.num_too_long}
+    elif saved_pairs is not None and saved_pairs.exists():
+        train, setup = torch.load(saved_pairs, weights_only=False)
+        tracker.write(f"{len(train)} self-generated pairs from {saved_pairs}")
     else:
         with timer("generate_pairs"):
-            prompts = data_utils.load_prompts(args.dataset, args.train_split, tokenizer, args.prompt_key,
-                                              args.answer_key, args.prompt_template, args.chat_template,
-                                              args.max_prompt_length, limit=args.num_generation_prompts or None)
             n = len(prompts.rows)
             per_rank = math.ceil(n / info.world_size)
             mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
@@ -341,13 +379,16 @@ def main(args: Args) -> str:
         train = data_utils.PreferenceData([prompts.rows[i] for i, _, _ in all_pairs],
                                           [prompts.prompt_ids[i] for i, _, _ in all_pairs],
                                           [c for _, c, _ in all_pairs], [w for _, _, w in all_pairs])
-        skipped = {"pairs/sample_accuracy": stats[2].item() / stats[1].item(),
-                   "pairs/frac_prompts_with_pairs": stats[3].item() / stats[0].item(),
-                   "pairs/num_pairs": len(train), **timer.pop()}
+        setup = {"pairs/sample_accuracy": stats[2].item() / stats[1].item(),
+                 "pairs/frac_prompts_with_pairs": stats[3].item() / stats[0].item(),
+                 "pairs/num_pairs": len(train), "data/train_pairs": len(train), **timer.pop()}
         tracker.write(f"{len(train)} self-generated pairs from {int(stats[0].item())} prompts x "
-                      f"{args.num_samples_per_prompt} samples (sample accuracy {skipped['pairs/sample_accuracy']:.3f}, "
-                      f"{skipped['pairs/frac_prompts_with_pairs']:.2f} of prompts have a pair)")
-    tracker.log({"data/train_pairs": len(train), **skipped}, 0)
+                      f"{args.num_samples_per_prompt} samples (sample accuracy {setup['pairs/sample_accuracy']:.3f}, "
+                      f"{setup['pairs/frac_prompts_with_pairs']:.2f} of prompts have a pair)")
+    if args.pair_source == "self_generated" and info.is_main and (ckpt.path is None or not pairs_file.exists()):
+        pairs_file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save((train, setup), pairs_file.with_suffix(".tmp"))
+        pairs_file.with_suffix(".tmp").rename(pairs_file)
     sampler = data_utils.PromptSampler(len(train), args.seed)
     tracker.write(f"{args.num_steps} steps of {args.batch_size} pairs ({args.total_episodes / len(train):.2f} epochs)")
 
@@ -391,7 +432,7 @@ def main(args: Args) -> str:
                 held_out_ref = reference_logps(source, held_out, list(range(len(held_out))))
             policy.train()
         ref_model = None  # freed: training needs no reference model
-        tracker.log(timer.pop(), 0)
+        setup.update(timer.pop())
 
     def ref_for(d, idx, cache, input_ids, attn, resp) -> tuple[torch.Tensor, torch.Tensor]:
         if cache is not None:
@@ -426,7 +467,7 @@ def main(args: Args) -> str:
                 f"{prefix}logps/chosen": v[5], f"{prefix}logps/rejected": v[6], f"{prefix}dpop/penalty": v[7]}
 
     def evaluate(step: int) -> dict:
-        """Held-out task accuracy with the grader, and implicit-reward accuracy on held-out pairs."""
+        """Held-out task accuracy with the grader, implicit-reward accuracy on held-out pairs; the best policy."""
         metrics = {}
         policy.eval()
         if held_out is not None:
@@ -454,35 +495,51 @@ def main(args: Args) -> str:
                 tracker.log_samples([{"prompt": eval_data.rows[i]["prompt"], "completion": decode(g[0].token_ids),
                                       "answer": eval_data.rows[i]["answer"]} for i, g in enumerate(outs)], step)
         policy.train()
+        metrics.update(best.update(metrics, step, policy))  # keeps the best policy in output_dir/best
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] " + ", ".join(f"{k} {metrics[k]:.3f}" for k in
                                                     ("eval/accuracy", "eval/rewards/accuracies") if k in metrics))
         return metrics
 
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG, this rank's loss window
+    engines = {"policy": policy}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    window = state.get("window", torch.zeros(8, dtype=torch.float64))  # per-rank sums since the last log
+    if start_step == 0:
+        tracker.log(setup, 0)
+        evaluate(0)
+
     # training loop
-    evaluate(0)
-    window = torch.zeros(8, dtype=torch.float64)
     local_idx: list[int] = []
-    for step in range(1, args.num_steps + 1):
+    for step in range(start_step + 1, args.num_steps + 1):
         with timer("train"):
             global_idx = sampler.next_indices(args.batch_size)
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
             for m in range(args.gradient_accumulation_steps):
                 idx = local_idx[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
                 losses, stats = loss_and_stats(train, idx, ref_cache)
-                policy.backward(losses.sum() / args.local_batch_size, scale_wrt_gas=False)  # mean over the step
-                grad_norm = optimizer_step(policy)
+                guard.backward(policy, losses.sum() / args.local_batch_size)  # mean over the step
+                grad_norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                 window += stats
         if step % 10 == 0 or step == args.num_steps:
             info.all_reduce(window)
             metrics = {**stats_to_metrics(window, ""), "lr": scheduler.get_last_lr()[0],
-                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm, **timer.pop()}
+                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm,
+                       "optim/nonfinite_skipped": guard.skipped, **timer.pop()}
             tracker.log(metrics, step)
             tracker.progress(0, loss=metrics["loss/dpo"], acc=metrics["rewards/accuracies"])
             window.zero_()
         tracker.progress(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             evaluate(step)
+
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, local={"window": window}, sampler=sampler, guard=guard, best=best)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
     evaluate(args.num_steps)
     tracker.log(check_ranks(policy, info, local_idx), args.num_steps)
 
@@ -490,9 +547,10 @@ def main(args: Args) -> str:
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         tracker.write(f"saved {final}")
+    ckpt.finish()
     tracker.close()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

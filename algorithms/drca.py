@@ -40,13 +40,13 @@ import torch
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
-                                seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
+                                prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import load_reward_fn
+from shared.rewards import load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -106,6 +106,20 @@ class Args:
     """trade compute for memory in the training forwards"""
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
+
+    # reliability (shared/checkpoint.py; docs/drca.md#reliability)
+    save_every: int = 25
+    """save a resumable checkpoint (policy, critic, optimizers, schedulers, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/reward` with --reward_fn none"""
 
     # algorithm args: DRCA
     drca_beta: float = 0.8
@@ -401,6 +415,11 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
+    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
+                                "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints",
+                                "max_units_per_sequence"),
+                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
+                              "stop_after_steps", "max_nonfinite_steps"))
     choices = {"generator": ("vllm", "hf"), "unit_extraction": ("regex", "entropy"),
                "entropy_boundary": ("before", "after"), "entropy_source": ("policy", "reference"),
                "counterfactual": ("truncate", "mask"), "unitless_fallback": ("terminal", "zeros")}
@@ -409,8 +428,6 @@ def validate(args: Args) -> None:
             raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {getattr(args, name)!r}")
     if not 0.0 <= args.drca_beta <= 1.0:
         raise ValueError(f"drca_beta: must be in [0, 1], got {args.drca_beta}")
-    if args.max_units_per_sequence < 1:
-        raise ValueError(f"max_units_per_sequence: must be >= 1, got {args.max_units_per_sequence}")
     if not args.reward_model_path:
         raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
     if args.unit_extraction == "regex" and args.unit_pattern not in UNIT_PATTERNS and args.unit_pattern != "auto":
@@ -445,19 +462,14 @@ def main(args: Args) -> str:
         args.unit_pattern = "lines" if args.dataset == "builtin" else "labels"
     pattern = UNIT_PATTERNS.get(args.unit_pattern, args.unit_pattern)
 
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
-    if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
-
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003
 
-    # data
+    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
-    rm_path = resolve_model_path(args.reward_model_path)
+    rm_path = resolve_model_path(args.reward_model_path, "reward_model_path")
+    critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_same_tokenizer(rm_path, tokenizer)
     answer_key = args.answer_key if args.reward_fn != "none" else ""  # no grader: prompts without answers are fine
@@ -465,14 +477,24 @@ def main(args: Args) -> str:
         args.dataset, split, tokenizer, args.prompt_key, answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit)
     train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_fn = load_reward_fn(args.reward_fn, args.dataset) if args.reward_fn != "none" else None
+    if reward_fn is not None:
+        probe_reward_fn(reward_fn, train_data.rows)
     fill_ids = tokenizer.encode(" ", add_special_tokens=False)
     if len(fill_ids) != 1:
         raise ValueError(f"model_name_or_path: the tokenizer encodes ' ' as {fill_ids}, not one token to blank units")
     fill_id, eos_id = fill_ids[0], tokenizer.eos_token_id
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
 
     # models and optimizers: policy, critic (from the RM, own optimizer), frozen reference and reward model
     dtype = default_dtype(info.device)
@@ -482,7 +504,7 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
-    critic_path = resolve_model_path(args.critic_model_path) if args.critic_model_path else rm_path
+    critic_path = critic_path or rm_path
     critic = load_scalar_model(critic_path, dtype)
     if critic_path == model_path:  # a fresh head on the policy's backbone
         init_value_head(critic)
@@ -497,6 +519,8 @@ def main(args: Args) -> str:
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
     reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
 
     # generation engine
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -544,23 +568,33 @@ def main(args: Args) -> str:
 
     def evaluate(step: int) -> dict:
         """Held-out grader accuracy / pass@k and the mean normalised RM score of the same samples."""
-        score_fn = lambda p, r: rm_scores(p, r).tolist()  # noqa: E731
-        return evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
-                                 score_fn=score_fn)
+        metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
+                                    reward_model=reward_model, pad_id=tokenizer.pad_token_id, micro_batch_size=mb)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy in output_dir/best
+
+    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, first evaluation
+    engines = {"policy": policy, "critic": critic}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    first = state.get("first_eval", {})
+    if start_step:  # the engine was built from model_path: give it the resumed weights
+        generator.sync_weights(full_named_parameters(policy, info))
 
     # training loop
     timer = Timer()
     start = time.time()
-    metrics = evaluate(0)
-    tracker.log(metrics, 0)
-    first = dict(metrics)
-    tracker.write(f"[step 0] held-out accuracy {metrics.get('eval/accuracy', float('nan')):.3f}, "
-                  f"reward {metrics['eval/reward']:.3f}")
+    if start_step == 0:
+        metrics = evaluate(0)
+        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
+                     "data/skipped_too_long": train_data.num_filtered}, 0)
+        first = dict(metrics)
+        tracker.write(f"[step 0] held-out accuracy {metrics.get('eval/accuracy', float('nan')):.3f}, "
+                      f"reward {metrics['eval/reward']:.3f}")
     policy.train()
     critic.train()
     B = args.local_batch_size
-    for step in range(1, args.num_steps + 1):
+    local_idx: list[int] = []
+    for step in range(start_step + 1, args.num_steps + 1):
         # 1. rollout: this rank's slice of the global prompt batch
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -645,16 +679,14 @@ def main(args: Args) -> str:
                         # policy: token mean of the clipped surrogate over the minibatch (all ranks)
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
                         pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
-                        policy.backward((pg * m_mask).sum() * info.world_size / max(global_tokens, 1),
-                                        scale_wrt_gas=False)
-                        norm = optimizer_step(policy)
+                        guard.backward(policy, (pg * m_mask).sum() * info.world_size / max(global_tokens, 1))
+                        norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
                         # critic: clipped value regression on the GAE returns
                         values = critic_values(critic, input_ids[idx], attn[idx])
                         vf, vclipped = value_loss(values, old_values[idx], returns[idx], args.cliprange_value)
-                        critic.backward((vf * m_mask).sum() * info.world_size / max(global_tokens, 1),
-                                        scale_wrt_gas=False)
-                        norm = optimizer_step(critic)
+                        guard.backward(critic, (vf * m_mask).sum() * info.world_size / max(global_tokens, 1))
+                        norm = guard.step(critic)
                         critic_norms += [norm] if norm is not None else []
                         with torch.no_grad():
                             n = m_mask.sum().clamp(min=1)
@@ -708,7 +740,8 @@ def main(args: Args) -> str:
         metrics["drca/rm_calls"] = sum(g["drca/rm_calls"] for g in gathered)  # per step, all ranks
         metrics["drca/sum_identity_err"] = max(g["drca/sum_identity_err"] for g in gathered)
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
-                        "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size, **timer.pop()})
+                        "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
+                        "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
                 metrics.update(evaluate(step))
@@ -724,6 +757,14 @@ def main(args: Args) -> str:
                                   "finish_reason": comps[i].finish_reason}
                                  for i in range(0, B, args.num_samples_per_prompt)][:8], step)
 
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first_eval=first)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
+
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
@@ -736,9 +777,10 @@ def main(args: Args) -> str:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
         tracker.write(f"saved {final} and the critic in {args.output_dir}/critic")
+    ckpt.finish()
     tracker.close()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

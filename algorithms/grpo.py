@@ -38,12 +38,13 @@ import torch
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed, load_causal_lm,
-                                load_tokenizer, optimizer_step, prepare, prepare_frozen, seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
+                                prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import compute_rewards, load_reward_fn
+from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -94,6 +95,20 @@ class Args:
     """trade compute for memory in the training forward"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # reliability (shared/checkpoint.py; docs/grpo.md#reliability)
+    save_every: int = 25
+    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/reward` with a reward model"""
 
     # algorithm args
     total_episodes: int = 102400
@@ -269,6 +284,10 @@ def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_tr
 
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up (pitfalls P4, P14, P15)."""
+    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_minibatches", "local_micro_batch_size",
+                                "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
+                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
+                              "stop_after_steps", "max_nonfinite_steps"))
     if args.num_generations < 2:
         raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
     if args.advantage_scaling not in ("group", "batch", "none"):
@@ -303,28 +322,32 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
 
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
-    if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8); "
-                      "the TIS weights and val/sampler_logprob_diff show how much")
-
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
 
-    # data
+    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
+    rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
     load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit)
     train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_fn = load_reward_fn(args.reward_fn, args.dataset)
+    probe_reward_fn(reward_fn, train_data.rows)
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8); "
+                      "the TIS weights and val/sampler_logprob_diff show how much")
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -334,13 +357,15 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     reward_model = None
-    if args.reward_model_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
-        check_same_tokenizer(resolve_model_path(args.reward_model_path), tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(resolve_model_path(args.reward_model_path), dtype), info, dtype)
+    if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
+        check_same_tokenizer(rm_path, tokenizer)
+        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     ref_policy = None
     if args.beta > 0:  # the reference is only loaded when the KL term is used (U13: no NaN KL when beta = 0)
         ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
     seed_everything(local_seed)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
 
     # generation engine
     max_len = args.max_prompt_length + args.max_new_tokens
@@ -350,19 +375,32 @@ def main(args: Args) -> str:
                                enable_sleep_mode=args.vllm_enable_sleep)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
 
-    def evaluate(step: int) -> dict:  # held-out grader accuracy and pass@k (shared/evaluation.py)
-        return evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
+    def evaluate(step: int) -> dict:  # held-out grader accuracy, pass@k, RM score (shared/evaluation.py)
+        metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
+                                    reward_model=reward_model, pad_id=tokenizer.pad_token_id,
+                                    micro_batch_size=args.local_micro_batch_size)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy in output_dir/best
+
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG
+    engines = {"policy": policy}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    first_eval = state.get("first_eval")
+    if start_step:  # the engine was built from model_path: give it the resumed weights
+        generator.sync_weights(full_named_parameters(policy, info))
 
     # training loop
     timer = Timer()
     start = time.time()
-    metrics = evaluate(0)
-    tracker.log(metrics, 0)
-    tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
-    first_eval = metrics["eval/accuracy"]
+    if start_step == 0:
+        metrics = evaluate(0)
+        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
+                     "data/skipped_too_long": train_data.num_filtered}, 0)
+        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+        first_eval = metrics["eval/accuracy"]
     policy.train()
-    for step in range(1, args.num_steps + 1):
+    local_idx: list[int] = []
+    for step in range(start_step + 1, args.num_steps + 1):
         # 1. rollout: this rank's slice of the global prompt batch, G samples each
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -444,8 +482,8 @@ def main(args: Args) -> str:
                         loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
                                               int(mb_tokens.item()), int(global_tokens), info.world_size,
                                               args.max_new_tokens)
-                        policy.backward(loss, scale_wrt_gas=False)
-                        norm = optimizer_step(policy)
+                        guard.backward(policy, loss)
+                        norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         if norm is not None:
                             grad_norms.append(norm)
                         with torch.no_grad():  # masked token means for logging
@@ -489,7 +527,8 @@ def main(args: Args) -> str:
         metrics.update({
             "val/frac_reward_zero_std": zero_std.item(),
             "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
-            "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size, **timer.pop(),
+            "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
+            "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
         })
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
@@ -502,6 +541,14 @@ def main(args: Args) -> str:
                                   "completion": texts[i], "reward": scores[i], "finish_reason": comps[i].finish_reason}
                                  for i in range(0, len(comps), args.num_generations)][:8], step)
 
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
+
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
@@ -512,9 +559,10 @@ def main(args: Args) -> str:
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         tracker.write(f"saved {final}")
+    ckpt.finish()
     tracker.close()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

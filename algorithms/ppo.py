@@ -36,13 +36,13 @@ import torch
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
-                                seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
+                                prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import compute_rewards, load_reward_fn
+from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -95,6 +95,20 @@ class Args:
     """trade compute for memory in the training forwards"""
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
+
+    # reliability (shared/checkpoint.py; docs/ppo.md#reliability)
+    save_every: int = 25
+    """save a resumable checkpoint (models, optimizers, schedulers, data position, RNG, KL coefficient) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/reward` with a reward model"""
 
     # algorithm args
     total_episodes: int = 51200
@@ -270,6 +284,10 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
+    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
+                                "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
+                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
+                              "stop_after_steps", "max_nonfinite_steps"))
     if args.kl_placement not in ("loss", "reward"):
         raise ValueError(f"kl_placement: expected loss or reward, got {args.kl_placement!r}")
     if args.generator not in ("vllm", "hf"):
@@ -298,29 +316,34 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
 
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
-    if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
-    if args.kl_placement == "loss" and args.reward_model_path:
-        tracker.write("note: KL as a loss term with a reward model; classic RLHF uses --kl_placement reward (k1)")
-
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
 
-    # data
+    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
+    rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
+    critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit)
     train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_fn = load_reward_fn(args.reward_fn, args.dataset)  # also the held-out metric with a reward model
+    probe_reward_fn(reward_fn, train_data.rows)
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+    if args.kl_placement == "loss" and args.reward_model_path:
+        tracker.write("note: KL as a loss term with a reward model; classic RLHF uses --kl_placement reward (k1)")
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
 
     # models and optimizers: policy, critic (own optimizer), frozen reference and reward model
     dtype = default_dtype(info.device)
@@ -330,7 +353,7 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
-    critic_path = args.critic_model_path or args.reward_model_path or model_path
+    critic_path = critic_path or rm_path or model_path
     critic = load_scalar_model(critic_path, dtype)
     if critic_path == model_path:  # a fresh head on the policy's backbone
         init_value_head(critic)
@@ -344,11 +367,12 @@ def main(args: Args) -> str:
                                           args.max_grad_norm, dtype)
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
     reward_model = None
-    if args.reward_model_path:
-        check_same_tokenizer(args.reward_model_path, tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(args.reward_model_path, dtype), info, dtype)
+    if rm_path:
+        check_same_tokenizer(rm_path, tokenizer)
+        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
-    kl_coef = args.kl_coef
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
 
     # generation engine
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -358,21 +382,34 @@ def main(args: Args) -> str:
                                enable_sleep_mode=args.vllm_enable_sleep)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
 
-    def evaluate(step: int) -> dict:  # held-out grader accuracy and pass@k (shared/evaluation.py)
-        return evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
+    def evaluate(step: int) -> dict:  # held-out grader accuracy, pass@k, RM score (shared/evaluation.py)
+        metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
+                                    reward_model=reward_model, pad_id=tokenizer.pad_token_id,
+                                    micro_batch_size=args.local_micro_batch_size)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy in output_dir/best
+
+    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, algorithm state
+    engines = {"policy": policy, "critic": critic}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    kl_coef, first_eval = state.get("kl_coef", args.kl_coef), state.get("first_eval")
+    if start_step:  # the engine was built from model_path: give it the resumed weights
+        generator.sync_weights(full_named_parameters(policy, info))
 
     # training loop
     timer = Timer()
     start = time.time()
-    metrics = evaluate(0)
-    tracker.log(metrics, 0)
-    tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
-    first_eval = metrics["eval/accuracy"]
+    if start_step == 0:
+        metrics = evaluate(0)
+        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
+                     "data/skipped_too_long": train_data.num_filtered}, 0)
+        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+        first_eval = metrics["eval/accuracy"]
     policy.train()
     critic.train()
     B, mb = args.local_batch_size, args.local_micro_batch_size
-    for step in range(1, args.num_steps + 1):
+    local_idx: list[int] = []
+    for step in range(start_step + 1, args.num_steps + 1):
         # 1. rollout: this rank's slice of the global prompt batch
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -456,15 +493,14 @@ def main(args: Args) -> str:
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
-                        policy.backward(loss * (0.0 if skip else 1.0), scale_wrt_gas=False)
-                        norm = optimizer_step(policy)
+                        guard.backward(policy, loss * (0.0 if skip else 1.0))
+                        norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
                         # critic: clipped value regression on the GAE returns
                         values = token_values(critic, input_ids[idx], attn[idx])[:, :-1]
                         vf, vclipped = value_loss(values, old_values[idx], returns[idx], args.cliprange_value)
-                        critic.backward((vf * m_mask).sum() * info.world_size / max(global_tokens, 1),
-                                        scale_wrt_gas=False)
-                        norm = optimizer_step(critic)
+                        guard.backward(critic, (vf * m_mask).sum() * info.world_size / max(global_tokens, 1))
+                        norm = guard.step(critic)
                         critic_norms += [norm] if norm is not None else []
                         with torch.no_grad():
                             n = m_mask.sum().clamp(min=1)
@@ -512,7 +548,7 @@ def main(args: Args) -> str:
                                          args.kl_horizon)
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
                         "objective/kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0],
-                        "episode": step * args.batch_size, **timer.pop()})
+                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
                 metrics.update(evaluate(step))
@@ -523,6 +559,15 @@ def main(args: Args) -> str:
             tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i].item(),
                                   "finish_reason": comps[i].finish_reason}
                                  for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, kl_coef=kl_coef,
+                      first_eval=first_eval)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
 
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
@@ -535,9 +580,10 @@ def main(args: Args) -> str:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
         tracker.write(f"saved {final} and the critic in {args.output_dir}/critic")
+    ckpt.finish()
     tracker.close()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

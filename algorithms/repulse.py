@@ -53,12 +53,12 @@ import tyro
 
 from shared import data as data_utils
 from shared import toy
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
-                                seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
+                                prepare_frozen, run_cli, seed_everything)
 from shared.generation import HFGenerator, make_generator
-from shared.rewards import compute_rewards, load_reward_fn
+from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -107,6 +107,20 @@ class Args:
     """trade compute for memory in the training forwards"""
     save_model: bool = True
     """save the final p_theta as an HF checkpoint in output_dir/final"""
+
+    # reliability (shared/checkpoint.py; docs/repulse.md#reliability)
+    save_every: int = 20
+    """save a resumable checkpoint (p_theta and q_xi with their optimizers, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/p_bad:min"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); empty: none)"""
 
     # algorithm args
     total_episodes: int = 30_000
@@ -295,6 +309,10 @@ def tail_metrics(rewards: torch.Tensor, eta: float, level: float) -> dict:
 
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
+    check_sizes(args, positive=("total_episodes", "local_num_prompts", "local_micro_batch_size", "max_new_tokens",
+                                "eval_num_samples", "keep_checkpoints"),
+                non_negative=("eval_every", "eval_num_prompts", "sample_every", "save_every", "stop_after_steps",
+                              "max_nonfinite_steps"))
     if args.num_generations < 2:
         raise ValueError("num_generations: RLOO and the SNIS weights need at least 2 samples per prompt")
     if args.loss_type not in ("neg_training", "reinforce"):
@@ -328,16 +346,13 @@ def main(args: Args) -> str:
     rt_alpha = args.alpha if args.rew_trans_alpha is None else args.rew_trans_alpha
     rt_beta = args.target_dist_beta if args.rew_trans_beta is None else args.rew_trans_beta
 
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
-
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
 
-    # data: the toy's single prompt, or prompts of a dataset
+    # data: the toy's single prompt, or prompts of a dataset; validated before anything is written
     model_path = resolve_model_path(args.model_name_or_path)
+    rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
     if args.dataset == "toy":
         rows = toy.toy_rows()
@@ -349,13 +364,20 @@ def main(args: Args) -> str:
             args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template,
             args.chat_template, args.max_prompt_length, limit=limit)
         train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
-    tracker.write(f"{len(train_data.rows)} train prompts, {len(eval_data.rows)} eval prompts, {args.num_steps} steps "
-                  f"of {args.samples_per_step} samples ({'p and q' if sample_q else 'p only'})")
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_spec = ("toy" if args.dataset == "toy" else "auto") if args.reward_fn == "auto" else args.reward_fn
     reward_fn = toy.make_toy_reward(tokenizer) if reward_spec == "toy" else load_reward_fn(reward_spec, args.dataset)
+    probe_reward_fn(reward_fn, train_data.rows)
     bad_ids = toy.bad_token_ids(tokenizer) if reward_spec == "toy" and not args.reward_model_path else None
     exact = bad_ids is not None and args.dataset == "toy" and args.max_new_tokens <= 2
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
+    tracker.write(f"{len(train_data.rows)} train prompts, {len(eval_data.rows)} eval prompts, {args.num_steps} steps "
+                  f"of {args.samples_per_step} samples ({'p and q' if sample_q else 'p only'})")
 
     # models and optimizers: p_theta, q_xi (a copy of the initial LM), frozen p_0 and reward model
     dtype = default_dtype(info.device)
@@ -369,10 +391,12 @@ def main(args: Args) -> str:
     proposal = trainable(args.actor_learning_rate, grad_accum_q) if sample_q else None
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
     reward_model = None
-    if args.reward_model_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
-        check_same_tokenizer(resolve_model_path(args.reward_model_path), tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(resolve_model_path(args.reward_model_path), dtype), info, dtype)
+    if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
+        check_same_tokenizer(rm_path, tokenizer)
+        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best (p_theta)
 
     # generation engines: p with the chosen backend, q with HF generate on the live proposal
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -432,20 +456,30 @@ def main(args: Args) -> str:
         tail = tail_metrics(r, args.eta, args.cvar_level)
         out.update({"eval/p_bad": tail["p_bad"], "eval/cvar": tail["cvar"], "eval/mean_reward": r.mean().item(),
                     "eval/mean_return": ret.mean().item(), "eval/num_samples": float(r.numel())})
-        return out
+        return {**out, **best.update(out, step, policy)}  # keeps the best p_theta in output_dir/best
+
+    # TRY NOT TO MODIFY: resume: p_theta and q_xi (weights, optimizers), data position, RNG
+    engines = {"policy": policy, **({"proposal": proposal} if proposal is not None else {})}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    first = state.get("first")
+    if start_step:  # the engine was built from model_path: give it the resumed weights
+        generator.sync_weights(full_named_parameters(policy, info))
 
     # training loop
     timer = Timer()
     start = time.time()
-    metrics = evaluate(0)
-    if exact:
-        metrics["exact/log_q_bad"] = metrics["exact/log_p_bad"]
-    tracker.log({**metrics, "episode": 0}, 0)
-    tracker.write(f"[step 0] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    first = metrics
+    if start_step == 0:
+        metrics = evaluate(0)
+        if exact:
+            metrics["exact/log_q_bad"] = metrics["exact/log_p_bad"]
+        tracker.log({**metrics, "episode": 0, "data/train_prompts": len(train_data.rows),
+                     "data/skipped_too_long": train_data.num_filtered}, 0)
+        tracker.write(f"[step 0] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        first = metrics
     policy.train()
     N = args.num_generations
-    for step in range(1, args.num_steps + 1):
+    local_idx: list[int] = []
+    for step in range(start_step + 1, args.num_steps + 1):
         # 1. rollouts (no grad): S_p ~ p_theta and S_q ~ q_xi on the same prompts, N each
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -490,8 +524,8 @@ def main(args: Args) -> str:
                     sl = slice(s, s + mb)
                     logq = forward_logprobs(proposal, ids_q[sl], attn_q[sl])
                     loss = ctl_loss(logq, lpq[sl], w_sigma[sl], w_pi[sl], mask_q[sl], args.local_batch_size)
-                    proposal.backward(loss, scale_wrt_gas=False)
-                    norm = optimizer_step(proposal)
+                    guard.backward(proposal, loss)
+                    norm = guard.step(proposal)  # a non-finite loss or gradient skips the step (counted)
                     norms_q += [norm] if norm is not None else []
                     stats["ctl"] += loss.item()
             # 6. p step: RL term on S_p (+ neg term on the same rows for p-proposal), then neg term on S_q
@@ -504,8 +538,8 @@ def main(args: Args) -> str:
                     neg = neg_loss(logp, mask_p[sl], w_neg[sl], args.local_batch_size)
                     stats["neg"] += neg.item()
                     loss = loss + args.alpha * neg
-                policy.backward(loss, scale_wrt_gas=False)
-                norm = optimizer_step(policy)
+                guard.backward(policy, loss)
+                norm = guard.step(policy)
                 norms_p += [norm] if norm is not None else []
             if sample_q:
                 for s in range(0, args.local_batch_size, mb):
@@ -513,8 +547,8 @@ def main(args: Args) -> str:
                     logp = forward_logprobs(policy, ids_q[sl], attn_q[sl])
                     neg = neg_loss(logp, mask_q[sl], w_neg[sl], args.local_batch_size)
                     stats["neg"] += neg.item()
-                    policy.backward(args.alpha * neg, scale_wrt_gas=False)
-                    norm = optimizer_step(policy)
+                    guard.backward(policy, args.alpha * neg)
+                    norm = guard.step(policy)
                     norms_p += [norm] if norm is not None else []
 
         # 7. weight sync: push the updated p_theta into its generation engine (HF: no-op)
@@ -538,7 +572,8 @@ def main(args: Args) -> str:
         }
         gathered = info.gather_objects(local)
         metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
-        metrics.update({"episode": step * args.samples_per_step, **timer.pop()})
+        metrics.update({"episode": step * args.samples_per_step, "optim/nonfinite_skipped": guard.skipped,
+                        **timer.pop()})
         if exact:
             metrics["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids,
                                                             tokenizer.eos_token_id, args.max_new_tokens)
@@ -558,6 +593,14 @@ def main(args: Args) -> str:
                       "weight": w_neg[i].item()} for i in w_neg.topk(min(4, len(w_neg))).indices.tolist()]
             tracker.log_samples(rows, step)
 
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first=first)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
+
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
@@ -571,9 +614,10 @@ def main(args: Args) -> str:
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         tracker.write(f"saved {final}")
+    ckpt.finish()
     tracker.close()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

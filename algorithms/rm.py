@@ -34,9 +34,9 @@ import torch.nn.functional as F
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, init_distributed, load_tokenizer, optimizer_step, prepare,
-                                seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, init_distributed,
+                                load_tokenizer, prepare, run_cli, seed_everything)
 from shared.scalar import head, load_scalar_model, score_last_token
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -83,6 +83,20 @@ class Args:
     """wandb project name"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
+
+    # reliability (shared/checkpoint.py; docs/rm.md#reliability)
+    save_every: int = 250
+    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG, loss window) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best, saved with that evaluation's reward_mean/std (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: int = 128000
@@ -145,7 +159,13 @@ def score_pairs(model, prompts: list[list[int]], chosen: list[list[int]], reject
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes
+    # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
+    check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
+                                "keep_checkpoints"),
+                non_negative=("eval_every", "eval_num_pairs", "num_sample_pairs", "save_every", "stop_after_steps",
+                              "max_nonfinite_steps"))
+    if args.center_rewards_coefficient < 0:
+        raise ValueError(f"center_rewards_coefficient: must be >= 0, got {args.center_rewards_coefficient}")
     info = init_distributed()
     args.world_size = info.world_size
     args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
@@ -153,17 +173,12 @@ def main(args: Args) -> str:
     args.num_steps = args.total_episodes // args.batch_size
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
-    if args.center_rewards_coefficient < 0:
-        raise ValueError(f"center_rewards_coefficient: must be >= 0, got {args.center_rewards_coefficient}")
-
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
 
     # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
     seed_everything(args.seed)
 
-    # data: (prompt, chosen, rejected) token ids; bad-row policy in shared/data.py::load_preferences
+    # data: (prompt, chosen, rejected) token ids, validated before anything is written (bad-row policy in
+    # shared/data.py::load_preferences)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
     load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
@@ -186,11 +201,15 @@ def main(args: Args) -> str:
         return out
 
     train_margin, held_out_margin = margins(train), margins(held_out)
+    sampler = data_utils.PromptSampler(len(train), args.seed)
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
     tracker.write(f"{len(train)} training pairs ({train.num_identical} identical chosen/rejected and "
                   f"{train.num_too_long} over-long skipped), {len(held_out)} held-out pairs, {args.num_steps} steps")
-    tracker.log({"data/train_pairs": len(train), "data/skipped_identical": train.num_identical,
-                 "data/skipped_too_long": train.num_too_long}, 0)
-    sampler = data_utils.PromptSampler(len(train), args.seed)
 
     # model: backbone + scalar head; any stored normalisation is dropped (this run measures its own)
     dtype = default_dtype(info.device)
@@ -214,6 +233,8 @@ def main(args: Args) -> str:
     model, optimizer, scheduler = prepare(model, optimizer, scheduler, info, args.local_micro_batch_size,
                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     pad_id = tokenizer.pad_token_id
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
 
     def evaluate(step: int) -> dict:
         """Pairwise accuracy, margin and loss on the held-out pairs (each rank scores a slice), plus the
@@ -248,19 +269,28 @@ def main(args: Args) -> str:
         std = math.sqrt(max(sums[5].item() / (2 * count) - mean**2, 0.0))
         metrics = {"eval/accuracy": sums[1].item() / count, "eval/margin": sums[2].item() / count,
                    "eval/loss": sums[3].item() / count, "eval/reward_mean": mean, "eval/reward_std": std}
+        stats = {"reward_mean": mean, "reward_std": max(std, 1e-6)}  # normalisation of this model's scores
+        metrics.update(best.update(metrics, step, model, extra_config=stats))  # the best model in output_dir/best
         tracker.log(metrics, step)
         tracker.log_samples(samples, step)
         tracker.write(f"[step {step}] held-out pairwise accuracy {metrics['eval/accuracy']:.3f}, "
                       f"margin {metrics['eval/margin']:.2f}")
         return metrics
 
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG, this rank's loss window
+    engines = {"model": model}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    window = state.get("window", torch.zeros(6, dtype=torch.float64))  # pairs, loss, correct, margin, chosen, rejected
+
     # training loop
     timer = Timer()
     model.train()
-    evaluate(0)
-    window = torch.zeros(6, dtype=torch.float64)  # pairs, loss, correct, margin, chosen, rejected
+    if start_step == 0:
+        tracker.log({"data/train_pairs": len(train), "data/skipped_identical": train.num_identical,
+                     "data/skipped_too_long": train.num_too_long}, 0)
+        evaluate(0)
     local_idx: list[int] = []
-    for step in range(1, args.num_steps + 1):
+    for step in range(start_step + 1, args.num_steps + 1):
         with timer("train"):
             global_idx = sampler.next_indices(args.batch_size)
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
@@ -271,8 +301,8 @@ def main(args: Args) -> str:
                 margin = None if train_margin is None else torch.tensor([train_margin[i] for i in idx],
                                                                         device=r_w.device)
                 losses = bradley_terry_loss(r_w, r_l, margin, args.center_rewards_coefficient)
-                model.backward(losses.sum() / args.local_batch_size, scale_wrt_gas=False)  # mean over the step
-                grad_norm = optimizer_step(model)
+                guard.backward(model, losses.sum() / args.local_batch_size)  # mean over the step
+                grad_norm = guard.step(model)  # a non-finite loss or gradient skips the step (counted)
                 with torch.no_grad():
                     window += torch.tensor([len(idx), losses.sum().item(), (r_w > r_l).sum().item(),
                                             (r_w - r_l).sum().item(), r_w.sum().item(), r_l.sum().item()],
@@ -283,13 +313,22 @@ def main(args: Args) -> str:
             metrics = {"loss/rm": window[1].item() / n, "rm/accuracy": window[2].item() / n,
                        "rm/margin": window[3].item() / n, "rm/chosen": window[4].item() / n,
                        "rm/rejected": window[5].item() / n, "lr": scheduler.get_last_lr()[0],
-                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm, **timer.pop()}
+                       "episode": step * args.batch_size, "optim/grad_norm": grad_norm,
+                       "optim/nonfinite_skipped": guard.skipped, **timer.pop()}
             tracker.log(metrics, step)
             tracker.progress(0, loss=metrics["loss/rm"], acc=metrics["rm/accuracy"])
             window.zero_()
         tracker.progress(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             evaluate(step)
+
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, local={"window": window}, sampler=sampler, guard=guard, best=best)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
     final_metrics = evaluate(args.num_steps)
     tracker.log(check_ranks(model, info, local_idx), args.num_steps)
 
@@ -297,9 +336,10 @@ def main(args: Args) -> str:
     stats = {"reward_mean": final_metrics["eval/reward_mean"], "reward_std": max(final_metrics["eval/reward_std"], 1e-6)}
     final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info, extra_config=stats)
     tracker.write(f"saved {final} (reward_mean {stats['reward_mean']:.3f}, reward_std {stats['reward_std']:.3f})")
+    ckpt.finish()
     tracker.close()
     return str(final)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

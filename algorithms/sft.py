@@ -25,12 +25,12 @@ import torch
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (default_dtype, init_distributed, load_causal_lm, load_tokenizer, optimizer_step,
-                                prepare, seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_sizes, default_dtype, full_named_parameters, init_distributed,
+                                load_causal_lm, load_tokenizer, prepare, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import load_reward_fn
+from shared.rewards import load_reward_fn, probe_reward_fn
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -68,6 +68,8 @@ class Args:
     """prompts longer than this many tokens are dropped (and counted)"""
     max_seq_length: int = 512
     """examples whose prompt+response exceed this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, or `module:function` / `file.py:function`"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
@@ -76,6 +78,20 @@ class Args:
     """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
+
+    # reliability (shared/checkpoint.py; docs/sft.md#reliability)
+    save_every: int = 100
+    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: int = 20480
@@ -136,7 +152,13 @@ def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs:
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes
+    # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
+    check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
+                                "max_new_tokens", "keep_checkpoints"),
+                non_negative=("eval_every", "eval_num_prompts", "save_every", "stop_after_steps",
+                              "max_nonfinite_steps"))
+    if args.loss_reduction not in ("seq_mean", "token_mean"):
+        raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {args.loss_reduction!r}")
     info = init_distributed()
     args.world_size = info.world_size
     args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
@@ -144,18 +166,12 @@ def main(args: Args) -> str:
     args.num_steps = args.total_episodes // args.batch_size
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
-    if args.loss_reduction not in ("seq_mean", "token_mean"):
-        raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {args.loss_reduction!r}")
-
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
 
     # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003
 
-    # data
+    # data: validated before anything is written (a bad row, model path or grader stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
     rows = data_utils.select_fields(
@@ -172,13 +188,21 @@ def main(args: Args) -> str:
             continue
         examples.append((p, r))
     if not examples:
-        raise ValueError(f"dataset {args.dataset!r}: every example is longer than max_seq_length={args.max_seq_length}")
+        raise data_utils.DataError(f"dataset {args.dataset!r}: all {len(rows)} examples are longer than "
+                                   f"max_prompt_length={args.max_prompt_length} / max_seq_length={args.max_seq_length}")
     eval_data = data_utils.load_prompts(args.dataset, args.eval_split, tokenizer, args.prompt_key, args.answer_key,
                                         args.prompt_template, args.chat_template, args.max_prompt_length,
                                         limit=args.eval_num_prompts)
-    reward_fn = load_reward_fn("auto", args.dataset)
-    tracker.write(f"{len(examples)} training examples ({dropped} over-long dropped), {args.num_steps} steps")
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset)
+    probe_reward_fn(reward_fn, eval_data.rows)
     sampler = data_utils.PromptSampler(len(examples), args.seed)
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
+    tracker.write(f"{len(examples)} training examples ({dropped} over-long dropped), {args.num_steps} steps")
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -196,6 +220,8 @@ def main(args: Args) -> str:
     model, optimizer, scheduler = prepare(model, optimizer, scheduler, info, args.local_micro_batch_size,
                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     seed_everything(local_seed)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
 
     # generation engine (evaluation only)
     generator = make_generator(args.generator, model_path=model_path, model=model.module, tokenizer=tokenizer,
@@ -203,19 +229,24 @@ def main(args: Args) -> str:
                                zero_stage=info.zero_stage)
 
     def run_eval(step: int) -> None:
-        from shared.distributed import full_named_parameters
-
         generator.sync_weights(full_named_parameters(model, info))
         metrics = evaluate_accuracy(generator, eval_data, reward_fn,
                                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True), info, 1,
                                     args.eval_temperature, args.max_new_tokens, seed=args.seed + 7)
+        metrics.update(best.update(metrics, step, model))  # keeps the best model in output_dir/best
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] held-out accuracy {metrics['eval/accuracy']:.3f}")
+
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG
+    engines = {"model": model}
+    start_step, _ = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    if start_step == 0:
+        tracker.log({"data/train_examples": len(examples), "data/skipped_too_long": dropped}, 0)
 
     # training loop
     timer = Timer()
     model.train()
-    for step in range(1, args.num_steps + 1):
+    for step in range(start_step + 1, args.num_steps + 1):
         with timer("train"):
             global_idx = sampler.next_indices(args.batch_size)
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
@@ -228,26 +259,35 @@ def main(args: Args) -> str:
                                                              tokenizer.pad_token_id, info.device)
                 nll, mask = sequence_nll(model, input_ids, attn, resp)
                 loss = reduce_loss(nll, mask, args.loss_reduction, len(batch), num_tokens)
-                model.backward(loss, scale_wrt_gas=False)
-                grad_norm = optimizer_step(model)
+                guard.backward(model, loss)
+                grad_norm = guard.step(model)  # a non-finite loss or gradient skips the step (counted)
                 loss_sum += loss.detach().double()
         if step % 10 == 0 or step == args.num_steps:
             stats = torch.tensor([loss_sum.item()], dtype=torch.float64)
             info.all_reduce(stats)
             metrics = {"loss/sft": stats[0].item() / info.world_size, "lr": scheduler.get_last_lr()[0],
                        "episode": step * args.batch_size, "optim/grad_norm": grad_norm,
-                       **timer.pop()}
+                       "optim/nonfinite_skipped": guard.skipped, **timer.pop()}
             tracker.log(metrics, step)
         tracker.progress(1, loss=loss_sum.item())
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             run_eval(step)
+
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
     run_eval(args.num_steps)
 
     final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info)
     tracker.write(f"saved {final}")
+    ckpt.finish()
     tracker.close()
     return str(final)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

@@ -30,13 +30,13 @@ import torch
 import tyro
 
 from shared import data as data_utils
-from shared.checkpoint import save_hf
-from shared.distributed import (check_ranks, default_dtype, exact_div, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, optimizer_step, prepare, prepare_frozen,
-                                seed_everything)
+from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
+                                prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
-from shared.rewards import compute_rewards, load_reward_fn
+from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.steps import StepSplitError, get_splitter, step_token_starts
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -87,6 +87,20 @@ class Args:
     """trade compute for memory in the training forwards"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # reliability (shared/checkpoint.py; docs/vineppo.md#reliability)
+    save_every: int = 25
+    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    keep_checkpoints: int = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    stop_after_steps: int = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: int = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "eval/accuracy"
+    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: int = 51200
@@ -235,6 +249,10 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
+    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
+                                "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
+                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
+                              "stop_after_steps", "max_nonfinite_steps"))
     if args.num_mc_rollouts < 1:
         raise ValueError("num_mc_rollouts: needs at least 1 rollout per state")
     if args.generator not in ("vllm", "hf"):
@@ -263,27 +281,30 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
 
-    # TRY NOT TO MODIFY: tracking
-    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project)
-    if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
-
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
 
-    # data
+    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
     load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit)
     train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_fn = load_reward_fn(args.reward_fn, args.dataset)
+    probe_reward_fn(reward_fn, train_data.rows)
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
+                      resume=ckpt.tracker_state)
+    if args.top_p < 1.0:
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
     splitter_name = args.step_splitter
     if splitter_name == "auto":
         lowered = args.dataset.lower()
@@ -301,6 +322,8 @@ def main(args: Args) -> str:
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
     seed_everything(local_seed)
     kl_coef = args.kl_coef
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
 
     # generation engine
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -311,19 +334,30 @@ def main(args: Args) -> str:
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
 
     def evaluate(step: int) -> dict:  # held-out grader accuracy and pass@k (shared/evaluation.py)
-        return evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
+        metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
+                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy in output_dir/best
+
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG (VinePPO has no more state)
+    engines = {"policy": policy}
+    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    first_eval = state.get("first_eval")
+    if start_step:  # the engine was built from model_path: give it the resumed weights
+        generator.sync_weights(full_named_parameters(policy, info))
 
     # training loop
     timer = Timer()
     start = time.time()
-    metrics = evaluate(0)
-    tracker.log(metrics, 0)
-    tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
-    first_eval = metrics["eval/accuracy"]
+    if start_step == 0:
+        metrics = evaluate(0)
+        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
+                     "data/skipped_too_long": train_data.num_filtered}, 0)
+        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+        first_eval = metrics["eval/accuracy"]
     policy.train()
     B, mb = args.local_batch_size, args.local_micro_batch_size
-    for step in range(1, args.num_steps + 1):
+    local_idx: list[int] = []
+    for step in range(start_step + 1, args.num_steps + 1):
         # 1. rollout: this rank's slice of the global prompt batch
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -429,8 +463,8 @@ def main(args: Args) -> str:
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
-                        policy.backward(loss * (0.0 if skip else 1.0), scale_wrt_gas=False)
-                        norm = optimizer_step(policy)
+                        guard.backward(policy, loss * (0.0 if skip else 1.0))
+                        norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
                         with torch.no_grad():
                             n = m_mask.sum().clamp(min=1)
@@ -470,7 +504,8 @@ def main(args: Args) -> str:
         }
         gathered = info.gather_objects(local)
         metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
-        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size, **timer.pop()})
+        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
+                        "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
                 metrics.update(evaluate(step))
@@ -482,6 +517,14 @@ def main(args: Args) -> str:
                                   "finish_reason": comps[i].finish_reason}
                                  for i in range(0, B, args.num_samples_per_prompt)][:8], step)
 
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
+
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
@@ -492,9 +535,10 @@ def main(args: Args) -> str:
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         tracker.write(f"saved {final}")
+    ckpt.finish()
     tracker.close()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    run_cli(main, Args)

@@ -1,20 +1,54 @@
-"""HF-compatible checkpoints (`save_pretrained` + tokenizer), written atomically.
+"""Checkpoints: HF exports (`save_hf`), resumable training state (`Checkpointer`) and the best model (`BestModel`).
 
-The model is written to `<dir>.tmp` and renamed into place only when complete, so an interrupted save
-never leaves a half-written checkpoint. Under ZeRO-3 the shards are gathered first (every rank takes
-part); only the main process writes.
+HF exports (`output_dir/final`, `output_dir/best`) are `save_pretrained` + tokenizer, loadable by transformers
+and vLLM. Resumable checkpoints live in `output_dir/checkpoints/step_<N>/`:
+
+    <engine name>/                  DeepSpeed `save_checkpoint` of each trained model: weights, optimizer
+                                    (ZeRO shards, one file per rank), LR scheduler, DeepSpeed's step counters
+    rank<r>.pt                      rank r's python / numpy / torch (and CUDA) RNG states and its local state
+                                    (e.g. per-rank loss sums not yet reduced for logging)
+    state.pt                        step, the run's flags, the metrics/samples file offsets, and the script's
+                                    state: data sampler position, NaN-guard count, best metric, algorithm
+                                    state (KL coefficient, loss windows, ...)
+
+A checkpoint is written to `step_<N>.tmp` by every rank and renamed into place by rank 0 only when complete,
+so an interrupted save never leaves a half-written checkpoint; only the last `keep_checkpoints` are kept.
+Resuming restores all of it and truncates metrics.jsonl / samples.jsonl to what they held at the checkpoint,
+so N steps + resume + M steps writes the same files (and weights) as N + M steps straight. Generation seeds
+are derived from (seed, step), so they need no state. Every rank must see the same filesystem (as DeepSpeed
+assumes).
+
+Signals: after `restore()`, SIGTERM and SIGINT only set a flag; at the end of the current step every rank
+agrees on it, a checkpoint is saved and the script exits with status 128 + signal (143 / 130). A second
+signal stops at once without saving.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import random
+import re
 import shutil
+import signal
+import sys
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from shared.distributed import DistInfo, full_named_parameters, unwrap
 
+# flags that may change between a run and its resumption (they do not change what is trained)
+OPERATIONAL_FLAGS = {"resume", "stop_after_steps", "save_every", "keep_checkpoints", "track", "wandb_project",
+                     "max_nonfinite_steps"}
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
 
 def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: dict | None = None) -> Path:
-    """Save `model` (plain module or DeepSpeed engine) so `from_pretrained` and vLLM can load it."""
+    """Save `model` (plain module or DeepSpeed engine) so `from_pretrained` and vLLM can load it.
+
+    Written to `<path>.tmp`, renamed into place when complete. Under ZeRO-3 every rank must call it."""
     path = Path(path)
     params = dict(full_named_parameters(model, info))  # collective under ZeRO-3: all ranks call this
     if info.is_main:
@@ -36,3 +70,251 @@ def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: di
         tmp.rename(path)
     info.barrier()
     return path
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in output_dir/checkpoints as (step, path), oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / "state.pt").exists()]
+    return sorted(found)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Resumable checkpoints of one run (see the module docstring).
+
+        ckpt = Checkpointer(args, info)           # resolves --resume and checks the flags; writes nothing
+        tracker = Tracker(..., resume=ckpt.tracker_state)
+        start_step, extra = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+        for step in range(start_step + 1, args.num_steps + 1):
+            ...
+            if ckpt.step_end(step):               # save_every, stop_after_steps, or SIGTERM/SIGINT on any rank
+                ckpt.save(step, engines, tracker, local={"window": window}, sampler=sampler, guard=guard,
+                          best=best, kl_coef=kl_coef)
+                if ckpt.stopping:
+                    break
+        if ckpt.stopping:
+            return ckpt.stop(tracker)             # exits 128 + signal after a signal
+        ...
+        ckpt.finish()                             # marks the run complete
+
+    Keyword state given to `save` is the same on every rank and stored once, by value or through `state_dict()`
+    when the object has one; `restore` loads it back into the objects passed by the same keyword and returns
+    the rest as a dict, together with `local` (each rank's own state, stored per rank).
+    """
+
+    def __init__(self, args, info: DistInfo):
+        self.args, self.info = args, info
+        self.root = Path(args.output_dir) / "checkpoints"
+        self.save_every, self.keep = args.save_every, args.keep_checkpoints
+        self.stop_after = args.stop_after_steps
+        self.steps_this_run = 0
+        self.stopping = False
+        self.signum = 0
+        self._received = 0
+        self._old_handlers: dict = {}
+        self.path = self._resolve(args.resume)
+        self.state: dict = {}
+        if self.path is not None:
+            self.state = torch.load(self.path / "state.pt", weights_only=False)
+            self._check_compatible(self.state)
+
+    # ------------------------------------------------------------------ resolving --resume
+    def _resolve(self, resume: str) -> Path | None:
+        output_dir = self.args.output_dir
+        existing = list_checkpoints(output_dir)
+        finished = self.root / "finished.json"
+        if resume in ("auto", "yes"):
+            if finished.exists():
+                raise ValueError(f"resume: {output_dir} holds a finished run ({finished}); choose another "
+                                 "--output_dir, or delete it")
+            if not existing:
+                if resume == "yes":
+                    raise ValueError(f"resume: no checkpoint in {self.root} to resume from")
+                return None
+            return existing[-1][1]
+        if resume == "no":
+            if existing or finished.exists():
+                raise ValueError(f"resume: {output_dir} already holds a run with checkpoints; pass --resume auto "
+                                 "to continue it, or choose another --output_dir")
+            return None
+        path = Path(resume)
+        if not (path / "state.pt").exists():
+            raise ValueError(f"resume: expected auto, yes, no or a checkpoint directory; {resume!r} is none of them")
+        return path
+
+    def _check_compatible(self, state: dict) -> None:
+        if state["world_size"] != self.info.world_size:
+            raise ValueError(f"resume: {self.path} was written by {state['world_size']} processes, now "
+                             f"{self.info.world_size}; resume with the same number of processes")
+        saved, now = state["args"], dataclasses.asdict(self.args)
+        flags = [f.name for f in dataclasses.fields(self.args) if "Suppress" not in str(f.type)]  # not computed ones
+        diff = [f"--{k} {saved.get(k)!r} (now {now[k]!r})" for k in flags
+                if k not in OPERATIONAL_FLAGS and k != "output_dir" and saved.get(k) != now[k]]
+        if diff:
+            raise ValueError(f"resume: {self.path} was written with other flags: {'; '.join(diff)}; resume with the "
+                             f"same flags, or choose another --output_dir")
+
+    @property
+    def tracker_state(self) -> dict | None:
+        """What the Tracker needs to continue the run's files (None on a fresh run)."""
+        return {**self.state["tracker"], "step": self.start_step} if self.path is not None else None
+
+    @property
+    def start_step(self) -> int:
+        return self.state.get("step", 0)
+
+    # ------------------------------------------------------------------ restore / save
+    def restore(self, engines: dict, **objects) -> tuple[int, dict]:
+        """Load engines (weights, optimizer, scheduler), RNG and the objects' states from the checkpoint being
+        resumed; returns (step, the remaining saved state). (0, {}) on a fresh run. Call it right before the
+        training loop: RNG states are restored last. From here on SIGTERM/SIGINT stop the run cleanly."""
+        self._install_signal_handlers()
+        if self.path is None:
+            return 0, {}
+        for name, engine in engines.items():
+            load_path, _ = engine.load_checkpoint(str(self.path), tag=name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+            if load_path is None:
+                raise ValueError(f"resume: {self.path} has no state for the {name!r} model")
+        extra = dict(self.state["extra"])
+        for key, obj in objects.items():
+            if obj is not None and key in extra:
+                obj.load_state_dict(extra.pop(key))
+        rank_state = torch.load(self.path / f"rank{self.info.rank}.pt", weights_only=False)
+        _set_rng_state(rank_state["rng"])
+        if self.info.is_main:
+            print(f"[cleanrlhf] resumed from {self.path} (step {self.start_step})", flush=True)
+        return self.start_step, {**extra, **rank_state["local"]}
+
+    def step_end(self, step: int) -> bool:
+        """True when a checkpoint is due after this step: every save_every steps, after stop_after_steps steps
+        of this invocation, or when any rank received SIGTERM/SIGINT (then `stopping` is set)."""
+        self.steps_this_run += 1
+        signum = self._received
+        if self.info.world_size > 1:  # ranks may receive the signal during different steps: agree on it
+            t = torch.tensor([signum], dtype=torch.int64, device=self.info.device)
+            signum = int(self.info.all_reduce(t, "max").item())
+        if signum:
+            self.signum, self.stopping = signum, True
+        if self.stop_after and self.steps_this_run >= self.stop_after and step < self.args.num_steps:
+            self.stopping = True
+        return self.stopping or bool(self.save_every and step % self.save_every == 0)
+
+    def save(self, step: int, engines: dict, tracker, local: dict | None = None, **state) -> Path:
+        """Write checkpoint `step` (every rank must call this), then keep only the last keep_checkpoints."""
+        info = self.info
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f"step_{step:08d}.tmp"
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        info.barrier()
+        for name, engine in engines.items():
+            engine.save_checkpoint(str(tmp), tag=name, save_latest=False)
+        torch.save({"rng": _rng_state(), "local": local or {}}, tmp / f"rank{info.rank}.pt")
+        if info.is_main:
+            extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items() if v is not None}
+            torch.save({"step": step, "world_size": info.world_size, "args": dataclasses.asdict(self.args),
+                        "tracker": tracker.state_dict(), "extra": extra}, tmp / "state.pt")
+        info.barrier()
+        if info.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for _, old in list_checkpoints(self.args.output_dir)[: -max(self.keep, 1)]:
+                shutil.rmtree(old, ignore_errors=True)
+            tracker.write(f"[step {step}] saved checkpoint {final}")
+        info.barrier()
+        return final
+
+    def stop(self, tracker) -> str:
+        """End an interrupted run after its checkpoint: exit 128 + signal after SIGTERM/SIGINT; return "" after
+        --stop_after_steps."""
+        tracker.write(f"stopped; rerun with the same flags (--resume auto) to continue from {self.root}")
+        tracker.close()
+        self._uninstall_signal_handlers()
+        if self.signum:
+            raise SystemExit(128 + self.signum)
+        return ""
+
+    def finish(self) -> None:
+        """Mark the run complete (a later --resume auto refuses to continue it) and drop the signal handlers."""
+        self._uninstall_signal_handlers()
+        if self.info.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            (self.root / "finished.json").write_text(json.dumps({"num_steps": self.args.num_steps}))
+        self.info.barrier()
+
+    # ------------------------------------------------------------------ signals
+    def _handle(self, signum, frame) -> None:
+        if self._received:  # a second signal: stop now, without saving
+            self._uninstall_signal_handlers()
+            signal.raise_signal(signum)
+            return
+        self._received = signum
+        print(f"[cleanrlhf] {signal.Signals(signum).name}: saving a checkpoint at the end of this step, then "
+              "exiting (send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def _install_signal_handlers(self) -> None:
+        try:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old_handlers[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread (e.g. called from a worker thread): no handlers
+            self._old_handlers = {}
+
+    def _uninstall_signal_handlers(self) -> None:
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+        self._old_handlers = {}
+
+
+class BestModel:
+    """Keeps the HF checkpoint with the best held-out metric in output_dir/best (best.json says which step).
+
+    `metric` is a key of the evaluation metrics, higher is better; a `:min` suffix means lower is better
+    (`eval/p_bad:min`). Empty: disabled. Every rank must call `update` (saving gathers ZeRO-3 shards)."""
+
+    def __init__(self, metric: str, output_dir: str | Path, info: DistInfo, tokenizer=None):
+        key, _, mode = metric.partition(":")
+        if mode not in ("", "min", "max"):
+            raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
+        self.key, self.sign = key, -1.0 if mode == "min" else 1.0
+        self.path = Path(output_dir) / "best"
+        self.info, self.tokenizer = info, tokenizer
+        self.value: float | None = None
+        self.step: int | None = None
+
+    def update(self, metrics: dict, step: int, model, extra_config: dict | None = None) -> dict:
+        """Save `model` if metrics[key] improved; returns {"best/<key>", "best/step"} to log (empty if no metric)."""
+        v = metrics.get(self.key) if self.key else None
+        if v is None or v != v:  # absent or NaN
+            return {}
+        if self.value is None or self.sign * v > self.sign * self.value:
+            self.value, self.step = float(v), step
+            save_hf(model, self.tokenizer, self.path, self.info, extra_config)
+            if self.info.is_main:
+                (self.path / "best.json").write_text(json.dumps({"metric": self.key, "value": v, "step": step}))
+        return {f"best/{self.key}": self.value, "best/step": self.step}
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.step = state["value"], state["step"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import socket
@@ -83,6 +84,7 @@ def init_distributed() -> DistInfo:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed reads it, also when another library made the group
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -220,17 +222,110 @@ def optimizer_step(engine) -> float | None:
     """`engine.step()` after a micro-batch; at an accumulation boundary returns the global grad norm (pre-clip).
 
     DeepSpeed records the norm for ZeRO-1/2/3; for stage 0 (gradients already all-reduced in backward)
-    it is computed here."""
+    it is computed here. A step whose gradient is not finite is skipped (no weight, optimizer-state or LR
+    change) and counted in `engine.skipped_steps`: DeepSpeed does this itself for ZeRO-1/2/3 and bf16; for
+    stage 0 in fp32 (a plain torch optimizer) the optimizer's `step` is a no-op for that one step, and
+    `optimizer.overflow` tells the engine not to step the LR scheduler (engine.py `_take_model_step`); the
+    engine then clears the gradients as usual."""
     norm = None
     boundary = engine.is_gradient_accumulation_boundary()
+    skip = False
     if boundary and engine.zero_optimization_stage() == 0:
         grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
         norm = torch.stack(grads).norm().item() if grads else 0.0
-    engine.step()
+        if isinstance(engine.optimizer, torch.optim.Optimizer):  # not DeepSpeed's own bf16/fp16 wrappers
+            skip = engine.optimizer.overflow = not math.isfinite(norm)
+    if skip:
+        optimizer = engine.optimizer
+        saved = optimizer.__dict__.get("step")  # the LR scheduler's counting wrapper, if any
+        optimizer.step = lambda *args, **kwargs: None
+        try:
+            engine.step()
+        finally:
+            if saved is None:
+                del optimizer.step
+            else:
+                optimizer.step = saved
+    else:
+        engine.step()
     if boundary and norm is None:
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
     return norm
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class NonFiniteGuard:
+    """Skips optimizer steps with a non-finite loss or gradient, counts them, and aborts after a limit.
+
+        guard.backward(engine, loss)   # a non-finite loss poisons the gradient, so its whole step is skipped
+        norm = guard.step(engine)      # optimizer_step; a skipped step is counted (all ranks agree: the norm
+                                       # is global), and more than `limit` of them abort the run
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.skipped = 0
+
+    @staticmethod
+    def backward(engine, loss: torch.Tensor) -> None:
+        # x1 when finite (bit-identical gradients), xNaN otherwise: every gradient becomes NaN, so the global
+        # norm is NaN on every rank and the step is skipped everywhere. No host sync.
+        ok = torch.isfinite(loss.detach())
+        engine.backward(loss * torch.where(ok, 1.0, float("nan")).to(loss.dtype), scale_wrt_gas=False)
+
+    def step(self, engine) -> float | None:
+        before = engine.skipped_steps
+        norm = optimizer_step(engine)
+        if engine.skipped_steps > before:
+            self.skipped += 1
+            if self.skipped > self.limit:
+                raise NonFiniteError(
+                    f"max_nonfinite_steps: {self.skipped} optimizer steps had a non-finite loss or gradient (limit "
+                    f"{self.limit}); the run is diverging: lower the learning rate, check the rewards and data, or "
+                    "resume from an earlier checkpoint (--resume output_dir/checkpoints/step_N)")
+        return norm
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped = state["skipped"]
+
+
+def check_sizes(args, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    """One-line errors naming the flag for sizes that must be >= 1 (batch sizes, counts) or >= 0 (intervals)."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+    for name in non_negative:
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(args, name)}")
+
+
+def run_cli(main, args_cls) -> None:
+    """`main(tyro.cli(Args))`, with configuration and data errors (ValueError, e.g. DataError, a bad flag, a
+    missing model) and a diverged run printed as one line `error: ...` (exit status 2) instead of a traceback.
+    Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
+    import sys
+
+    import tyro
+
+    args = tyro.cli(args_cls, use_underscores=True)
+    try:
+        main(args)
+    except (ValueError, NonFiniteError) as e:
+        if os.environ.get("CLEANRLHF_TRACEBACK"):
+            raise
+        from tqdm.std import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", [])):  # end the progress bar's line first
+            bar.close()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def weights_fingerprint(model: torch.nn.Module, info: DistInfo) -> str:

@@ -13,6 +13,7 @@ so graders can read metadata). It may accept **kwargs and ignore what it does no
   - "gsm8k" / "math": the graders of shared/graders.py (graders.md);
   - "package.module:function" or "path/to/file.py:function": your own function.
 Every result is checked: one finite number per completion, or a one-line error naming the function.
+`probe_reward_fn` makes that check once at start-up, before the run writes anything.
 """
 
 from __future__ import annotations
@@ -91,3 +92,11 @@ def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], an
             raise ValueError(f"reward_fn {name}: value {i} is {v!r}, expected a finite number")
         values.append(float(v))
     return values
+
+
+def probe_reward_fn(fn: RewardFn, rows: list[dict]) -> None:
+    """Call the reward function once on two dataset rows (their gold answers as completions, one marked
+    truncated) so a wrong signature, shape or value fails at start-up, not after the first rollout."""
+    rows = (rows * 2)[:2]
+    compute_rewards(fn, [r["prompt"] for r in rows], [str(r.get("answer", "")) for r in rows],
+                    [str(r.get("answer", "")) for r in rows], [True, False], rows)

@@ -138,7 +138,8 @@ def _built_by(name: str, script: str, base: Path) -> Path:
             def build(tmp: Path):
                 print(f"[cleanrlhf] building {final} with algorithms/{script} (once)", flush=True)
                 cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / script),
-                       "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1"]
+                       "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1",
+                       "--save_every", "0", "--best_metric", ""]  # the cache keeps only the final model
                 subprocess.run(cmd, check=True, env=_clean_env(), cwd=PROJECT_ROOT)
                 # the scripts write their final checkpoint under output_dir/final
                 for item in (tmp / "final").iterdir():
@@ -158,13 +159,25 @@ def builtin_tiny_rm() -> Path:
     return _built_by("tiny-rm", "rm.py", builtin_tiny_sft())
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """Map `builtin:tiny`, `builtin:tiny-sft` and `builtin:tiny-rm` to cached local paths; anything else is returned
-    unchanged."""
+def resolve_model_path(name_or_path: str, flag: str = "model_name_or_path") -> str:
+    """Map `builtin:tiny`, `builtin:tiny-sft` and `builtin:tiny-rm` to cached local paths; return a local model
+    directory or a hub name (`org/name`) unchanged. Anything else (a path that does not exist, a directory without
+    config.json) is a one-line ValueError naming `flag`, raised before the run writes anything."""
     if name_or_path == "builtin:tiny":
         return str(builtin_tiny())
     if name_or_path == "builtin:tiny-sft":
         return str(builtin_tiny_sft())
     if name_or_path == "builtin:tiny-rm":
         return str(builtin_tiny_rm())
+    if name_or_path.startswith("builtin:"):
+        raise ValueError(f"{flag}: unknown built-in model {name_or_path!r} "
+                         "(builtin:tiny, builtin:tiny-sft or builtin:tiny-rm)")
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{flag}: {name_or_path} is not a model directory (no config.json)")
+        return str(path)
+    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1 or "\\" in name_or_path
+    if looks_local:
+        raise ValueError(f"{flag}: {name_or_path} does not exist (and is not a hub name org/name)")
     return name_or_path

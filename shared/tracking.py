@@ -3,6 +3,10 @@ sample completions in `<output_dir>/samples.jsonl` (and a wandb table), and a pr
 
 Only the main process writes; other ranks get a tracker whose methods do nothing (no rank checks at
 call sites, as SFFD's no-op writer). Plot any run with `python scripts/plot.py <output_dir>`.
+
+A fresh run starts both JSONL files empty. A resumed run (`resume=` the checkpoint's `state_dict()`) cuts
+them back to their length at the checkpoint and appends, and continues the same wandb run, so the files of
+an interrupted-and-resumed run equal those of a straight run (apart from the wall-clock `time` fields).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def _clean(v):
 
 class Tracker:
     def __init__(self, args, output_dir: str | Path, run_name: str, enabled: bool, total: int, track: bool = False,
-                 wandb_project: str = "cleanrlhf", wandb_entity: str | None = None):
+                 wandb_project: str = "cleanrlhf", wandb_entity: str | None = None, resume: dict | None = None):
         self.enabled = enabled
         self.wandb = None
         self.bar = None
@@ -34,17 +38,35 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(args)
         (self.dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        for name in ("metrics", "samples"):
+            path = self.dir / f"{name}.jsonl"
+            if resume is None:
+                path.write_text("")
+            elif path.exists() and path.stat().st_size > resume[name]:
+                with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
+                    f.truncate(resume[name])
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.samples_file = open(self.dir / "samples.jsonl", "a")
+        self.wandb_id = None
         if track:
             import wandb
 
             self.wandb = wandb
-            wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config, save_code=True)
+            wandb_id = resume.get("wandb_id") if resume else None
+            wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config, save_code=True,
+                       id=wandb_id, resume="allow" if wandb_id else None)
+            self.wandb_id = wandb.run.id
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, desc=run_name, dynamic_ncols=True)
+        self.bar = tqdm(total=total, initial=resume.get("step", 0) if resume else 0, desc=run_name,
+                        dynamic_ncols=True)
         self.start = time.time()
+
+    def state_dict(self) -> dict:
+        """Lengths of the JSONL files and the wandb run id, for resuming (shared/checkpoint.py)."""
+        if not self.enabled:
+            return {}
+        return {"metrics": self.metrics_file.tell(), "samples": self.samples_file.tell(), "wandb_id": self.wandb_id}
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

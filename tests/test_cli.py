@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__")
 SHARED_VOCABULARY = ["model_name_or_path", "dataset", "output_dir", "seed", "total_episodes", "learning_rate",
-                     "track", "generator"]
+                     "track", "generator",
+                     # reliability flags (shared/checkpoint.py), the same in every script
+                     "save_every", "keep_checkpoints", "resume", "stop_after_steps", "max_nonfinite_steps",
+                     "best_metric"]
 NO_GENERATION = {"rm"}  # trains on fixed pairs and never samples: no `generator` flag
 # two trained models, two learning rates, named as in the RePULSe reference code (p_theta: base actor, q_xi: actor)
 RENAMED = {"repulse": {"learning_rate": "base_actor_learning_rate"}}
@@ -50,7 +54,8 @@ def test_every_field_is_typed_defaulted_and_documented(script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_lists_every_field(script):
     out = subprocess.run([sys.executable, f"algorithms/{script}.py", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+                         text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin",
+                              "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     assert out.returncode == 0, out.stderr
     for f in public_fields(script):
         assert f"--{f.name}" in out.stdout, f"--{f.name} missing from {script} --help"

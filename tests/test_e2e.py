@@ -184,6 +184,7 @@ def test_rm_trained_by_rm_py_is_the_reward_of_grpo(trained_rm, tmp_path):
     assert len(steps) == 4
     assert all(r["objective/scores"] != int(r["objective/scores"]) for r in steps)  # real-valued RM scores, not 0/1
     assert "eval/accuracy" in metrics(tmp_path)[-1]  # held-out accuracy still from the grader
+    assert math.isfinite(metrics(tmp_path)[-1]["eval/reward"])  # and the reward model's held-out score
 
 
 def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
@@ -191,6 +192,7 @@ def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
          str(trained_rm / "final"), "--kl_placement", "reward", "--generator", "hf"])
     steps = [r for r in metrics(tmp_path) if "loss/value_avg" in r]
     assert len(steps) == 4 and all(math.isfinite(r["objective/scores"]) for r in steps)
+    assert all(math.isfinite(r["eval/reward"]) for r in metrics(tmp_path) if "eval/accuracy" in r)
 
 
 DRCA_SMALL = ["--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
