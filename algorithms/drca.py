@@ -21,7 +21,7 @@ exactly PPO's reward (R on the last token) and skips the counterfactual RM calls
 by default and reproducible with flags (docs/drca.md lists them).
 
 Launch:
-    python algorithms/drca.py     # CPU, built-in task, builtin:tiny-rm (rm.py, on first use): ~7 min, accuracy 0.57 -> 0.61
+    python algorithms/drca.py     # CPU, built-in task, builtin:tiny-rm: ~7 min, held-out accuracy 0.57 -> 0.61
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/drca.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/drca.py \
         --model_name_or_path <sft> --reward_model_path <rm trained by rm.py> --dataset <prompts.jsonl> \

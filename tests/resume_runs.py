@@ -47,7 +47,20 @@ def write_datasets(out: Path) -> dict[str, str]:
     pairs = task.builtin_preferences("train")[:48]
     dump("pairs.jsonl", pairs + [{**pairs[0], "prompt": long}, {**pairs[1], "rejected": pairs[1]["chosen"]}])
     dump("pairs.test.jsonl", task.builtin_preferences("test")[:16])
-    return {k: str(out / f"{k}.jsonl") for k in ("prompts", "sft", "pairs")}
+    return {k: str(out / f"{k}.jsonl") for k in ("prompts", "sft", "pairs")} | {"rm": str(tiny_reward_model(out))}
+
+
+def tiny_reward_model(out: Path) -> Path:
+    """A reward model for drca.py: the tiny backbone with a fresh scalar head (seeded), saved once."""
+    from shared.scalar import load_scalar_model
+    from shared.tiny import builtin_tiny, build_tokenizer
+
+    path = out / "rm"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        load_scalar_model(str(builtin_tiny()), torch.float32).save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+    return path
 
 
 def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
@@ -76,13 +89,16 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
         "rm": ("rm", ["--dataset", d["pairs"], "--total_episodes", "192", "--local_micro_batch_size", "16",
                       "--eval_num_pairs", "16", "--eval_every", "4", "--max_prompt_length", "24"],
                7),
+        "drca": ("drca", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
+                          "--num_samples_per_prompt", "4", "--reward_model_path", d["rm"],
+                          "--unit_pattern", "lines"], 3),
         "repulse": ("repulse", ["--total_episodes", "240", "--num_generations", "20", "--local_micro_batch_size", "20",
                                 "--eval_num_samples", "40", "--eval_every", "2", "--sample_every", "2"], 3),
     }
 
 
 # two ranks double the batch: these cases get more episodes, so that K steps stop before the end
-TWO_RANKS = {"sft": "80", "ppo": "160", "grpo": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480"}
+TWO_RANKS = {"sft": "80", "ppo": "160", "drca": "160", "grpo": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480"}
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:
@@ -138,8 +154,8 @@ def compare(name: str, script: str, flags: list[str], k: int, base: Path, rank: 
 def main() -> None:
     base = Path(sys.argv[1])
     rank = int(os.environ.get("RANK", 0))
-    datasets = write_datasets(base / "data") if rank == 0 else {k: str(base / "data" / f"{k}.jsonl")
-                                                                    for k in ("prompts", "sft", "pairs")}
+    datasets = write_datasets(base / "data") if rank == 0 else {
+        **{k: str(base / "data" / f"{k}.jsonl") for k in ("prompts", "sft", "pairs")}, "rm": str(base / "data" / "rm")}
     from shared.distributed import init_distributed
 
     init_distributed().barrier()  # rank 0 wrote the datasets

@@ -26,7 +26,7 @@ from shared.tiny import resolve_model_path
 from shared.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft", "grpo", "ppo", "vineppo", "dpo", "rm", "repulse"]
+SCRIPTS = ["sft", "grpo", "ppo", "vineppo", "dpo", "rm", "repulse", "drca"]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -50,11 +50,12 @@ def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
     launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "ppo", "vineppo", "dpo",
-            "dpo_self_generated", "rm", "repulse"], timeout=900)
+            "dpo_self_generated", "rm", "repulse", "drca"], timeout=900)
     return out, json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", ["sft", "grpo", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm", "repulse"])
+@pytest.mark.parametrize("case", ["sft", "grpo", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm", "repulse",
+                                  "drca"])
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
     weight, bit for bit (also the critic of ppo.py); the resumed run finished."""
@@ -62,7 +63,7 @@ def test_n_steps_then_resume_equals_straight_run(resumed, case):
     assert r["stopped_at"] >= 2 and r["rows_at_stop"] < r["n_rows"][1]  # it really stopped, then continued
     assert r["rows_equal"], f"first differing row: {r['first_diff']}"
     assert r["weights_equal"] and "final" in r["weights"] and r["best"] and r["finished"]
-    if case == "ppo":
+    if case in ("ppo", "drca"):
         assert "critic" in r["weights"]
 
 
@@ -77,7 +78,7 @@ def test_resume_at_an_epoch_boundary_continues_training(resumed):
 
 def test_too_long_prompts_are_a_logged_skip(resumed):
     """Each dataset of the resume runs has one row over max_prompt_length: dropped and counted at step 0."""
-    for case in ("sft", "grpo", "ppo", "vineppo", "dpo", "rm"):
+    for case in ("sft", "grpo", "ppo", "vineppo", "dpo", "rm", "drca"):
         first = resumed[1][case]["first_row"]
         assert first["data/skipped_too_long"] == 1, case
     assert resumed[1]["dpo"]["first_row"]["data/skipped_identical"] == 1
@@ -341,6 +342,8 @@ KEY = {"sft": "response", "dpo": "chosen", "rm": "chosen"}  # the second require
 
 def _script_flags(script: str, dataset: str) -> list[str]:
     flags = ["--dataset", dataset, "--model_name_or_path", "builtin:tiny"]
+    if script == "drca":  # a reward model that needs no training (the backbone with a fresh head)
+        flags += ["--reward_model_path", "builtin:tiny"]
     return flags + ([] if script == "rm" else ["--reward_fn", "builtin"])
 
 
@@ -396,6 +399,8 @@ def test_bad_input_is_one_clear_error_before_anything_is_written(tmp_path, scrip
     ("repulse", ["--num_generations", "1"], "num_generations: RLOO"),
     ("repulse", ["--local_micro_batch_size", "7"], "local_micro_batch_size: .* is not divisible by 7"),
     ("ppo", ["--save_every", "-1"], "save_every: must be >= 0"),
+    ("drca", ["--drca_beta", "1.5"], "drca_beta: must be in"),
+    ("drca", ["--num_minibatches", "3"], "num_minibatches: .* is not divisible by 3"),
 ])
 def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, script, flags, message):
     import importlib
@@ -410,7 +415,7 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, script, flags, 
     assert not out.exists()
 
 
-@pytest.mark.parametrize("script", ["sft", "grpo", "ppo", "vineppo", "dpo", "repulse"])
+@pytest.mark.parametrize("script", ["sft", "grpo", "ppo", "vineppo", "dpo", "repulse", "drca"])
 def test_a_reward_function_of_the_wrong_shape_is_rejected_at_start_up(tmp_path, script):
     import importlib
 
