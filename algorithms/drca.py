@@ -47,7 +47,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
 from shared.evaluation import evaluate_accuracy
 from shared.generation import make_generator
 from shared.rewards import load_reward_fn, probe_reward_fn
-from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
+from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_sequences, token_values
 from shared.tiny import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -532,21 +532,8 @@ def main(args: Args) -> str:
     mb = args.local_micro_batch_size
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
-        """Normalised RM scores in micro-batches; every rank runs the same number of forwards (ZeRO-3 gathers)."""
-        n_local = torch.tensor([math.ceil(len(responses) / mb)])
-        n_batches = int(info.all_reduce(n_local, "max").item())
-        out = []
-        with torch.no_grad():
-            for b in range(n_batches):
-                p, r = prompts[b * mb : (b + 1) * mb], responses[b * mb : (b + 1) * mb]
-                if not r:  # this rank is done: a dummy forward keeps the collectives in step
-                    p, r = prompts[:1] or [[eos_id]], responses[:1] or [[eos_id]]
-                    score_last_token(reward_model, *data_utils.pad_batch(p, r, tokenizer.pad_token_id,
-                                                                         info.device)[:2])
-                    continue
-                ids, attn, _ = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
-                out.append(score_last_token(reward_model, ids, attn))
-        return torch.cat(out) if out else torch.zeros(0, device=info.device)
+        """Normalised RM scores in micro-batches (shared/scalar.py; every rank runs the same number of forwards)."""
+        return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, mb)
 
     def extract_units(response: list[int], entropy: torch.Tensor | None) -> list[tuple[int, int]]:
         """Unit token spans in response coordinates; the last response token is never in a unit."""

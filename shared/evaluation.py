@@ -38,19 +38,11 @@ def evaluate_accuracy(generator, eval_data, reward_fn, decode, info, num_samples
         r = torch.tensor(r, dtype=torch.float64).view(len(idx), num_samples)
     rm_sum = 0.0
     if reward_model is not None:
-        from shared.data import pad_batch
-        from shared.scalar import score_last_token
+        from shared.scalar import score_sequences
 
         prompts = [eval_data.prompt_ids[i] for i in idx for _ in range(num_samples)]
-        # every rank runs the same number of forwards (ZeRO-3 gathers the frozen model's shards in each)
-        n_batches = info.all_reduce(torch.tensor([math.ceil(len(comps) / micro_batch_size)]), "max").item()
-        with torch.no_grad():
-            for b in range(n_batches):
-                sl = slice(b * micro_batch_size, (b + 1) * micro_batch_size)
-                ps, cs = (prompts[sl], [c.token_ids for c in comps[sl]]) if prompts[sl] else ([[pad_id]], [[pad_id]])
-                ids, attn, _ = pad_batch(ps, cs, pad_id, info.device)
-                scores = score_last_token(reward_model, ids, attn)
-                rm_sum += scores.double().sum().item() if prompts[sl] else 0.0
+        scores = score_sequences(reward_model, prompts, [c.token_ids for c in comps], pad_id, info, micro_batch_size)
+        rm_sum = scores.double().sum().item()
     stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum() if len(idx) else 0, r.numel(), len(idx), rm_sum],
                          dtype=torch.float64)
     info.all_reduce(stats)

@@ -15,6 +15,8 @@ returned normalised as (r - mean) / std.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -59,6 +61,26 @@ def score_last_token(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if normalize and getattr(config, "reward_mean", None) is not None:
         scores = (scores - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
     return scores
+
+
+def score_sequences(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, info,
+                    micro_batch_size: int) -> torch.Tensor:
+    """Normalised scores of prompt + response pairs, [N], in right-padded micro-batches (no grad). Every rank runs
+    the same number of forwards (a dummy one when it has run out), as a ZeRO-3-partitioned model requires."""
+    from shared.data import pad_batch
+
+    n_local = torch.tensor([math.ceil(len(responses) / micro_batch_size)])
+    n_batches = int(info.all_reduce(n_local, "max").item())
+    out = []
+    with torch.no_grad():
+        for b in range(n_batches):
+            p = prompts[b * micro_batch_size : (b + 1) * micro_batch_size]
+            r = responses[b * micro_batch_size : (b + 1) * micro_batch_size]
+            ids, attn, _ = pad_batch(p or [[pad_id]], r or [[pad_id]], pad_id, info.device)
+            scores = score_last_token(model, ids, attn)
+            if r:
+                out.append(scores)
+    return torch.cat(out) if out else torch.zeros(0, device=info.device)
 
 
 def check_same_tokenizer(model_path: str, tokenizer, what: str = "reward_model_path") -> None:
