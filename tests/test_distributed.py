@@ -1,0 +1,65 @@
+"""shared/distributed.py::DistInfo collectives: a single process makes none (see the comment in DistInfo)."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shared.distributed import DistInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_single_process_collectives_do_not_call_torch_distributed(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("torch.distributed was called in a single process")
+
+    for name in ("all_reduce", "all_gather_object", "broadcast_object_list", "barrier"):
+        monkeypatch.setattr(dist, name, boom)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), zero_stage=0, ds_base_config={})
+    t = torch.tensor([1.0, 2.0])
+    assert info.all_reduce(t) is t and t.tolist() == [1.0, 2.0]
+    assert info.all_reduce(t, "max").tolist() == [1.0, 2.0]
+    assert info.gather_objects({"a": 1}) == [{"a": 1}]
+    assert info.broadcast_object("run") == "run"
+    info.barrier()
+
+
+def test_multi_process_collectives_still_call_torch_distributed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: calls.append(("all_reduce", op)) or t.mul_(2))
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    info = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), zero_stage=0, ds_base_config={})
+    assert info.all_reduce(torch.tensor([1.0]), "max").tolist() == [2.0]
+    assert calls == [("all_reduce", dist.ReduceOp.MAX)]
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {root!r})
+    from shared.distributed import init_distributed
+    def gloo_threads():
+        return sum(open(f"/proc/self/task/{{t}}/comm").read().strip() == "pt_gloo_runloop"
+                   for t in os.listdir("/proc/self/task"))
+    info = init_distributed()
+    torch.set_num_threads(2)
+    before = gloo_threads()
+    info.gather_objects({{i: (float(i), float(i)) for i in range(4000)}})  # dpo.py's reference log-prob cache
+    info.all_reduce(torch.zeros(10**6))
+    info.broadcast_object(list(range(10**5)))
+    print(before, gloo_threads())
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_single_process_collectives_start_no_openmp_pool_in_gloo_threads():
+    """The regression behind it: a large all_gather_object made a gloo thread run a parallel tensor copy, libgomp
+    started a second pool there (its worker inherits the name pt_gloo_runloop) and throttled every worker."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after == before, f"gloo threads {before} -> {after}: a collective ran in a single process"
