@@ -51,6 +51,32 @@ def alternating_order(contenders: list[str], repeat: int) -> list[str]:
     return list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
 
 
+def run_repeats(contenders: list[str], repeats: int, run_one, describe) -> dict[str, list[dict]]:
+    """Run every contender `repeats` times in alternating order: {contender: [result of each repeat]}.
+
+    run_one(name, rep) -> result dict (a subprocess run); describe(result) -> the text of its progress line.
+    A contender that raises RuntimeError / FileNotFoundError / KeyError / ValueError (a failed child, missing
+    output) gets {"error": ...} for that repeat and is dropped from later repeats; the others go on."""
+    runs: dict[str, list[dict]] = {c: [] for c in contenders}
+    failed: set[str] = set()
+    for rep in range(repeats):
+        for name in alternating_order(contenders, rep):
+            if name in failed:
+                continue
+            t = time.perf_counter()
+            try:
+                res = run_one(name, rep)
+            except (RuntimeError, FileNotFoundError, KeyError, ValueError) as e:
+                failed.add(name)
+                res = {"error": str(e)[-2000:]}
+                first = (str(e).splitlines() or [type(e).__name__])[0]
+                print(f"  {name} rep {rep}: FAILED (dropped from later repeats): {first}", flush=True)
+            else:
+                print(f"  {name} rep {rep}: {describe(res)} ({time.perf_counter() - t:.0f}s)", flush=True)
+            runs[name].append(res)
+    return runs
+
+
 def step_times_from_rows(rows: list[dict], key: str = "time/train") -> list[float]:
     """Wall time of each training step of one of our runs, from its metrics.jsonl rows.
 

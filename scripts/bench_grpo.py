@@ -263,27 +263,12 @@ def main(argv=None) -> dict | None:
     env = bc.environment()
     print(f"[bench_grpo] {env['device']}; contenders {a.contenders}; {a.repeats} repeats x {a.steps} iterations of "
           f"{a.num_prompts} prompts x {a.num_generations} completions, {a.max_new_tokens} new tokens", flush=True)
-    runs: dict[str, list[dict]] = {c: [] for c in a.contenders}
-    failed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
         base = (a.out or ROOT / "runs/bench/grpo") / "runs" if a.keep else Path(tmp)
-        for rep in range(a.repeats):
-            for name in bc.alternating_order(a.contenders, rep):
-                if name in failed:
-                    continue
-                out = base / f"{name}_rep{rep}"
-                t = time.perf_counter()
-                try:
-                    res = run_contender(a, name, out, a.seed)
-                except (RuntimeError, FileNotFoundError, KeyError, ValueError) as e:
-                    failed.add(name)
-                    res = {"error": str(e)[-2000:]}
-                    print(f"  {name} rep {rep}: FAILED (dropped from later repeats): {str(e).splitlines()[0]}",
-                          flush=True)
-                else:
-                    print(f"  {name} rep {rep}: median step {statistics.median(res['step_s']):.3f}s "
-                          f"({time.perf_counter() - t:.0f}s)", flush=True)
-                runs[name].append(res)
+        runs = bc.run_repeats(a.contenders, a.repeats,
+                              lambda name, rep: run_contender(a, name, base / f"{name}_rep{rep}", a.seed),
+                              lambda res: f"median step {statistics.median(res['step_s']):.3f}s")
+        failed = {name for name, reps in runs.items() if any("error" in r for r in reps)}
         profile = None
         if a.profile and "ours" not in failed:
             out = base / "ours_profile"

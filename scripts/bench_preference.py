@@ -171,30 +171,17 @@ def main(argv=None) -> dict | None:
     contenders = [f"{algo}_{who}" for algo in a.algos for who in ("ours", "trl")]
     print(f"[bench_preference] {env['device']}; {contenders}; {a.repeats} repeats x {a.steps} steps of "
           f"{a.batch_size} pairs", flush=True)
-    runs: dict[str, list[dict]] = {c: [] for c in contenders}
-    failed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="bench_pref_") as tmp:
         base = (a.out or ROOT / "runs/bench/preference") / "runs" if a.keep else Path(tmp)
-        for rep in range(a.repeats):
-            for name in bc.alternating_order(contenders, rep):
-                if name in failed:
-                    continue
-                algo, who = name.split("_")
-                out = base / f"{name}_rep{rep}"
-                t = time.perf_counter()
-                try:
-                    if who == "ours":
-                        res = {**bc.run_child(ours_argv(a, algo, out, a.seed), out), **read_ours(out)}
-                    else:
-                        res = {**bc.run_child(trl_argv(a, algo, out, a.seed), out), **read_trl(out)}
-                except (RuntimeError, FileNotFoundError, KeyError, ValueError) as e:
-                    failed.add(name)
-                    res = {"error": str(e)[-2000:]}
-                    print(f"  {name} rep {rep}: FAILED: {str(e).splitlines()[0]}", flush=True)
-                else:
-                    print(f"  {name} rep {rep}: median step {statistics.median(res['step_s']) * 1e3:.1f} ms "
-                          f"({time.perf_counter() - t:.0f}s)", flush=True)
-                runs[name].append(res)
+
+        def run_one(name: str, rep: int) -> dict:
+            algo, who = name.split("_")
+            out = base / f"{name}_rep{rep}"
+            argv = ours_argv(a, algo, out, a.seed) if who == "ours" else trl_argv(a, algo, out, a.seed)
+            return {**bc.run_child(argv, out), **(read_ours(out) if who == "ours" else read_trl(out))}
+
+        runs = bc.run_repeats(contenders, a.repeats, run_one,
+                              lambda res: f"median step {statistics.median(res['step_s']) * 1e3:.1f} ms")
 
     summary, ratios = {}, {}
     for name, reps in runs.items():

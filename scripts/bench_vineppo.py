@@ -113,15 +113,15 @@ def read_algo(out: Path, algo: str) -> dict:
 
 
 def part_iteration(a, base: Path) -> dict:
-    runs = {"ppo": [], "vineppo": []}
-    for rep in range(a.repeats):
-        for algo in bc.alternating_order(["ppo", "vineppo"], rep):
-            out = base / f"{algo}_rep{rep}"
-            t = time.perf_counter()
-            res = {**bc.run_child(algo_argv(a, algo, out), out), **read_algo(out, algo)}
-            print(f"  {algo} rep {rep}: median iteration {statistics.median(res['step_s']):.3f}s "
-                  f"({time.perf_counter() - t:.0f}s)", flush=True)
-            runs[algo].append(res)
+    def run_one(algo: str, rep: int) -> dict:
+        out = base / f"{algo}_rep{rep}"
+        return {**bc.run_child(algo_argv(a, algo, out), out), **read_algo(out, algo)}
+
+    runs = bc.run_repeats(["ppo", "vineppo"], a.repeats, run_one,
+                          lambda res: f"median iteration {statistics.median(res['step_s']):.3f}s")
+    for algo, reps in runs.items():
+        if any("error" in r for r in reps):
+            raise SystemExit(f"[bench_vineppo] {algo} failed: {next(r['error'] for r in reps if 'error' in r)}")
     summary = {}
     for algo, reps in runs.items():
         summary[algo] = {

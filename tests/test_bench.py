@@ -38,6 +38,25 @@ def test_alternating_order():
     assert bc.alternating_order(["a", "b", "c"], 2) == ["a", "b", "c"]
 
 
+def test_run_repeats_alternates_and_drops_a_failed_contender(capsys):
+    calls = []
+
+    def run_one(name, rep):
+        calls.append((name, rep))
+        if name == "b" and rep == 1:
+            raise RuntimeError("child exited with status 1\ntraceback ...")
+        return {"step_s": [float(rep)]}
+
+    runs = bc.run_repeats(["a", "b", "c"], 4, run_one, lambda res: f"step {res['step_s'][0]}")
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1), ("a", 2), ("c", 2),
+                     ("c", 3), ("a", 3)]  # b is not run again after failing in repeat 1
+    assert runs["a"] == [{"step_s": [0.0]}, {"step_s": [1.0]}, {"step_s": [2.0]}, {"step_s": [3.0]}]
+    assert runs["b"][0] == {"step_s": [0.0]} and "status 1" in runs["b"][1]["error"] and len(runs["b"]) == 2
+    out = capsys.readouterr().out
+    assert "b rep 1: FAILED (dropped from later repeats): child exited with status 1\n" in out
+    assert "a rep 3: step 3.0 (" in out
+
+
 def test_step_times_from_rows_drops_warmup_and_divides_windows():
     rows = [{"step": 0, "time": 5.0, "eval/accuracy": 0.5},  # not a step row
             {"step": 1, "time": 10.0, "time/train": 1.0},  # warm-up: only the reference point
