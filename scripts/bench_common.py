@@ -125,10 +125,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment() -> dict:
-    """Machine, versions and load: recorded with every result."""
+def environment(require_gpu: bool = False) -> dict:
+    """Machine, versions and load: recorded with every result. require_gpu (a script's --gpu): exit with a
+    one-line error when no CUDA device is visible."""
     import torch
 
+    if require_gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA device visible")
     env = {
         "host_cpu": cpu_name(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers"),

@@ -102,9 +102,7 @@ def main(argv=None) -> dict:
     from shared.task import builtin_split
     from shared.tiny import resolve_model_path
 
-    if a.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu: no CUDA device visible")
-    env = bc.environment()
+    env = bc.environment(require_gpu=a.gpu)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = DistInfo(0, 1, 0, device, 0, {})
     path = resolve_model_path(a.model)

@@ -256,11 +256,7 @@ def main(argv=None) -> dict | None:
         a.child_dir.mkdir(parents=True, exist_ok=True)
         trl_child(a)
         return None
-    import torch
-
-    if a.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu: no CUDA device visible")
-    env = bc.environment()
+    env = bc.environment(require_gpu=a.gpu)
     print(f"[bench_grpo] {env['device']}; contenders {a.contenders}; {a.repeats} repeats x {a.steps} iterations of "
           f"{a.num_prompts} prompts x {a.num_generations} completions, {a.max_new_tokens} new tokens", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:

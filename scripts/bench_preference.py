@@ -163,11 +163,7 @@ def main(argv=None) -> dict | None:
         a.child_dir.mkdir(parents=True, exist_ok=True)
         trl_child(a)
         return None
-    import torch
-
-    if a.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu: no CUDA device visible")
-    env = bc.environment()
+    env = bc.environment(require_gpu=a.gpu)
     contenders = [f"{algo}_{who}" for algo in a.algos for who in ("ours", "trl")]
     print(f"[bench_preference] {env['device']}; {contenders}; {a.repeats} repeats x {a.steps} steps of "
           f"{a.batch_size} pairs", flush=True)

@@ -245,11 +245,7 @@ def main(argv=None) -> dict | None:
         a.child_dir.mkdir(parents=True, exist_ok=True)
         mc_child(a)
         return None
-    import torch
-
-    if a.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu: no CUDA device visible")
-    env = bc.environment()
+    env = bc.environment(require_gpu=a.gpu)
     print(f"[bench_vineppo] {env['device']}; parts {a.parts}; {a.repeats} repeats", flush=True)
     result = {"benchmark": "vineppo", "env": env,
               "settings": {k: v for k, v in vars(a).items() if k not in ("child", "child_dir", "out",

@@ -57,6 +57,15 @@ def test_run_repeats_alternates_and_drops_a_failed_contender(capsys):
     assert "a rep 3: step 3.0 (" in out
 
 
+@pytest.mark.parametrize("name", ["bench_generation", "bench_grpo", "bench_preference", "bench_vineppo"])
+def test_gpu_mode_without_a_gpu_is_a_one_line_error(name, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--gpu: no CUDA device visible"):
+        load(name).main(["--gpu", "--out", "/nonexistent/never_written"])
+
+
 def test_step_times_from_rows_drops_warmup_and_divides_windows():
     rows = [{"step": 0, "time": 5.0, "eval/accuracy": 0.5},  # not a step row
             {"step": 1, "time": 10.0, "time/train": 1.0},  # warm-up: only the reference point
