@@ -99,7 +99,13 @@ def init_distributed() -> DistInfo:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=30)
+        if os.environ["WORLD_SIZE"] == "1":
+            # one process: an in-process store, no TCP port (a free port found above can be taken by another
+            # process before the store binds it: EADDRINUSE, seen in the test suite)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed reads it, also when another library made the group
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -63,3 +63,23 @@ def test_single_process_collectives_start_no_openmp_pool_in_gloo_threads():
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = map(int, out.stdout.split()[-2:])
     assert after == before, f"gloo threads {before} -> {after}: a collective ran in a single process"
+
+
+PORT_SCRIPT = textwrap.dedent("""
+    import os, socket, sys
+    sys.path.insert(0, {root!r})
+    busy = socket.socket(); busy.bind(("127.0.0.1", 0)); busy.listen()
+    os.environ["MASTER_PORT"] = str(busy.getsockname()[1])  # taken, as when another process grabs the free port
+    from shared.distributed import init_distributed
+    info = init_distributed()
+    print(info.world_size, info.rank)
+""")
+
+
+def test_single_process_needs_no_free_port():
+    """A single process rendezvouses in memory: a port taken by another process cannot fail the run
+    (it did: EADDRINUSE in the test suite, between finding a free port and binding it)."""
+    out = subprocess.run([sys.executable, "-c", PORT_SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["1", "0"]
