@@ -51,9 +51,9 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
                                 init_distributed, load_causal_lm, load_tokenizer, prepare, prepare_frozen, run_cli,
                                 seed_everything)
 from shared.evaluation import evaluate_accuracy
-from shared.generation import make_generator
+from shared.generation import completion_decoder, make_generator
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
 LOSS_TYPES = ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop")
@@ -166,6 +166,8 @@ class Args:
     """nucleus sampling for self-generated pairs (VinePPO 0.9)"""
     max_new_tokens: int = 16
     """completion length limit (self-generated pairs and evaluation)"""
+    stop: tuple[str, ...] = ()
+    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
     correct_threshold: float = 0.5
     """a sample is correct if its reward is >= this (VinePPO 0.5)"""
     max_pairs_per_prompt: int = 64
@@ -286,7 +288,7 @@ def main(args: Args) -> str:
     ref_path = resolve_model_path(args.ref_model_name_or_path, "ref_model_name_or_path") \
         if args.ref_model_name_or_path else model_path
     tokenizer = load_tokenizer(model_path)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
     load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key, prompt_template=args.prompt_template,
                 response_template=args.response_template, use_chat_template=args.chat_template,
@@ -335,7 +337,7 @@ def main(args: Args) -> str:
     if args.eval_num_prompts or args.pair_source == "self_generated":
         generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
                                    dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length,
-                                   world_size=info.world_size, zero_stage=info.zero_stage)
+                                   world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop)
     pad_id = tokenizer.pad_token_id
     timer = Timer()
 

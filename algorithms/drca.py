@@ -45,10 +45,10 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
-from shared.generation import make_generator
+from shared.generation import check_engine, completion_decoder, make_generator
 from shared.rewards import load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_sequences, token_values
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
 LABEL_PATTERN = r"^\*?[A-Z]{1,2}\.\s+"  # the reference's step labels: "A. ", "AB. ", "*A. "
@@ -174,6 +174,8 @@ class Args:
     """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
     max_new_tokens: int = 16
     """completion length limit; completions that hit it are 'truncated'"""
+    stop: tuple[str, ...] = ()
+    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
     kl_coef: float = 0.01
     """eta: per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference model"""
     reward_clip: float = 10.0
@@ -527,8 +529,8 @@ def main(args: Args) -> str:
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
+    decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
     mb = args.local_micro_batch_size
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
@@ -755,6 +757,7 @@ def main(args: Args) -> str:
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
+    metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
     tracker.write(f"held-out accuracy {first.get('eval/accuracy', float('nan')):.3f} -> "
                   f"{metrics.get('eval/accuracy', float('nan')):.3f}, reward {first['eval/reward']:.3f} -> "

@@ -41,10 +41,10 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
-from shared.generation import make_generator
+from shared.generation import check_engine, completion_decoder, make_generator
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
 
@@ -137,6 +137,8 @@ class Args:
     """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
     max_new_tokens: int = 16
     """completion length limit; completions that hit it are 'truncated'"""
+    stop: tuple[str, ...] = ()
+    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
     gamma: float = 1.0
     """GAE discount"""
     lam: float = 1.0
@@ -379,8 +381,8 @@ def main(args: Args) -> str:
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
+    decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def evaluate(step: int) -> dict:  # held-out grader accuracy, pass@k, RM score (shared/evaluation.py)
         metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
@@ -572,6 +574,7 @@ def main(args: Args) -> str:
     metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
+    metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
     tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
                   f"in {metrics['time/total']:.0f}s")

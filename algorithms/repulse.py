@@ -57,10 +57,10 @@ from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, run_cli, seed_everything)
-from shared.generation import HFGenerator, make_generator
+from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
 
@@ -139,6 +139,8 @@ class Args:
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
     max_new_tokens: int = 2
     """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
+    stop: tuple[str, ...] = ()
+    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
     loss_type: str = "neg_training"
     """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
     alpha: float = 10.0
@@ -276,12 +278,14 @@ def neg_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, num_
 
 
 @torch.no_grad()
-def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], eos_id: int, max_new_tokens: int) -> float:
+def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids: int | list[int],
+                       max_new_tokens: int) -> float:
     """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary (spec §4.1).
 
-    log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g != EOS} [log p(g|x) + lse_b log p(b|x,g)]).
-    EOS as the first token ends the completion (as in sampling), so it is excluded from the second term; the
-    reference scores a second token after it too (a tiny difference, spec §6.14)."""
+    log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g not in E} [log p(g|x) + lse_b log p(b|x,g)]).
+    E (`end_ids`): the tokens that end a completion when sampled first (EOS, the other stop ids, tokens that complete
+    a stop string), so they are excluded from the second term, as in sampling; the reference scores a second token
+    after EOS too (a tiny difference, spec §6.14)."""
     if max_new_tokens > 2:
         raise ValueError("max_new_tokens: the exact P(bad) enumerates at most 2 generated tokens")
     device = next(model.parameters()).device
@@ -293,7 +297,8 @@ def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], eos_id:
         return first.item()
     V = lp1.shape[0]
     keep = torch.ones(V, dtype=torch.bool, device=device)
-    keep[bad], keep[eos_id] = False, False
+    keep[bad] = False
+    keep[torch.tensor(end_ids if isinstance(end_ids, list) else [end_ids], device=device)] = False
     goods = keep.nonzero().squeeze(-1)
     x2 = torch.cat([x.expand(len(goods), -1), goods[:, None]], dim=1)
     lp2 = torch.log_softmax(model(input_ids=x2).logits[:, -1].float(), -1)
@@ -402,10 +407,14 @@ def main(args: Args) -> str:
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage,
-                               gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-    q_generator = HFGenerator(proposal.module, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              synced_gpus=info.zero_stage == 3) if sample_q else None
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization, stop=args.stop)
+    stop_ids = stop_token_ids(model_path, tokenizer)  # EOS and generation_config's eos ids
+    q_generator = HFGenerator(proposal.module, tokenizer, synced_gpus=info.zero_stage == 3, stop_token_ids=stop_ids,
+                              stop=args.stop) if sample_q else None
+    # tokens that end a completion when sampled first, for the exact P(bad): stop ids and single-token stop strings
+    end_ids = stop_ids + ([t for t in range(len(tokenizer)) if t not in stop_ids
+                           and any(s in tokenizer.decode([t]) for s in args.stop)] if args.stop and exact else [])
+    decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
     mb = args.local_micro_batch_size
 
     def batched(fn, *tensors):  # fn over micro-batches of rows, concatenated
@@ -439,8 +448,8 @@ def main(args: Args) -> str:
         """Held-out sampling from p_theta: P(bad), CVaR, mean reward and return; exact log P(bad) on the toy."""
         out = {}
         if exact:
-            out["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids,
-                                                        tokenizer.eos_token_id, args.max_new_tokens)
+            out["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids, end_ids,
+                                                        args.max_new_tokens)
         per_rank = math.ceil(len(eval_data.rows) / info.world_size)
         idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
         r, ret = torch.zeros(0), torch.zeros(0)
@@ -474,7 +483,7 @@ def main(args: Args) -> str:
             metrics["exact/log_q_bad"] = metrics["exact/log_p_bad"]
         tracker.log({**metrics, "episode": 0, "data/train_prompts": len(train_data.rows),
                      "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        tracker.write("[step 0] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         first = metrics
     policy.train()
     N = args.num_generations
@@ -575,11 +584,11 @@ def main(args: Args) -> str:
         metrics.update({"episode": step * args.samples_per_step, "optim/nonfinite_skipped": guard.skipped,
                         **timer.pop()})
         if exact:
-            metrics["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids,
-                                                            tokenizer.eos_token_id, args.max_new_tokens)
+            metrics["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids, end_ids,
+                                                            args.max_new_tokens)
             model_q = proposal if sample_q else policy
-            metrics["exact/log_q_bad"] = exact_log_prob_bad(model_q, eval_data.prompt_ids[0], bad_ids,
-                                                            tokenizer.eos_token_id, args.max_new_tokens)
+            metrics["exact/log_q_bad"] = exact_log_prob_bad(model_q, eval_data.prompt_ids[0], bad_ids, end_ids,
+                                                            args.max_new_tokens)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
                 metrics.update(evaluate(step))

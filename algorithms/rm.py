@@ -38,7 +38,7 @@ from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, init_distributed,
                                 load_tokenizer, prepare, run_cli, seed_everything)
 from shared.scalar import head, load_scalar_model, score_last_token
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
 

@@ -29,9 +29,9 @@ from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_sizes, default_dtype, full_named_parameters, init_distributed,
                                 load_causal_lm, load_tokenizer, prepare, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
-from shared.generation import make_generator
+from shared.generation import completion_decoder, make_generator
 from shared.rewards import load_reward_fn, probe_reward_fn
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
 
@@ -118,6 +118,8 @@ class Args:
     """sampling temperature for held-out evaluation (0 = greedy)"""
     max_new_tokens: int = 16
     """generation length limit for evaluation"""
+    stop: tuple[str, ...] = ()
+    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0
@@ -226,12 +228,12 @@ def main(args: Args) -> str:
     # generation engine (evaluation only)
     generator = make_generator(args.generator, model_path=model_path, model=model.module, tokenizer=tokenizer,
                                dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length, world_size=info.world_size,
-                               zero_stage=info.zero_stage)
+                               zero_stage=info.zero_stage, stop=args.stop)
 
     def run_eval(step: int) -> None:
         generator.sync_weights(full_named_parameters(model, info))
         metrics = evaluate_accuracy(generator, eval_data, reward_fn,
-                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), info, 1,
+                                    completion_decoder(tokenizer, args.stop), info, 1,
                                     args.eval_temperature, args.max_new_tokens, seed=args.seed + 7)
         metrics.update(best.update(metrics, step, model))  # keeps the best model in output_dir/best
         tracker.log(metrics, step)

@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
     from shared.distributed import DistInfo, default_dtype, full_named_parameters, load_causal_lm, load_tokenizer
     from shared.generation import HFGenerator, VLLMGenerator, seed_for
     from shared.task import builtin_split
-    from shared.tiny import resolve_model_path
+    from shared.models import resolve_model_path
 
     env = bc.environment(require_gpu=a.gpu)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,9 +114,9 @@ def main(argv=None) -> dict:
 
     model = load_causal_lm(path, dtype).to(device)
     t = time.perf_counter()
-    vllm = VLLMGenerator(path, tok.eos_token_id, dtype, seed=0, max_model_len=64 + a.max_new_tokens)
+    vllm = VLLMGenerator(path, tok, dtype, seed=0, max_model_len=64 + a.max_new_tokens)
     engine_start_s = time.perf_counter() - t
-    hf = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
+    hf = HFGenerator(model, tok)
     kw = dict(n=a.n, temperature=a.temperature, top_p=1.0, max_new_tokens=a.max_new_tokens, seed=0)
 
     def contenders(num_prompts: int, with_raw: bool) -> dict:

@@ -161,7 +161,7 @@ def trl_child(a) -> None:
     from shared import data as data_utils
     from shared.distributed import default_dtype, load_causal_lm, load_tokenizer
     from shared.rewards import compute_rewards, load_reward_fn
-    from shared.tiny import resolve_model_path
+    from shared.models import resolve_model_path
 
     path = resolve_model_path(a.model)
     tok = load_tokenizer(path)

@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
@@ -45,7 +46,7 @@ def main(argv=None) -> dict:
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(cfg).eval().to(device)
     prompts = [[1] + torch.randint(3, a.vocab, (8,)).tolist() for _ in range(a.num_prompts)]
-    gen = HFGenerator(model, eos_token_id=2, pad_token_id=0)
+    gen = HFGenerator(model, SimpleNamespace(eos_token_id=2, pad_token_id=0))  # ids only: no text
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

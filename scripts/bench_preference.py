@@ -116,7 +116,7 @@ def trl_child(a) -> None:
     from transformers import TrainerCallback
 
     from shared.distributed import default_dtype, load_causal_lm, load_tokenizer
-    from shared.tiny import resolve_model_path
+    from shared.models import resolve_model_path
 
     path = resolve_model_path(a.model)
     tok = load_tokenizer(path)

@@ -149,7 +149,7 @@ def mc_child(a) -> None:
     from shared.generation import VLLMGenerator
     from shared.rewards import compute_rewards, load_reward_fn
     from shared.steps import StepSplitError, get_splitter, step_token_starts
-    from shared.tiny import resolve_model_path
+    from shared.models import resolve_model_path
 
     path = resolve_model_path(a.model)
     tok = load_tokenizer(path)
@@ -158,7 +158,7 @@ def mc_child(a) -> None:
     split_steps = get_splitter("lines")
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     dtype = default_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    gen = VLLMGenerator(path, tok.eos_token_id, dtype, seed=a.seed, max_model_len=256 + a.max_new_tokens,
+    gen = VLLMGenerator(path, tok, dtype, seed=a.seed, max_model_len=256 + a.max_new_tokens,
                         enable_prefix_caching=a.prefix_caching == "on")
     G, K = a.num_samples_per_prompt, a.num_mc_rollouts
     sampler = data_utils.PromptSampler(len(train.rows), a.seed + a.repeat_index)

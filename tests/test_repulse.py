@@ -125,7 +125,7 @@ def test_ctl_second_term_has_zero_expected_gradient_when_q_equals_p(tiny_model):
 
     model, tok = tiny_model
     n = 4000
-    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id)
+    gen = HFGenerator(model, tok)
     comps = gen.generate([tok(toy.PROMPT).input_ids], n=n, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=3)[0]
     ids, attn, mask = _batch(tok, toy.PROMPT, [c.token_ids for c in comps])
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_exact_p_bad_matches_monte_carlo(tiny_model):
     bad = toy.bad_token_ids(tok)
     exact = math.exp(exact_log_prob_bad(model, prompt, bad, tok.eos_token_id, 2))
     n = 20000
-    comps = HFGenerator(model, tok.eos_token_id, tok.pad_token_id).generate([prompt], n=n, temperature=1.0,
+    comps = HFGenerator(model, tok).generate([prompt], n=n, temperature=1.0,
                                                                             top_p=1.0, max_new_tokens=2, seed=5)[0]
     mc = sum(any(t in bad for t in c.token_ids) for c in comps) / n
     se = math.sqrt(exact * (1 - exact) / n)

@@ -1,0 +1,235 @@
+"""Every algorithm script, two steps on the real pretrained chat model `builtin:smollm2-135m` with its chat template.
+
+As users run them (subprocesses, the scripts' own flags), with small batches and <= 16 new tokens: sft, rm (a
+sequence classifier on this base), grpo (two processes under ZeRO-3, rewarded by that RM), ppo (the same RM, critic
+from the policy's base), vineppo, dpo, repulse and drca (the same RM). Several runs stop on `--stop` strings too.
+Every saved policy must reload in transformers and in vLLM and generate the same greedy tokens there; the reward
+model must reload as an `AutoModelForSequenceClassification` and score as rm.py did. The two-process run must end
+with identical weights on both ranks, and each rank's vLLM engine must generate greedily what the trained model
+generates (`check/engine_greedy_match`)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_e2e import metrics, run
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+BASE = ["--model_name_or_path", "builtin:smollm2-135m", "--chat_template"]
+SMOL = [*BASE, "--learning_rate", "1e-5", "--max_new_tokens", "16"]
+RL = ["--local_num_prompts", "2", "--local_micro_batch_size", "4", "--num_minibatches", "1", "--eval_num_prompts",
+      "4", "--eval_num_samples", "1", "--eval_every", "0", "--sample_every", "1"]
+
+
+def script(name: str, out_dir: Path, *flags: str) -> list[dict]:
+    run([sys.executable, f"algorithms/{name}.py", "--output_dir", str(out_dir), *flags])
+    return metrics(out_dir)
+
+
+def samples(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def trained_steps(rows: list[dict], key: str) -> list[dict]:
+    return [r for r in rows if key in r and r.get("step", 0) > 0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("smol")
+
+
+@pytest.fixture(scope="module")
+def rm_run(runs):
+    out = runs / "rm"
+    script("rm", out, *BASE, "--learning_rate", "1e-5", "--total_episodes", "16", "--local_micro_batch_size", "8",
+           "--eval_num_pairs", "8", "--eval_every", "0")
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_run(runs):
+    out = runs / "sft"
+    script("sft", out, *SMOL, "--total_episodes", "16", "--local_micro_batch_size", "8", "--eval_num_prompts", "4",
+           "--eval_every", "0", "--stop", ".")
+    return out
+
+
+@pytest.fixture(scope="module")
+def grpo_run(runs, rm_run):
+    """Two processes, ZeRO-3 (policy and reward model partitioned), one vLLM engine per rank."""
+    out = runs / "grpo"
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
+         "algorithms/grpo.py", "--output_dir", str(out), *SMOL, *RL, "--num_generations", "2", "--total_episodes",
+         "16", "--reward_model_path", str(rm_run / "final"), "--best_metric", "eval/reward", "--stop", "."],
+        timeout=900)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ppo_run(runs, rm_run):
+    out = runs / "ppo"
+    script("ppo", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--reward_model_path",
+           str(rm_run / "final"), "--critic_model_path", "builtin:smollm2-135m", "--kl_placement", "reward",
+           "--kl_coef", "0.05", "--best_metric", "eval/reward")
+    return out
+
+
+@pytest.fixture(scope="module")
+def vineppo_run(runs):
+    """With a reward that varies between samples (the chat model solves no built-in sum in 16 tokens: all-zero
+    rewards would give zero advantages and leave the weights unchanged), so the saved policy is a trained one."""
+    out = runs / "vineppo"
+    reward = runs / "length_reward.py"
+    reward.write_text("def odd_length(prompts, completions, **kwargs):\n"
+                      "    return [float(len(c) % 2) for c in completions]\n")
+    script("vineppo", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--num_mc_rollouts",
+           "2", "--stop", "\n\n", "--reward_fn", f"{reward}:odd_length")
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo_run(runs):
+    out = runs / "dpo"
+    script("dpo", out, *SMOL, "--total_episodes", "16", "--local_micro_batch_size", "8", "--eval_num_pairs", "8",
+           "--eval_num_prompts", "4", "--eval_num_samples", "1", "--eval_every", "0", "--num_sample_completions", "2")
+    return out
+
+
+@pytest.fixture(scope="module")
+def repulse_run(runs):
+    out = runs / "repulse"
+    script("repulse", out, *BASE, "--max_new_tokens", "8", "--dataset", "builtin", "--num_generations", "2",
+           "--local_num_prompts", "2", "--local_micro_batch_size", "4", "--total_episodes", "16", "--eval_num_prompts",
+           "4", "--eval_num_samples", "2", "--eval_every", "0", "--base_actor_learning_rate", "1e-5",
+           "--actor_learning_rate", "1e-5", "--best_metric", "", "--stop", ".")
+    return out
+
+
+@pytest.fixture(scope="module")
+def drca_run(runs, rm_run):
+    out = runs / "drca"
+    script("drca", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--reward_model_path",
+           str(rm_run / "final"), "--generator", "hf")
+    return out
+
+
+def test_rm_on_the_chat_model_is_a_sequence_classifier_that_reloads(rm_run):
+    from transformers import AutoModelForSequenceClassification
+
+    from shared import data
+    from shared.distributed import load_tokenizer
+    from shared.scalar import score_last_token
+
+    rows = metrics(rm_run)
+    assert len(trained_steps(rows, "loss/rm")) >= 1 and all(math.isfinite(r["loss/rm"]) for r in rows if "loss/rm" in r)
+    last_eval = [r for r in rows if "eval/accuracy" in r][-1]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_run / "final").eval()
+    assert model.config.num_hidden_layers == 30 and model.config.num_labels == 1
+    tok = load_tokenizer(str(rm_run / "final"))
+    pairs = data.load_preferences("builtin", "test", tok, use_chat_template=True, limit=8)
+    ids, attn, _ = data.pad_batch(pairs.prompt_ids * 2, pairs.chosen_ids + pairs.rejected_ids, tok.pad_token_id)
+    with torch.no_grad():
+        scores = score_last_token(model, ids, attn).double()
+    acc = (scores[:8] > scores[8:]).double().mean().item()
+    assert acc == pytest.approx(last_eval["eval/accuracy"], abs=1e-9)  # the reloaded RM scores as rm.py did
+
+
+def test_sft_two_steps(sft_run):
+    rows = metrics(sft_run)
+    assert any("loss/sft" in r for r in rows) and "eval/accuracy" in rows[-1]
+
+
+def test_grpo_zero3_two_processes_with_the_reward_model(grpo_run):
+    rows = metrics(grpo_run)
+    steps = trained_steps(rows, "objective/scores")
+    assert len(steps) == 2 and all(r["objective/scores"] != int(r["objective/scores"]) for r in steps)  # RM scores
+    last = rows[-1]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
+    assert last["check/ranks_shared_prompts"] == 0.0
+    assert last["check/engine_greedy_match"] == 1.0  # each rank's vLLM engine generates what the policy generates
+    assert math.isfinite(last["eval/reward"])
+    for s in samples(grpo_run):  # --stop ".": the reward text is cut before the stop string
+        assert "." not in s["completion"]
+
+
+def test_ppo_reward_model_and_critic_from_the_base(ppo_run):
+    rows = metrics(ppo_run)
+    steps = trained_steps(rows, "loss/value_avg")
+    assert len(steps) == 2 and all(math.isfinite(r["loss/value_avg"]) for r in steps)
+    assert steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-3)
+    assert rows[-1]["check/engine_greedy_match"] == 1.0 and (ppo_run / "final" / "config.json").exists()
+
+
+def test_vineppo_two_steps(vineppo_run):
+    rows = metrics(vineppo_run)
+    steps = trained_steps(rows, "mc_values/mean")
+    assert len(steps) == 2 and all(r["val/steps_per_response"] >= 1 for r in steps)
+    assert rows[-1]["check/engine_greedy_match"] == 1.0
+
+
+def test_dpo_two_steps(dpo_run):
+    rows = metrics(dpo_run)
+    assert trained_steps(rows, "loss/dpo") and all(math.isfinite(r["loss/dpo"]) for r in rows if "loss/dpo" in r)
+    evals = [r for r in rows if "eval/loss/dpo" in r]
+    assert evals[0]["step"] == 0 and evals[0]["eval/loss/dpo"] == pytest.approx(math.log(2), abs=1e-5)  # pi == ref
+    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    assert any("eval/accuracy" in r for r in rows[-3:])
+
+
+def test_repulse_two_steps(repulse_run):
+    rows = metrics(repulse_run)
+    steps = trained_steps(rows, "loss/neg_avg")
+    assert len(steps) == 2 and all(math.isfinite(r["loss/proposal_avg"]) for r in steps)
+
+
+def test_drca_two_steps(drca_run):
+    rows = metrics(drca_run)
+    steps = trained_steps(rows, "loss/value_avg")
+    assert len(steps) == 2 and all(r["drca/sum_identity_err"] < 1e-4 for r in steps)
+
+
+def test_every_saved_policy_reloads_in_transformers_and_vllm(sft_run, grpo_run, ppo_run, vineppo_run, dpo_run,
+                                                             repulse_run, drca_run):
+    """transformers `from_pretrained` and vLLM load each final checkpoint; both generate the same greedy tokens.
+    vLLM loads the first checkpoint as a new engine (config, tokenizer, weights) and each other one's weights from its
+    directory in place (`reload_weights(weights_path=...)`, vLLM's own safetensors loader); their configs and
+    tokenizers are checked identical to the first's, so a full load would read the same files."""
+    from transformers import AutoModelForCausalLM
+
+    from shared import data
+    from shared.distributed import load_tokenizer
+    from shared.generation import HFGenerator, VLLMGenerator
+    from shared.models import resolve_model_path
+
+    dirs = [r / "final" for r in (sft_run, grpo_run, ppo_run, vineppo_run, dpo_run, repulse_run, drca_run)]
+    tok = load_tokenizer(str(dirs[0]))
+    prompts = [data.encode_prompt(tok, q, True) for q in ("What is 3+4?", "Name a colour.")]
+    kw = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0)
+    engine = VLLMGenerator(str(dirs[0]), tok, torch.float32, seed=0, max_model_len=128)
+    first_config = json.loads((dirs[0] / "config.json").read_text())
+    base = json.loads((Path(resolve_model_path("builtin:smollm2-135m")) / "cleanrlhf_source.json").read_text())
+    for d in dirs:
+        config = json.loads((d / "config.json").read_text())
+        assert {k: v for k, v in config.items() if k != "dtype"} == \
+            {k: v for k, v in first_config.items() if k != "dtype"}, d
+        assert (d / "tokenizer.json").read_bytes() == (dirs[0] / "tokenizer.json").read_bytes(), d
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        hf = [g[0].token_ids for g in HFGenerator(model, tok).generate(prompts, **kw)]
+        if d != dirs[0]:
+            engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(d)})
+            engine.llm.reset_prefix_cache()
+        vl = [g[0].token_ids for g in engine.generate(prompts, **kw)]
+        assert hf == vl and all(len(ids) > 0 for ids in hf), d
+        assert sha256(d / "model.safetensors") != base["weights_sha256"], d  # trained: not the base weights
