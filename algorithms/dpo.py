@@ -23,7 +23,7 @@ With no flags it trains the built-in SFT warm start with DPO-Positive on the bui
 accuracy. DPO-Positive is the default because plain DPO (`--loss_type sigmoid`) lowers the likelihood of the
 chosen responses along with the rejected ones and, measured here, the task accuracy (docs/dpo.md).
 
-Spec: ../shared/specs/dpo.md. Launch:
+Launch:
     python algorithms/dpo.py                                    # CPU, built-in pairs, about 3 minutes
     python algorithms/dpo.py --pair_source self_generated --loss_type dpop --logit_temperature 0.6
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/dpo.py \

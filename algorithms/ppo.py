@@ -7,7 +7,7 @@ Per-token rewards (the score on the last completion token, optionally minus a KL
 turned into advantages by GAE on a separate critic's values; the policy takes PPO-clip steps, the critic
 clipped value-regression steps, each with its own optimizer, on the same minibatches.
 
-Two flavours from the same file (spec: ../shared/specs/ppo.md):
+Two flavours from the same file:
   A. verifiable rewards (graders / built-in task; 0 if truncated), KL as a k3 loss term (VinePPO's PPO):
      the default here;
   B. a reward model (`--reward_model_path`, any HF sequence-classification checkpoint, score at the last

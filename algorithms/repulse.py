@@ -2,7 +2,7 @@
 
 Paper: S. Zhao, A. Li, R. Brekelmans, R. Grosse, "Reducing the Probability of Undesirable Outputs in Language
 Models Using Probabilistic Inference", NeurIPS 2025, https://arxiv.org/abs/2510.21184. Reference code:
-github.com/Silent-Zebra/RePULSe @ a6e8812 (a fork of OpenRLHF). Spec: ../shared/specs/repulse.md.
+github.com/Silent-Zebra/RePULSe @ a6e8812 (a fork of OpenRLHF).
 
 Plain RL lowers the probability of a bad output only when it is sampled, so rare bad outputs stop being
 pushed down (the tail problem). RePULSe trains a proposal LM q_xi to sample from the low-reward target

@@ -14,7 +14,7 @@ reads the score at the last non-pad token and normalises it with those stats.
 With no flags it trains on the built-in preference pairs (correct running sums vs the same chain with one
 arithmetic slip), starting from the built-in SFT warm start, and reports held-out pairwise accuracy.
 
-Spec: ../shared/specs/rm.md. Launch:
+Launch:
     python algorithms/rm.py                                     # CPU, built-in pairs, about 5 minutes
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/rm.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \

@@ -6,7 +6,7 @@ per sequence then over the batch ("per_instance_non_pad_tokens_then_batch" in Vi
 this script warm-starts the built-in tiny model on the built-in task, which is exactly how the default
 RL starting point `builtin:tiny-sft` is produced.
 
-Spec: ../shared/specs/sft_restem.md. Launch:
+Launch:
     python algorithms/sft.py                                   # CPU, built-in task, about a minute
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/sft.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset openai/gsm8k:main --prompt_key question \

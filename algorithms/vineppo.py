@@ -9,7 +9,6 @@ an unbiased advantage A_j = 1[j last]*R + V(S_{j+1}) - V(S_j), broadcast to its 
 Delta from PPO (algorithms/ppo.py, `diff` the two files): no critic, no value loss and no GAE; instead
 step splitting, one generate call with n=K per unique state (identical states across the batch deduplicated,
 prefix caching on), and step advantages. The PPO-clip update and the k3 KL loss are the same.
-Spec: ../shared/specs/vineppo.md.
 
 Launch:
     python algorithms/vineppo.py                                               # CPU, built-in task

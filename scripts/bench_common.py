@@ -299,15 +299,17 @@ def stat_row(name: str, xs: list[float], unit: str = "", **extra) -> dict:
             **extra}
 
 
-def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:
-    """Write the JSON summary to runs/bench/<name>/<device-tag>_<time>.json (and latest.json); return the path."""
+def write_result(name: str, result: dict, out_dir: Path | None = None, latest: bool = True) -> Path:
+    """Write the JSON summary to runs/bench/<name>/<device-tag>_<time>.json (and latest_<tag>.json unless `latest` is
+    off, as for results stored under docs/); return the path."""
     out_dir = Path(out_dir or ROOT / "runs" / "bench" / name)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if result.get("env", {}).get("cuda") else "cpu"
     path = out_dir / f"{tag}_{time.strftime('%Y%m%d_%H%M%S')}.json"
     text = json.dumps(result, indent=2, default=str)
     path.write_text(text)
-    (out_dir / f"latest_{tag}.json").write_text(text)
+    if latest:
+        (out_dir / f"latest_{tag}.json").write_text(text)
     return path
 
 

@@ -1,6 +1,7 @@
 """GRPO learning on a real pretrained chat model, SmolLM2-135M-Instruct, on CPU (a benchmark, not a test).
 
-    python scripts/bench_real_model_grpo.py                        # about an hour on 2 CPU cores; writes the JSON + PNG
+    python scripts/bench_real_model_grpo.py                        # 3 seeds, ~50 min each on 2 CPU cores; JSON + PNG
+    python scripts/bench_real_model_grpo.py --seeds 1              # one seed
     python scripts/bench_real_model_grpo.py --stop_after_steps 10  # a time-limited slice; rerun the same to continue
     python scripts/bench_real_model_grpo.py --write_data data/     # only write the task's GSM8K-format files
 
@@ -11,8 +12,9 @@ appended. Reward: `--reward_fn math` (Minerva extraction: "The answer is N", els
 did not end). GSM8K's own grader needs a "#### N" line that this model almost never writes: see
 scripts/real_model_prompts.py and docs/real_models.md for the measured rates of each prompt/grader pair.
 
-Runs algorithms/grpo.py as a user would (one process, vLLM generation, the flags below), then evaluates the start
-and final checkpoints greedily (vLLM, T = 0) on the same 100 held-out prompts. Held-out sampled accuracy (T = 1,
+For each seed, runs algorithms/grpo.py as a user would (one process, vLLM generation, the flags below; a finished
+seed is kept in <out>/seed<k>.json and not rerun), then evaluates the start and final checkpoints greedily (vLLM,
+T = 0) on the same 100 held-out prompts. Held-out sampled accuracy (T = 1,
 4 samples per prompt) comes from grpo.py's own evaluations. Writes docs/bench/real_model_grpo/<device>_<time>.json
 (command, settings, environment, curve, before/after, time per step, peak memory) and docs/img/real_model_grpo_cpu.png.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -45,11 +48,11 @@ def write_data(out: Path) -> Path:
     return out / "chat_sums.jsonl"
 
 
-def grpo_args(a, dataset: Path, run_dir: Path) -> list[str]:
+def grpo_args(a, seed: int, dataset: Path, run_dir: Path) -> list[str]:
     return ["algorithms/grpo.py", "--model_name_or_path", "builtin:smollm2-135m", "--chat_template",
             "--dataset", str(dataset), "--prompt_key", "question", "--answer_key", "answer",
             "--prompt_template", PROMPT_TEMPLATE, "--reward_fn", "math", "--output_dir", str(run_dir),
-            "--seed", str(a.seed), "--learning_rate", str(a.learning_rate), "--warmup_steps", "2",
+            "--seed", str(seed), "--learning_rate", str(a.learning_rate), "--warmup_steps", "2",
             "--total_episodes", str(a.total_episodes), "--local_num_prompts", "16", "--num_generations", "8",
             "--num_minibatches", "1", "--num_iterations", "1", "--local_micro_batch_size", "32",
             "--max_new_tokens", "32", "--eval_every", str(a.eval_every), "--eval_num_prompts", "100",
@@ -83,27 +86,37 @@ def greedy_accuracy(model_path: str, dataset: Path) -> dict:
             "examples": [decode(c.token_ids) for c in comps[:5]]}
 
 
-def plot(rows: list[dict], greedy: dict, path: Path) -> None:
+def plot(seeds: dict, greedy_start: dict, path: Path) -> None:
+    """Held-out sampled accuracy against steps and minutes: every seed (thin), their mean (thick); greedy marks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    evals = [(r["step"], r["time"] / 60, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    train = [(r["step"], r["objective/scores"]) for r in rows if "objective/scores" in r]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    axes[0].plot([e[0] for e in evals], [e[2] for e in evals], marker="o", label="held-out, sampled (T=1, 4/prompt)")
-    axes[0].plot([t[0] for t in train], [t[1] for t in train], alpha=0.5, label="training reward (T=1)")
-    last = evals[-1][0]
-    axes[0].scatter([0, last], [greedy["start"]["accuracy"], greedy["final"]["accuracy"]], marker="x", color="k",
-                    zorder=3, label="held-out, greedy")
+    curves = [r["curve"] for r in seeds.values()]
+    for seed, r in seeds.items():
+        axes[0].plot([e["step"] for e in r["curve"]], [e["accuracy"] for e in r["curve"]], color="C0", alpha=0.35,
+                     lw=1)
+        axes[0].plot([t["step"] for t in r["train_reward"]], [t["reward"] for t in r["train_reward"]], color="C1",
+                     alpha=0.25, lw=1)
+        axes[1].plot([e["minutes"] for e in r["curve"]], [e["accuracy"] for e in r["curve"]], marker=".",
+                     label=f"seed {seed}")
+    mean = [sum(c[i]["accuracy"] for c in curves) / len(curves) for i in range(min(map(len, curves)))]
+    axes[0].plot([e["step"] for e in curves[0][: len(mean)]], mean, color="C0", marker="o",
+                 label=f"held-out, sampled (T=1, 4/prompt), mean of {len(curves)} seeds")
+    axes[0].plot([], [], color="C1", alpha=0.5, label="training reward (T=1)")
+    last = curves[0][-1]["step"]
+    finals = [r["greedy_final"]["accuracy"] for r in seeds.values()]
+    axes[0].scatter([0] + [last] * len(finals), [greedy_start["accuracy"]] + finals, marker="x", color="k", zorder=3,
+                    label="held-out, greedy")
     axes[0].set_xlabel("GRPO step (128 completions each)")
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize=7)
     axes[0].grid(alpha=0.3)
-    axes[1].plot([e[1] for e in evals], [e[2] for e in evals], marker="o")
     axes[1].set_xlabel("wall-clock minutes (2 CPU cores)")
     axes[1].set_ylabel("held-out sampled accuracy")
+    axes[1].legend(fontsize=7)
     axes[1].grid(alpha=0.3)
     fig.suptitle("GRPO on SmolLM2-135M-Instruct (builtin:smollm2-135m), chat sums, CPU", fontsize=10)
     fig.tight_layout()
@@ -111,10 +124,44 @@ def plot(rows: list[dict], greedy: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_seed(a, seed: int, dataset: Path) -> dict | None:
+    """Train one seed (or continue it), then measure it; the result is cached in <out>/seed<k>.json. None when a
+    --stop_after_steps slice ended before the run did."""
+    cache = a.out / f"seed{seed}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    run_dir = a.out / f"grpo_seed{seed}"
+    argv = grpo_args(a, seed, dataset, run_dir)
+    command = "python " + " ".join(shlex.quote(x) for x in argv)
+    print(f"[bench] seed {seed}: {command}", flush=True)
+    child = bc.run_child(argv, a.out / f"log_seed{seed}", env=bc.child_env())
+    if not (run_dir / "final" / "config.json").exists():
+        print(f"[bench] stopped after a slice (see {child['log']}); rerun the same command to continue")
+        return None
+    rows = bc.read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "objective/scores" in r]
+    evals = [{"step": r["step"], "minutes": r["time"] / 60, "accuracy": r["eval/accuracy"],
+              "pass@4": r.get("eval/pass@4")} for r in rows if "eval/accuracy" in r]
+    result = {
+        "seed": seed, "grpo_command": command, "curve": evals,
+        "sampled_start": evals[0]["accuracy"], "sampled_final": evals[-1]["accuracy"],
+        "greedy_final": greedy_accuracy(str(run_dir / "final"), dataset),
+        "train_reward": [{"step": r["step"], "reward": r["objective/scores"], "length": r["val/sequence_lengths"],
+                          "stop_rate": r["val/stop_rate"]} for r in steps],
+        "seconds_per_step": bc.summarize(bc.iteration_times([r["time"] for r in steps])[1:]),
+        "time_split_s_per_step": {k: bc.summarize([r[k] for r in steps if k in r])["median"]
+                                  for k in ("time/generate", "time/reward", "time/logprob", "time/train", "time/sync")},
+        "total_minutes": rows[-1]["time"] / 60, "peak_rss_mb": child["peak_rss_mb"],
+        "loadavg_at_end": list(os.getloadavg()),
+    }
+    cache.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "real_model_grpo", help="work directory")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--learning_rate", type=float, default=1e-5)
     p.add_argument("--total_episodes", type=int, default=3200, help="completions (25 steps of 128)")
     p.add_argument("--eval_every", type=int, default=5)
@@ -128,44 +175,36 @@ def main() -> None:
         return
 
     dataset = write_data(a.out / "data")
-    run_dir = a.out / f"grpo_seed{a.seed}"
-    argv = grpo_args(a, dataset, run_dir)
-    command = "python " + " ".join(shlex.quote(x) for x in argv)
-    print(f"[bench] {command}", flush=True)
-    child = bc.run_child(argv, a.out / f"log_seed{a.seed}", env=bc.child_env())
-    if not (run_dir / "final" / "config.json").exists():
-        print(f"[bench] stopped after a slice (see {child['log']}); rerun the same command to continue")
-        return
-    rows = bc.read_jsonl(run_dir / "metrics.jsonl")
+    seeds = {}
+    for seed in a.seeds:
+        result = run_seed(a, seed, dataset)
+        if result is None:
+            return
+        seeds[seed] = result
     from shared.models import resolve_model_path
 
-    greedy = {"start": greedy_accuracy(resolve_model_path("builtin:smollm2-135m"), dataset),
-              "final": greedy_accuracy(str(run_dir / "final"), dataset)}
-    evals = [{"step": r["step"], "minutes": r["time"] / 60, "accuracy": r["eval/accuracy"],
-              "pass@4": r.get("eval/pass@4")} for r in rows if "eval/accuracy" in r]
-    steps = [r for r in rows if "objective/scores" in r]
-    step_times = bc.iteration_times([r["time"] for r in steps])[1:]
+    greedy_start = greedy_accuracy(resolve_model_path("builtin:smollm2-135m"), dataset)
+    spread = lambda xs: {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
     result = {
-        "benchmark": "real_model_grpo", "env": bc.environment(), "command": f"python scripts/bench_real_model_grpo.py "
-        f"--seed {a.seed} --learning_rate {a.learning_rate} --total_episodes {a.total_episodes}",
-        "grpo_command": command, "model": "builtin:smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized, fp32)",
+        "benchmark": "real_model_grpo", "env": bc.environment(),
+        "command": f"python scripts/bench_real_model_grpo.py --seeds {' '.join(map(str, a.seeds))} --learning_rate "
+                   f"{a.learning_rate} --total_episodes {a.total_episodes}",
+        "model": "builtin:smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized, fp32)",
         "task": "chat sums a+b, a,b in 0..19: 300 train / 100 held-out prompts, GSM8K-format file, --reward_fn math",
         "settings": {k: str(v) for k, v in vars(a).items()},
-        "sampled_accuracy": {"start": evals[0]["accuracy"], "final": evals[-1]["accuracy"],
-                             "delta_points": 100 * (evals[-1]["accuracy"] - evals[0]["accuracy"])},
-        "greedy_accuracy": greedy, "curve": evals,
-        "train_reward": [{"step": r["step"], "reward": r["objective/scores"], "length": r["val/sequence_lengths"],
-                          "stop_rate": r["val/stop_rate"]} for r in steps],
-        "seconds_per_step": bc.summarize(step_times), "total_minutes": rows[-1]["time"] / 60,
-        "time_split_s_per_step": {k: bc.summarize([r[k] for r in steps if k in r])["median"]
-                                  for k in ("time/generate", "time/reward", "time/logprob", "time/train", "time/sync")},
-        "peak_rss_mb": child["peak_rss_mb"],
+        "sampled_accuracy": {"start": spread([r["sampled_start"] for r in seeds.values()]),
+                             "final": spread([r["sampled_final"] for r in seeds.values()]),
+                             "delta_points": spread([100 * (r["sampled_final"] - r["sampled_start"])
+                                                     for r in seeds.values()])},
+        "greedy_accuracy": {"start": greedy_start,
+                            "final": spread([r["greedy_final"]["accuracy"] for r in seeds.values()])},
+        "seeds": {str(k): v for k, v in seeds.items()},
     }
-    path = bc.write_result("real_model_grpo", result, a.results)
-    plot(rows, greedy, a.plot)
+    path = bc.write_result("real_model_grpo", result, a.results, latest=False)
+    plot(seeds, greedy_start, a.plot)
     s = result["sampled_accuracy"]
-    print(f"[bench] held-out sampled accuracy {s['start']:.3f} -> {s['final']:.3f} ({s['delta_points']:+.1f} points), "
-          f"greedy {greedy['start']['accuracy']:.3f} -> {greedy['final']['accuracy']:.3f}; {path}; {a.plot}")
+    print(f"[bench] held-out sampled accuracy {s['start']['mean']:.3f} -> {s['final']['mean']:.3f} (mean of "
+          f"{len(seeds)} seeds, final {s['final']['min']:.3f}-{s['final']['max']:.3f}); {path}; {a.plot}")
 
 
 if __name__ == "__main__":

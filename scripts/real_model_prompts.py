@@ -93,7 +93,7 @@ def main() -> None:
         "benchmark": "real_model_prompts", "env": env, "model": a.model,
         "command": "python " + " ".join(sys.argv),
         "data": f"{a.dataset} split {a.split}, first {len(rows)} rows, chat template",
-        "max_new_tokens": a.max_new_tokens, "results": results}, a.results)
+        "max_new_tokens": a.max_new_tokens, "results": results}, a.results, latest=False)
     print(out)
 
 

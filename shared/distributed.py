@@ -7,7 +7,7 @@ Every launcher sets RANK / WORLD_SIZE / MASTER_ADDR; accelerate also exports the
 
 We read rank and world size from torch.distributed, not from `accelerate.Accelerator`: on CPU, under
 `accelerate launch --num_processes 2`, Accelerator reports num_processes=1 on both ranks while
-torch.distributed has ranks 0 and 1 (measured with accelerate 1.15; ../shared/notes/platform.md). The
+torch.distributed has ranks 0 and 1 (measured with accelerate 1.15 on a 2-core CPU machine). The
 DeepSpeed config is built here from the script's batch sizes, so launch configs never hard-code them.
 """
 

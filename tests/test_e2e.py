@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--total_episodes", "64", "--local_num_prompts", "4", "--num_generations", "4", "--local_micro_batch_size",
          "8", "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "1", "--sample_every", "1"]

@@ -1,0 +1,114 @@
+"""Render the measured tables of README.md and docs/*.md from the JSON files the benchmark scripts wrote.
+
+    python scripts/docs_tables.py           # rewrite every generated block in place
+    python scripts/docs_tables.py --check   # exit 1 if a block differs from what its data file gives (a test runs this)
+
+A generated block in a markdown file looks like
+
+    <!-- table real_model_grpo docs/bench/real_model_grpo/cpu_20261123_120000.json -->
+    ...markdown made by RENDERERS["real_model_grpo"] from that file...
+    <!-- end table -->
+
+so every number in it comes from a stored file, named beside it, and a docs edit cannot drift from the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- table (\S+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def real_model_prompts(d: dict) -> str:
+    lines = ["| prompt template (appended to the question) | grader | sampled T=1 | sampled T=0.7 | greedy | "
+             "turn ended (T=1) | has `####` (T=1) |", "|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        template = r["prompt_template"].replace("{prompt}", "").replace("\n", "\\n").strip() or "(none)"
+        lines.append(f"| `{template}` | `{r['reward_fn']}` | {pct(r['sampled_t1']['accuracy'])} | "
+                     f"{pct(r['sampled_t0.7']['accuracy'])} | {pct(r['greedy']['accuracy'])} | "
+                     f"{pct(r['sampled_t1']['finished'])} | {pct(r['sampled_t1']['has_hash_line'])} |")
+    n = d["results"][0]["sampled_t1"]["n"]
+    lines.append("")
+    lines.append(f"{d['model']}, {d['data']}; sampled: {n} completions (4 per question), <= {d['max_new_tokens']} "
+                 f"new tokens. `{d['command']}`, {d['env']['device']}, {d['env']['time']}.")
+    return "\n".join(lines)
+
+
+def real_model_grpo(d: dict) -> str:
+    s, g = d["sampled_accuracy"], d["greedy_accuracy"]
+    n = len(d["seeds"])
+    spread = lambda x: f"{pct(x['mean'])} ({pct(x['min'])} to {pct(x['max'])})"  # noqa: E731
+    points = lambda x: f"{x['mean']:+.1f} points ({x['min']:+.1f} to {x['max']:+.1f})"  # noqa: E731
+    greedy_delta = {k: 100 * (g["final"][k] - g["start"]["accuracy"]) for k in ("mean", "min", "max")}
+    lines = [
+        f"| held-out accuracy (100 questions) | start | end: mean of {n} seeds (min to max) | change |",
+        "|---|---|---|---|",
+        f"| sampled, T = 1, 4 per question (grpo.py's evaluation) | {pct(s['start']['mean'])} | {spread(s['final'])} | "
+        f"{points(s['delta_points'])} |",
+        f"| greedy (vLLM, T = 0) | {pct(g['start']['accuracy'])} | {spread(g['final'])} | {points(greedy_delta)} |",
+        "",
+    ]
+    for seed, r in d["seeds"].items():
+        t = r["seconds_per_step"]
+        split = ", ".join(f"{k.split('/')[1]} {v:.1f} s" for k, v in r["time_split_s_per_step"].items()
+                          if v is not None)
+        lines.append(f"- seed {seed}: {len(r['train_reward'])} GRPO steps of 128 completions in "
+                     f"{r['total_minutes']:.0f} min, {t['median']:.0f} s per step (median, evaluation and checkpoint "
+                     f"steps included; parts: {split}), peak memory (RSS) of the training process "
+                     f"{r['peak_rss_mb'] / 1024:.1f} GiB" + (f"; {r['note']}" if r.get("note") else ""))
+    lines += ["", f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo}
+
+
+def render_file(path: Path) -> tuple[str, str]:
+    """(current text, text with every generated block re-rendered)."""
+    text = path.read_text()
+
+    def sub(m: re.Match) -> str:
+        name, source = m.group(2), m.group(3)
+        if name not in RENDERERS:
+            raise SystemExit(f"error: {path}: unknown table {name!r} (known: {', '.join(RENDERERS)})")
+        data_path = ROOT / source
+        if not data_path.exists():
+            raise SystemExit(f"error: {path}: table {name} reads {source}, which does not exist")
+        return m.group(1) + RENDERERS[name](json.loads(data_path.read_text())) + "\n" + m.group(5)
+
+    return text, BLOCK.sub(sub, text)
+
+
+def markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 on a difference")
+    a = p.parse_args()
+    stale = []
+    for path in markdown_files():
+        old, new = render_file(path)
+        if old != new:
+            stale.append(path.relative_to(ROOT))
+            if not a.check:
+                path.write_text(new)
+    if a.check and stale:
+        print(f"generated tables differ from their data in: {', '.join(map(str, stale))} "
+              "(run python scripts/docs_tables.py)", file=sys.stderr)
+        sys.exit(1)
+    print("up to date" if not stale else f"rewrote {', '.join(map(str, stale))}")
+
+
+if __name__ == "__main__":
+    main()
