@@ -244,9 +244,16 @@ def main(args: Args) -> str:
         mine = list(range(info.rank, n, info.world_size))
         sums = torch.zeros(6, dtype=torch.float64)  # count, correct, margin, loss, sum r, sum r^2
         samples = []
+        # every rank runs the same number of forwards (ZeRO-3 gathers shards in each): a rank with fewer pairs
+        # (e.g. 487 pairs on 8 ranks) scores a dummy pair for the batches it lacks and discards it
+        n_batches = int(info.all_reduce(torch.tensor([math.ceil(len(mine) / args.local_micro_batch_size)]),
+                                        "max").item())
         with torch.no_grad():
-            for s in range(0, len(mine), args.local_micro_batch_size):
-                idx = mine[s : s + args.local_micro_batch_size]
+            for b in range(n_batches):
+                idx = mine[b * args.local_micro_batch_size : (b + 1) * args.local_micro_batch_size]
+                if not idx:
+                    score_pairs(model, [[pad_id]], [[pad_id]], [[pad_id]], pad_id, info.device)
+                    continue
                 r_w, r_l = score_pairs(model, [held_out.prompt_ids[i] for i in idx],
                                        [held_out.chosen_ids[i] for i in idx], [held_out.rejected_ids[i] for i in idx],
                                        pad_id, info.device)

@@ -407,7 +407,8 @@ def main(args: Args) -> str:
         with timer("value_estimation"):
             mc = generator.generate([r[0] for r in requests], n=args.num_mc_rollouts, temperature=args.temperature,
                                     top_p=args.top_p, max_new_tokens=[r[1] for r in requests],
-                                    seed=args.seed * 7_919 + step + 500_009, index_offset=0) if requests else []
+                                    seed=args.seed * 7_919 + step + 500_009, index_offset=0)  # also with none:
+            # under ZeRO-3 the HF backend's ranks must make the same generate calls (shared/generation.py)
             flat = [(r, cont) for r, group in zip(requests, mc) for cont in group]
             mc_rewards = compute_rewards(
                 reward_fn, [r[2]["prompt"] for r, _ in flat], [decode(r[3] + cont.token_ids) for r, cont in flat],

@@ -44,6 +44,25 @@ def test_sft_trains_and_saves_a_loadable_checkpoint(tmp_path):
     assert model.config.num_hidden_layers == 3
 
 
+def test_sft_two_ranks_equal_one_rank_with_gradient_accumulation(tmp_path):
+    """token_mean over the whole step: 2 ranks x 1 micro-batch trains like 1 rank x 2 accumulated micro-batches (the
+    same global batch: the sampler's indices are split by rank, or by micro-batch), so the loss and weights match."""
+    common = ["--total_episodes", "64", "--local_micro_batch_size", "16", "--loss_reduction", "token_mean",
+              "--learning_rate", "1e-5", "--eval_num_prompts", "2", "--eval_every", "0", "--save_every", "0", "--best_metric", ""]
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+         "algorithms/sft.py", "--output_dir", str(tmp_path / "two"), *common], timeout=900)
+    run([sys.executable, "algorithms/sft.py", "--output_dir", str(tmp_path / "one"), *common,
+         "--gradient_accumulation_steps", "2"])
+    two = [r["loss/sft"] for r in metrics(tmp_path / "two") if "loss/sft" in r]
+    one = [r["loss/sft"] for r in metrics(tmp_path / "one") if "loss/sft" in r]
+    assert len(two) == len(one) == 1 and two[0] == pytest.approx(one[0], rel=1e-5)
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "two" / "final" / "model.safetensors"), load_file(tmp_path / "one" / "final" /
+                                                                                 "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
 @pytest.mark.parametrize("generator", ["vllm", "hf"])
 def test_grpo_runs_every_branch(tmp_path, generator):
     run([sys.executable, "algorithms/grpo.py", "--generator", generator, "--output_dir", str(tmp_path),
