@@ -289,6 +289,17 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return logp, entropy
 
 
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-action values [B, L-1]. A critic initialised from a reward model (Flavour B's default) carries the RM's
+    score stats: its values are normalised with them, V = (v - mu) / sigma, the same units as the normalised
+    rewards it must predict (raw RM units biased every sequence's last advantage by (v - mu) / sigma - v)."""
+    values = token_values(critic, input_ids, attention_mask)[:, :-1]
+    config = getattr(critic, "module", critic).config
+    if getattr(config, "reward_mean", None) is not None:
+        values = (values - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
+    return values
+
+
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
     check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
@@ -458,7 +469,7 @@ def main(args: Args) -> str:
                 entropy_sum[sl] = (ent * mask[sl]).sum(1)
                 if ref_policy is not None:
                     ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature)[0]
-                old_values[sl] = token_values(critic, input_ids[sl], attn[sl])[:, :-1]
+                old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
         old_values = old_values * mask
 
         # 4. rewards: score on the last completion token, minus beta * k1 per token when the KL is in the reward
@@ -505,7 +516,7 @@ def main(args: Args) -> str:
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
                         # critic: clipped value regression on the GAE returns
-                        values = token_values(critic, input_ids[idx], attn[idx])[:, :-1]
+                        values = critic_values(critic, input_ids[idx], attn[idx])
                         vf, vclipped = value_loss(values, old_values[idx], returns[idx], args.cliprange_value)
                         guard.backward(critic, (vf * m_mask).sum() * info.world_size / max(global_tokens, 1))
                         norm = guard.step(critic)

@@ -140,3 +140,26 @@ def test_kl_penalty_masked_before_exp():
     assert not torch.isfinite((kl_penalty(logp, ref, "k3") * mask).sum())
     k3 = kl_penalty(logp, ref, "k3", mask)
     assert torch.isfinite(k3).all() and k3[0, 1] == 0 and k3[0, 0] == pytest.approx(math.expm1(-0.5) + 0.5)
+
+
+def test_a_critic_from_a_reward_model_predicts_in_normalised_reward_units(tiny_path):
+    """Flavour B initialises the critic from rm.py's checkpoint, whose config stores the RM's score mean / std; the
+    rewards it must predict are the normalised scores (r - mu) / sigma. Its values must be in those same units (they
+    were raw head outputs, biasing every sequence's last advantage by the difference)."""
+    from algorithms.ppo import critic_values
+    from shared import data
+    from shared.scalar import load_scalar_model, score_last_token, token_values
+
+    critic = load_scalar_model(tiny_path, torch.float32).eval()
+    critic.config.reward_mean, critic.config.reward_std = 0.7, 2.5  # as rm.py writes them
+    ids, attn, _ = data.pad_batch([[1, 5, 6], [1, 7]], [[8, 9, 2], [10, 2]], pad_id=0)
+    with torch.no_grad():
+        raw = token_values(critic, ids, attn)
+        values = critic_values(critic, ids, attn)
+        reward = score_last_token(critic, ids, attn)  # what a reward model with these stats gives as the reward
+    assert torch.allclose(values, (raw[:, :-1] - 0.7) / 2.5, atol=1e-6)
+    last = attn.sum(1) - 1
+    assert torch.allclose(reward, (raw[torch.arange(2), last] - 0.7) / 2.5, atol=1e-6)  # the same affine map
+    del critic.config.reward_mean
+    with torch.no_grad():  # a critic without stats (a fresh head on the policy): raw head outputs
+        assert torch.allclose(critic_values(critic, ids, attn), raw[:, :-1])
