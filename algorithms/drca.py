@@ -367,9 +367,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float):
-    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho."""
-    ratio = torch.exp(logp - logp_old)
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float,
+                mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho.
+
+    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
     loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
     clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
     return loss, clipped, ratio
@@ -667,7 +671,8 @@ def main(args: Args) -> str:
                         m_mask = mask[idx]
                         # policy: token mean of the clipped surrogate over the minibatch (all ranks)
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
-                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
+                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
+                                                           m_mask)
                         guard.backward(policy, (pg * m_mask).sum() * info.world_size / max(global_tokens, 1))
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []

@@ -191,12 +191,13 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -
     raise ValueError(f"advantage_scaling: expected group, batch or none, got {scaling!r}")
 
 
-def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from samples of pi (building_blocks.md §5), d = logp - logp_ref.
 
     k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL (pitfalls P7);
     k3 is the GRPO/TRL default."""
-    d = logp - logp_ref
+    d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
     if estimator == "k2":
@@ -207,9 +208,12 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> to
 
 
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float):
-    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator."""
-    ratio = torch.exp(logp - logp_old)
+                      eps_high: float, mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
+
+    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -474,12 +478,12 @@ def main(args: Args) -> str:
                         logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature, True)
                         logp_old = old_logp[idx] if reuse else logp.detach()
                         pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high)
+                                                                  args.epsilon_high, m_mask)
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         per_token = pg * w
                         kl = torch.zeros_like(logp)
                         if ref_policy is not None:
-                            kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator)
+                            kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator, m_mask)
                             per_token = per_token + args.beta * kl  # same aggregator as the PG term (P7)
                         loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
                                               int(mb_tokens.item()), int(global_tokens), info.world_size,

@@ -228,9 +228,10 @@ def score_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rewards
 
 
-def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
     """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref (building_blocks.md §5)."""
-    d = logp - logp_ref
+    d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
     if estimator == "k2":
@@ -240,9 +241,13 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> to
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float):
-    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho."""
-    ratio = torch.exp(logp - logp_old)
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float,
+                mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho.
+
+    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
     loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
     clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
     return loss, clipped, ratio
@@ -282,6 +287,17 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
             p = torch.softmax(logits, -1)
             entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
     return logp, entropy
+
+
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-action values [B, L-1]. A critic initialised from a reward model (Flavour B's default) carries the RM's
+    score stats: its values are normalised with them, V = (v - mu) / sigma, the same units as the normalised
+    rewards it must predict (raw RM units biased every sequence's last advantage by (v - mu) / sigma - v)."""
+    values = token_values(critic, input_ids, attention_mask)[:, :-1]
+    config = getattr(critic, "module", critic).config
+    if getattr(config, "reward_mean", None) is not None:
+        values = (values - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
+    return values
 
 
 def validate(args: Args) -> None:
@@ -453,7 +469,7 @@ def main(args: Args) -> str:
                 entropy_sum[sl] = (ent * mask[sl]).sum(1)
                 if ref_policy is not None:
                     ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature)[0]
-                old_values[sl] = token_values(critic, input_ids[sl], attn[sl])[:, :-1]
+                old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
         old_values = old_values * mask
 
         # 4. rewards: score on the last completion token, minus beta * k1 per token when the KL is in the reward
@@ -486,11 +502,12 @@ def main(args: Args) -> str:
                         m_mask = mask[idx]
                         # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
-                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
+                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
+                                                           m_mask)
                         loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if args.kl_placement == "loss" and ref_policy is not None:
-                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3") * m_mask, 0, 10)  # VINE clamp
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)  # VINE clamp
                             kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
@@ -499,7 +516,7 @@ def main(args: Args) -> str:
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
                         # critic: clipped value regression on the GAE returns
-                        values = token_values(critic, input_ids[idx], attn[idx])[:, :-1]
+                        values = critic_values(critic, input_ids[idx], attn[idx])
                         vf, vclipped = value_loss(values, old_values[idx], returns[idx], args.cliprange_value)
                         guard.backward(critic, (vf * m_mask).sum() * info.world_size / max(global_tokens, 1))
                         norm = guard.step(critic)

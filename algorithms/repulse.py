@@ -451,15 +451,18 @@ def main(args: Args) -> str:
             out["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids, end_ids,
                                                         args.max_new_tokens)
         per_rank = math.ceil(len(eval_data.rows) / info.world_size)
-        idx = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
-        r, ret = torch.zeros(0), torch.zeros(0)
-        if idx:
-            _, ids, attn, mask, r = rollout(generator, idx, eval_data, args.eval_num_samples,
-                                            seed=args.seed + 1_000_003, offset=info.rank * per_rank)
-            ret = r
-            if ref_policy is not None:
-                ret = kl_return(r, logprobs(policy, ids, attn).cpu(), logprobs(ref_policy, ids, attn).cpu(),
-                                mask.cpu(), args.kl_coef)
+        own = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
+        # every rank evaluates per_rank prompts (its own, then copies of prompt 0 whose results are dropped), so all
+        # ranks make the same generate calls and forwards, as ZeRO-3 requires (the toy has 1 prompt for 2+ ranks)
+        idx = own + [0] * (per_rank - len(own))
+        keep = len(own) * args.eval_num_samples
+        _, ids, attn, mask, r = rollout(generator, idx, eval_data, args.eval_num_samples,
+                                        seed=args.seed + 1_000_003, offset=info.rank * per_rank)
+        ret = r
+        if ref_policy is not None:
+            ret = kl_return(r, logprobs(policy, ids, attn).cpu(), logprobs(ref_policy, ids, attn).cpu(),
+                            mask.cpu(), args.kl_coef)
+        r, ret = r[:keep], ret[:keep]
         r = torch.cat([torch.tensor(x) for x in info.gather_objects(r.tolist())])
         ret = torch.cat([torch.tensor(x) for x in info.gather_objects(ret.tolist())])
         tail = tail_metrics(r, args.eta, args.cvar_level)

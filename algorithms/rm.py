@@ -37,7 +37,7 @@ from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, init_distributed,
                                 load_tokenizer, prepare, run_cli, seed_everything)
-from shared.scalar import head, load_scalar_model, score_last_token
+from shared.scalar import head, load_scalar_model, score_last_token, use_distinct_pad_token
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -215,6 +215,12 @@ def main(args: Args) -> str:
     dtype = default_dtype(info.device)
     model = load_scalar_model(model_path, dtype)
     model.config.reward_mean = model.config.reward_std = None
+    # pad != EOS in the saved checkpoint, so HF's own classifier forward reads the score at EOS, where this script
+    # reads it (shared/scalar.py::use_distinct_pad_token); the vocabulary, and so the policy's ids, are unchanged
+    new_pad = use_distinct_pad_token(tokenizer)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if new_pad is not None:
+        tracker.write(f"pad token {new_pad!r} (the tokenizer padded with its EOS token)")
     if not any(a.endswith("ForSequenceClassification") for a in model.config.architectures or []):
         init_reward_head(model)  # a causal-LM backbone gets a fresh head per spec; a trained RM keeps its own
     if args.gradient_checkpointing:
@@ -244,9 +250,16 @@ def main(args: Args) -> str:
         mine = list(range(info.rank, n, info.world_size))
         sums = torch.zeros(6, dtype=torch.float64)  # count, correct, margin, loss, sum r, sum r^2
         samples = []
+        # every rank runs the same number of forwards (ZeRO-3 gathers shards in each): a rank with fewer pairs
+        # (e.g. 487 pairs on 8 ranks) scores a dummy pair for the batches it lacks and discards it
+        n_batches = int(info.all_reduce(torch.tensor([math.ceil(len(mine) / args.local_micro_batch_size)]),
+                                        "max").item())
         with torch.no_grad():
-            for s in range(0, len(mine), args.local_micro_batch_size):
-                idx = mine[s : s + args.local_micro_batch_size]
+            for b in range(n_batches):
+                idx = mine[b * args.local_micro_batch_size : (b + 1) * args.local_micro_batch_size]
+                if not idx:
+                    score_pairs(model, [[pad_id]], [[pad_id]], [[pad_id]], pad_id, info.device)
+                    continue
                 r_w, r_l = score_pairs(model, [held_out.prompt_ids[i] for i in idx],
                                        [held_out.chosen_ids[i] for i in idx], [held_out.rejected_ids[i] for i in idx],
                                        pad_id, info.device)

@@ -109,7 +109,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     loss_reduction: str = "seq_mean"
-    """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over all tokens"""
+    """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over all tokens of the step, on all ranks"""
     eval_every: int = 100
     """evaluate held-out accuracy every this many optimizer steps (0: only at the end)"""
     eval_num_prompts: int = 200
@@ -139,17 +139,19 @@ def sequence_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     return nll, response_mask[:, 1:].to(nll.dtype)
 
 
-def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs: int, num_tokens: int) -> torch.Tensor:
+def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs: int, num_tokens_global: int,
+                world_size: int = 1) -> torch.Tensor:
     """This micro-batch's share of the optimizer-step loss (sum over micro-batches = the step's loss).
 
-    seq_mean:   (1/num_seqs) Σ_i [Σ_t nll·m / Σ_t m]   -- each sequence weighs the same (VinePPO SFT)
-    token_mean: (1/num_tokens) Σ_{i,t} nll·m             -- each token weighs the same
-    num_seqs / num_tokens count the whole optimizer step on this rank, so the result does not depend on
-    how the step is split into micro-batches."""
+    seq_mean:   (1/num_seqs) Σ_i [Σ_t nll·m / Σ_t m]            -- each sequence weighs the same (VinePPO SFT)
+    token_mean: (world_size/num_tokens_global) Σ_{i,t} nll·m     -- each token of the step, on any rank, the same
+    num_seqs counts the optimizer step's sequences on this rank (every rank has as many); num_tokens_global its
+    response tokens on all ranks. Data parallelism averages gradients over ranks, hence the world_size factor:
+    the step's loss is the same on 2 ranks as on 1 rank accumulating both halves."""
     if reduction == "seq_mean":
         return ((nll * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if reduction == "token_mean":
-        return (nll * mask).sum() / max(num_tokens, 1)
+        return (nll * mask).sum() * world_size / max(num_tokens_global, 1)
     raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {reduction!r}")
 
 
@@ -253,14 +255,14 @@ def main(args: Args) -> str:
             global_idx = sampler.next_indices(args.batch_size)
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
             batch = [examples[i] for i in local_idx]
-            num_tokens = sum(len(r) for _, r in batch)
+            num_tokens = info.all_reduce(torch.tensor([sum(len(r) for _, r in batch)])).item()  # all ranks
             loss_sum = torch.zeros((), dtype=torch.float64)
             for m in range(args.gradient_accumulation_steps):
                 micro = batch[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
                 input_ids, attn, resp = data_utils.pad_batch([p for p, _ in micro], [r for _, r in micro],
                                                              tokenizer.pad_token_id, info.device)
                 nll, mask = sequence_nll(model, input_ids, attn, resp)
-                loss = reduce_loss(nll, mask, args.loss_reduction, len(batch), num_tokens)
+                loss = reduce_loss(nll, mask, args.loss_reduction, len(batch), num_tokens, info.world_size)
                 guard.backward(model, loss)
                 grad_norm = guard.step(model)  # a non-finite loss or gradient skips the step (counted)
                 loss_sum += loss.detach().double()

@@ -176,9 +176,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
     return out * mask
 
 
-def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
     """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref (building_blocks.md §5)."""
-    d = logp - logp_ref
+    d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
     if estimator == "k2":
@@ -188,9 +189,13 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> to
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float):
-    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho."""
-    ratio = torch.exp(logp - logp_old)
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float,
+                mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho.
+
+    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
     loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
     clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
     return loss, clipped, ratio
@@ -401,7 +406,8 @@ def main(args: Args) -> str:
         with timer("value_estimation"):
             mc = generator.generate([r[0] for r in requests], n=args.num_mc_rollouts, temperature=args.temperature,
                                     top_p=args.top_p, max_new_tokens=[r[1] for r in requests],
-                                    seed=args.seed * 7_919 + step + 500_009, index_offset=0) if requests else []
+                                    seed=args.seed * 7_919 + step + 500_009, index_offset=0)  # also with none:
+            # under ZeRO-3 the HF backend's ranks must make the same generate calls (shared/generation.py)
             flat = [(r, cont) for r, group in zip(requests, mc) for cont in group]
             mc_rewards = compute_rewards(
                 reward_fn, [r[2]["prompt"] for r, _ in flat], [decode(r[3] + cont.token_ids) for r, cont in flat],
@@ -455,11 +461,12 @@ def main(args: Args) -> str:
                         idx = mb_idx[a * mb : (a + 1) * mb]
                         m_mask = mask[idx]
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
-                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange)
+                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
+                                                           m_mask)
                         loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if ref_policy is not None:
-                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3") * m_mask, 0, 10)  # VINE clamp
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)  # VINE clamp
                             kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()

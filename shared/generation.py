@@ -109,16 +109,15 @@ def stop_string_end(tokenizer, ids: list[int], stop) -> int | None:
 
 
 def _finish(ids: list[int], logprobs: list[float], stop_ids, tokenizer, stop, max_new_tokens: int) -> Completion:
-    """Cut a raw generation at its first stop token or stop string (the same rule for both backends)."""
+    """Cut a raw generation to its budget, then at its first stop token or stop string (the same rule for both
+    backends)."""
+    ids = ids[:max_new_tokens]
     end = next((t + 1 for t, tok in enumerate(ids) if tok in stop_ids), None)
     if stop:
         by_string = stop_string_end(tokenizer, ids[:end] if end else ids, stop)
         if by_string is not None:
             end = by_string
-    if end is None:
-        ids = ids[:max_new_tokens]
-    else:
-        ids = ids[:end]
+    ids = ids[:end] if end else ids
     return Completion(ids, list(logprobs[: len(ids)]), "stop" if end else "length")
 
 
@@ -165,6 +164,8 @@ class VLLMGenerator:
                  max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        if not prompts:
+            return []
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         # vLLM stops on the tokenizer's EOS and on stop_token_ids (kept in token_ids) and, when stop strings are
         # given, on those (detokenizing as it goes); `_finish` then cuts with the same rule as the HF backend
@@ -256,6 +257,17 @@ class HFGenerator:
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
+        if self.synced_gpus:
+            # ZeRO-3: every rank must make the same number of `model.generate` calls (each forward gathers the
+            # shards from all ranks), whatever its prompts: exactly one per call here, a dummy one when this rank
+            # has no prompt, and one budget (the largest) with each row cut to its own afterwards.
+            if not prompts:
+                self._generate([[self.pad_token_id]], 1, temperature, top_p, 1, seed, index_offset)
+                return []
+            budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+            return self._generate(prompts, n, temperature, top_p, max(budgets), seed, index_offset, budgets)
+        if not prompts:
+            return []
         if isinstance(max_new_tokens, list):  # one generate call per distinct budget, results in prompt order
             out: list = [None] * len(prompts)
             for budget in sorted(set(max_new_tokens)):
@@ -268,7 +280,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                  seed: int, index_offset: int = 0) -> list[list[Completion]]:
+                  seed: int, index_offset: int = 0, budgets: list[int] | None = None) -> list[list[Completion]]:
         from transformers import (GenerationConfig, LogitsProcessorList, StoppingCriteriaList,
                                   TemperatureLogitsWarper, TopPLogitsWarper)
 
@@ -310,8 +322,9 @@ class HFGenerator:
         gen = out.sequences[:, P:]  # [len(prompts) * n, T], prompt-major; finished rows are padded after their end
         logprobs = recorder.finish(gen).cpu()  # [B*n, T]
         gen = gen.cpu()
+        budgets = budgets or [max_new_tokens] * len(prompts)
         return [[_finish(gen[i * n + k].tolist(), logprobs[i * n + k].tolist(), self.stop_token_ids, self.tokenizer,
-                         self.stop, max_new_tokens) for k in range(n)] for i in range(len(prompts))]
+                         self.stop, budgets[i]) for k in range(n)] for i in range(len(prompts))]
 
     def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass  # generates with the training weights themselves

@@ -16,8 +16,9 @@ Differences from the reference, all on purpose:
 * An empty gold list (solution without an extractable answer) grades as incorrect.
 * ``\boxed{5}%`` extracts ``5%`` (the reference kept a stray brace, ``5}``).
 
-Spawn caveat: the worker re-imports the caller's ``__main__`` module, so entry scripts must keep their work under
-``if __name__ == "__main__":`` (CleanRL-style scripts already do).
+The worker is started with ``spawn`` but without re-importing the caller's ``__main__`` (which ``spawn`` does by
+default), so a reward function called from a script without an ``if __name__ == "__main__":`` guard, a notebook or
+stdin works too (`_main_hidden`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import re
+import sys
 import threading
+from contextlib import contextmanager
 
 # -- GSM8K (spec §3; VINE gsm8k.py) --------------------------------------------------------------------------------
 
@@ -328,20 +331,41 @@ _POOL_LOCK = threading.Lock()
 POOL_START_TIMEOUT = 60.0  # seconds for a fresh worker to import sympy; not counted in the grading timeout
 
 
+@contextmanager
+def _main_hidden():
+    """While a worker starts, hide ``__main__``'s file and spec: ``spawn`` would otherwise re-import the caller's main
+    module in the worker (re-running a script that has no ``__main__`` guard, failing for stdin or a notebook). The
+    worker needs nothing from it: it runs functions of this module only."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    if main is not None:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None  # multiprocessing reads main.__spec__.name, then main.__file__
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
 def _call_with_timeout(fn, args: tuple, timeout: float) -> bool:
     global _POOL, _POOL_BROKEN
     with _POOL_LOCK:
         if _POOL_BROKEN:
             raise GraderWorkerError("sympy worker failed to start earlier")
         if _POOL is None:
-            pool = mp.get_context("spawn").Pool(1)
+            pool = None
             try:
+                with _main_hidden():
+                    pool = mp.get_context("spawn").Pool(1)
                 # Warm-up call: pays the sympy import once, outside any grading timeout.
                 pool.apply_async(_sympy_equal_worker, ("0", "0")).get(timeout=POOL_START_TIMEOUT)
             except BaseException as e:
-                pool.terminate()
-                _POOL_BROKEN = True  # e.g. a __main__ that cannot be re-imported (stdin): fail fast from now on
-                raise GraderWorkerError("sympy worker failed to start (is the entry script importable?)") from e
+                if pool is not None:
+                    pool.terminate()
+                _POOL_BROKEN = True  # fail fast from now on
+                raise GraderWorkerError(f"sympy worker failed to start: {e!r}") from e
             _POOL = pool
         try:
             return bool(_POOL.apply_async(fn, args).get(timeout=timeout))

@@ -1,12 +1,14 @@
 """Reward functions for verifiable tasks, chosen by name or imported by path.
 
-A reward function is called once per batch with keyword arguments
+A reward function is called once per batch with five arguments, in this order:
 
     fn(prompts: list[str], completions: list[str], answers: list[str], finished: list[bool],
        rows: list[dict]) -> list[float]
 
 `finished[i]` is False when completion i hit the length limit; `rows[i]` is the dataset row (every column,
-so graders can read metadata). It may accept **kwargs and ignore what it does not need.
+so graders can read metadata). Any parameter names work when the function takes all five positionally
+(`def r(p, c, a, f, rows)`); a function whose parameters are some of these names (`def r(completions, answers)`,
+`def r(completions, **kwargs)`) gets just those, by keyword. The signature is checked once, when the run starts.
 
 `reward_fn` values:
   - "builtin": the built-in running-sums task (shared/task.py);
@@ -18,8 +20,10 @@ Every result is checked: one finite number per completion, or a one-line error n
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import math
 from pathlib import Path
 from typing import Callable
@@ -76,10 +80,40 @@ def load_reward_fn(spec: str, dataset: str = "builtin") -> RewardFn:
     return getattr(module, attr)
 
 
+ARGUMENTS = ("prompts", "completions", "answers", "finished", "rows")
+
+
+@functools.lru_cache(maxsize=None)
+def call_style(fn: RewardFn) -> tuple[str, tuple[str, ...]]:
+    """How to call `fn` (module docstring): ("keywords", the names it takes) when every parameter it requires is one
+    of ARGUMENTS, else ("positional", ARGUMENTS) when it takes five positional arguments; a one-line error otherwise."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: documented order
+        return "positional", ARGUMENTS
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = [p.name for p in named if p.default is p.empty]
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        if all(r in ARGUMENTS for r in required):
+            return "keywords", ARGUMENTS
+    elif required and all(r in ARGUMENTS for r in required):
+        return "keywords", tuple(p.name for p in named if p.name in ARGUMENTS)
+    try:
+        inspect.signature(fn).bind(*ARGUMENTS)
+        return "positional", ARGUMENTS
+    except TypeError:
+        pass
+    raise ValueError(f"reward_fn {name}: its parameters ({', '.join(p.name for p in params)}) can take neither the five "
+                     f"arguments (prompts, completions, answers, finished, rows) in order nor some of them by name")
+
+
 def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str],
                     finished: list[bool], rows: list[dict]) -> list[float]:
-    """Call a reward function and validate its output shape and values."""
-    out = fn(prompts=prompts, completions=completions, answers=answers, finished=finished, rows=rows)
+    """Call a reward function (as `call_style` says) and validate its output shape and values."""
+    values = dict(prompts=prompts, completions=completions, answers=answers, finished=finished, rows=rows)
+    style, names = call_style(fn)
+    out = fn(**{k: values[k] for k in names}) if style == "keywords" else fn(*(values[k] for k in ARGUMENTS))
     name = getattr(fn, "__name__", repr(fn))
     if hasattr(out, "tolist"):
         out = out.tolist()

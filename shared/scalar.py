@@ -83,6 +83,24 @@ def score_sequences(model, prompts: list[list[int]], responses: list[list[int]],
     return torch.cat(out) if out else torch.zeros(0, device=info.device)
 
 
+def use_distinct_pad_token(tokenizer) -> str | None:
+    """Make the tokenizer's pad token differ from its EOS when they are the same (SmolLM2, Llama-3 padded with EOS),
+    choosing its unknown token or another special token that is not EOS; return the new pad token, or None when it
+    already differed (or no candidate exists). Why: HF's own `...ForSequenceClassification` forward, which TRL, vLLM
+    and OpenRLHF use, reads the score at the rightmost token that is not the pad id; with pad == EOS that is the
+    token before EOS, while this project reads at EOS (the last token by length): the same checkpoint would score
+    differently elsewhere. The vocabulary is unchanged, so the model still shares the policy's tokenizer."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if pad is not None and pad != eos:
+        return None
+    candidates = [tokenizer.unk_token] + list(getattr(tokenizer, "all_special_tokens", []))
+    for token in candidates:
+        if token is not None and tokenizer.convert_tokens_to_ids(token) not in (eos, None):
+            tokenizer.pad_token = token
+            return token
+    return None
+
+
 def check_same_tokenizer(model_path: str, tokenizer, what: str = "reward_model_path") -> None:
     """Scores are computed on the policy's token ids, so the scalar model must share the policy's vocabulary."""
     from shared.distributed import load_tokenizer

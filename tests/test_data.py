@@ -161,6 +161,27 @@ def test_reward_fn_loading_and_validation(tmp_path):
         load_reward_fn("auto", "some/dataset")
 
 
+def test_reward_fn_any_parameter_names_positionally_or_some_names_by_keyword(tmp_path):
+    """README: the five arguments are positional, so `def r(p, c, a, f, rows)` works (it raised a TypeError); a
+    function taking some of the documented names gets just those; an impossible signature is a one-line error."""
+    from shared.rewards import call_style, compute_rewards, load_reward_fn
+
+    p = tmp_path / "mine.py"
+    p.write_text("def short_names(p, c, a, f, rows):\n    return [float(x == y) for x, y in zip(c, a)]\n"
+                 "def some(completions, answers):\n    return [float(x == y) for x, y in zip(completions, answers)]\n"
+                 "def star(*args):\n    return [float(x == y) for x, y in zip(args[1], args[2])]\n"
+                 "def bad(x):\n    return [0.0]\n"
+                 "def extra(completions, answers, scale):\n    return [1.0]\n")
+    args = (["q1", "q2"], ["7", "8"], ["7", "9"], [True, True], [{}, {}])
+    for name in ("short_names", "some", "star"):
+        assert compute_rewards(load_reward_fn(f"{p}:{name}"), *args) == [1.0, 0.0], name
+    assert call_style(load_reward_fn(f"{p}:some")) == ("keywords", ("completions", "answers"))
+    assert call_style(load_reward_fn(f"{p}:short_names"))[0] == "positional"
+    for name in ("bad", "extra"):
+        with pytest.raises(ValueError, match=f"reward_fn {name}: its parameters .* can take neither"):
+            compute_rewards(load_reward_fn(f"{p}:{name}"), *args)
+
+
 # ---------------------------------------------------------------- preference pairs (dpo.py, rm.py)
 def test_builtin_preference_pairs_are_correct_vs_one_slip():
     rows = task.builtin_preferences("test")

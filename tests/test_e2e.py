@@ -45,6 +45,25 @@ def test_sft_trains_and_saves_a_loadable_checkpoint(tmp_path):
     assert model.config.num_hidden_layers == 3
 
 
+def test_sft_two_ranks_equal_one_rank_with_gradient_accumulation(tmp_path):
+    """token_mean over the whole step: 2 ranks x 1 micro-batch trains like 1 rank x 2 accumulated micro-batches (the
+    same global batch: the sampler's indices are split by rank, or by micro-batch), so the loss and weights match."""
+    common = ["--total_episodes", "64", "--local_micro_batch_size", "16", "--loss_reduction", "token_mean",
+              "--learning_rate", "1e-5", "--eval_num_prompts", "2", "--eval_every", "0", "--save_every", "0", "--best_metric", ""]
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+         "algorithms/sft.py", "--output_dir", str(tmp_path / "two"), *common], timeout=900)
+    run([sys.executable, "algorithms/sft.py", "--output_dir", str(tmp_path / "one"), *common,
+         "--gradient_accumulation_steps", "2"])
+    two = [r["loss/sft"] for r in metrics(tmp_path / "two") if "loss/sft" in r]
+    one = [r["loss/sft"] for r in metrics(tmp_path / "one") if "loss/sft" in r]
+    assert len(two) == len(one) == 1 and two[0] == pytest.approx(one[0], rel=1e-5)
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "two" / "final" / "model.safetensors"), load_file(tmp_path / "one" / "final" /
+                                                                                 "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
 @pytest.mark.parametrize("generator", ["vllm", "hf"])
 def test_grpo_runs_every_branch(tmp_path, generator):
     run([sys.executable, "algorithms/grpo.py", "--generator", generator, "--output_dir", str(tmp_path),
@@ -133,6 +152,18 @@ def test_ppo_family_single_process(tmp_path, script):
     assert metrics(tmp_path)[-1]["check/ranks_identical_weights"] == 1.0
 
 
+def test_vineppo_hf_generation_under_zero3_two_processes(tmp_path):
+    """The HF backend under ZeRO-3 needs the same generate calls on every rank (each forward gathers shards): VinePPO's
+    MC rollouts have per-state budgets that differ between ranks (one call per budget: different counts, a hang), and
+    one held-out prompt leaves rank 1 with none (a crash). Both must now run to the end."""
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
+         "algorithms/vineppo.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--total_episodes", "64",
+         "--generator", "hf", "--eval_num_prompts", "1", "--no_save_model"], timeout=400)
+    rows = metrics(tmp_path)
+    assert rows[-1]["check/ranks_identical_weights"] == 1.0 and "eval/accuracy" in rows[-1]
+    assert len([r for r in rows if "mc_values/mean" in r]) == 2
+
+
 @pytest.mark.parametrize("script", ["ppo", "vineppo"])
 def test_ppo_family_two_processes_zero2(tmp_path, script):
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
@@ -150,6 +181,16 @@ def trained_rm(tmp_path_factory):
     run([sys.executable, "algorithms/rm.py", "--output_dir", str(out), "--total_episodes", "1280",
          "--local_micro_batch_size", "32", "--eval_num_pairs", "64", "--eval_every", "20"])
     return out
+
+
+def test_rm_uneven_held_out_pairs_under_zero3(tmp_path):
+    """33 held-out pairs on 2 ranks with micro-batches of 16: 17 pairs (2 forwards) vs 16 (1 forward). Under ZeRO-3
+    every forward gathers shards from all ranks, so the evaluation hung; now the short rank runs a dummy forward."""
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
+         "algorithms/rm.py", "--output_dir", str(tmp_path), "--total_episodes", "64", "--local_micro_batch_size", "16",
+         "--eval_num_pairs", "33", "--eval_every", "0", "--save_every", "0"], timeout=400)
+    evals = [r for r in metrics(tmp_path) if "eval/accuracy" in r]
+    assert len(evals) == 2 and metrics(tmp_path)[-1]["check/ranks_identical_weights"] == 1.0
 
 
 def test_rm_saves_a_normalised_sequence_classifier(trained_rm):

@@ -259,3 +259,10 @@ def test_stop_strings_cut_completions_and_reward_text(tiny_model):
     assert c.token_ids == ids[:2] + [tok.eos_token_id] and c.finished
     c = _finish(ids, [0.0] * len(ids), [tok.eos_token_id], tok, (), 5)
     assert c.token_ids == ids[:5] and c.finish_reason == "length"
+
+
+def test_hf_generator_with_no_prompts(model_and_prompts):
+    """A rank can get zero held-out prompts (more ranks than prompts): the HF backend returns nothing (it crashed)."""
+    model, tok, _ = model_and_prompts
+    assert HFGenerator(model, tok).generate([], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0) == []
+    assert HFGenerator(model, tok).generate([], n=2, temperature=1.0, top_p=1.0, max_new_tokens=[], seed=0) == []

@@ -234,3 +234,26 @@ def test_grade_never_raises_on_garbage(task):
 def test_unknown_task_is_an_error():
     with pytest.raises(ValueError):
         grade("mmlu", "x", "y")
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_symbolic_grading_works_from_a_caller_without_a_main_guard(tmp_path, how):
+    """A user's script that calls the `math` reward at top level (no `if __name__ == "__main__":`), or code fed on
+    stdin: the sympy worker must start without re-importing (re-running) the caller, and grade correctly."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from shared.rewards import math_reward\n"
+            "print('ran', flush=True)\n"
+            "print(math_reward(['q'], [r'The answer is $\\frac{1}{2}$'], ['\\\\boxed{0.5}'], [True]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    if how == "script":
+        path = tmp_path / "user_reward.py"
+        path.write_text(code)
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    else:
+        proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["ran", "[1.0]"]  # the script body ran once, and 1/2 == 0.5 symbolically

@@ -195,3 +195,19 @@ def test_invalid_config_is_rejected_naming_the_flag(change, flag):
 
 def test_entropy_bonus_is_not_a_hidden_default():
     assert not any("entropy_coef" in f for f in Args.__dataclass_fields__)  # P10: no hidden entropy bonus
+
+
+def test_clipped_surrogate_and_kl_masked_before_exp():
+    """Padding with extreme log-probs must not turn the masked loss into NaN (skipped steps)."""
+    from algorithms.grpo import kl_penalty
+
+    logp = torch.tensor([[-1.0, 150.0]], requires_grad=True)
+    old = torch.tensor([[-1.2, -150.0]])
+    adv = torch.tensor([[0.5, -0.5]])
+    mask = torch.tensor([[1.0, 0.0]])
+    assert not torch.isfinite((clipped_surrogate(logp, old, adv, 0.2, 0.28)[0] * mask).sum())
+    loss, _, ratio = clipped_surrogate(logp, old, adv, 0.2, 0.28, mask)
+    (loss * mask).sum().backward()
+    assert torch.isfinite(logp.grad).all() and ratio[0, 1] == 1.0
+    assert loss[0, 0].item() == pytest.approx(-0.5 * math.exp(0.2))  # inside the clip range [0.8, 1.28]
+    assert torch.isfinite(kl_penalty(-logp.detach() * 5, old, "k3", mask) * mask).all()

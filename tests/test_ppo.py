@@ -111,3 +111,55 @@ def test_adaptive_kl_controller_formula_and_clip():
 def test_invalid_config_is_rejected(change, flag):
     with pytest.raises(ValueError, match=flag):
         validate(Args(**change))
+
+
+@pytest.mark.parametrize("script", ["ppo", "vineppo", "drca"])
+def test_ratio_is_masked_before_exp_so_padding_cannot_poison_the_loss(script):
+    """Extreme log-probs on padding (e.g. a pad position whose log-prob moved by 200 nats): exponentiated first, the
+    ratio is inf there and inf * 0 = NaN in the masked sum, so the step was skipped as non-finite."""
+    import importlib
+
+    policy_loss = importlib.import_module(f"algorithms.{script}").policy_loss
+    logp = torch.tensor([[-1.0, -2.0, 200.0, -300.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    assert not torch.isfinite((policy_loss(logp, old, adv, 0.2)[0] * mask).sum())  # the old behaviour
+    loss, clipped, ratio = policy_loss(logp, old, adv, 0.2, mask)
+    total = (loss * mask).sum()
+    total.backward()
+    assert torch.isfinite(total) and torch.all(torch.isfinite(logp.grad)) and ratio[0, 2:].tolist() == [1.0, 1.0]
+    expected = torch.maximum(-adv * torch.exp(logp - old), -adv * torch.clamp(torch.exp(logp - old), 0.8, 1.2))
+    assert torch.allclose(loss[0, :2], expected[0, :2])  # unchanged where the mask is 1
+
+
+def test_kl_penalty_masked_before_exp():
+    logp = torch.tensor([[-1.0, -500.0]])
+    ref = torch.tensor([[-1.5, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    assert not torch.isfinite((kl_penalty(logp, ref, "k3") * mask).sum())
+    k3 = kl_penalty(logp, ref, "k3", mask)
+    assert torch.isfinite(k3).all() and k3[0, 1] == 0 and k3[0, 0] == pytest.approx(math.expm1(-0.5) + 0.5)
+
+
+def test_a_critic_from_a_reward_model_predicts_in_normalised_reward_units(tiny_path):
+    """Flavour B initialises the critic from rm.py's checkpoint, whose config stores the RM's score mean / std; the
+    rewards it must predict are the normalised scores (r - mu) / sigma. Its values must be in those same units (they
+    were raw head outputs, biasing every sequence's last advantage by the difference)."""
+    from algorithms.ppo import critic_values
+    from shared import data
+    from shared.scalar import load_scalar_model, score_last_token, token_values
+
+    critic = load_scalar_model(tiny_path, torch.float32).eval()
+    critic.config.reward_mean, critic.config.reward_std = 0.7, 2.5  # as rm.py writes them
+    ids, attn, _ = data.pad_batch([[1, 5, 6], [1, 7]], [[8, 9, 2], [10, 2]], pad_id=0)
+    with torch.no_grad():
+        raw = token_values(critic, ids, attn)
+        values = critic_values(critic, ids, attn)
+        reward = score_last_token(critic, ids, attn)  # what a reward model with these stats gives as the reward
+    assert torch.allclose(values, (raw[:, :-1] - 0.7) / 2.5, atol=1e-6)
+    last = attn.sum(1) - 1
+    assert torch.allclose(reward, (raw[torch.arange(2), last] - 0.7) / 2.5, atol=1e-6)  # the same affine map
+    del critic.config.reward_mean
+    with torch.no_grad():  # a critic without stats (a fresh head on the policy): raw head outputs
+        assert torch.allclose(critic_values(critic, ids, attn), raw[:, :-1])

@@ -7,7 +7,7 @@ import torch
 
 from algorithms.rm import bradley_terry_loss, init_reward_head, score_pairs
 from shared import data, task
-from shared.scalar import score_last_token
+from shared.scalar import score_last_token, use_distinct_pad_token
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +133,51 @@ def test_preference_tokenization_has_one_bos_and_one_eos(tiny_model):
         for seq in (p + c, p + r):
             assert seq.count(tok.bos_token_id) == 1 and seq[0] == tok.bos_token_id
             assert seq.count(tok.eos_token_id) == 1 and seq[-1] == tok.eos_token_id
+
+
+def test_use_distinct_pad_token(tiny_model):
+    import copy
+
+    _, tok = tiny_model
+    tok = copy.deepcopy(tok)
+    assert use_distinct_pad_token(tok) is None  # pad already differs from EOS: unchanged
+    tok.pad_token = tok.eos_token
+    assert use_distinct_pad_token(tok) == "<unk>" and tok.pad_token_id not in (tok.eos_token_id, None)
+
+
+def test_rm_checkpoint_trained_with_pad_equal_eos_scores_the_same_in_hf_classifier_forward(tiny_path, tmp_path):
+    """A base whose tokenizer pads with EOS (SmolLM2, Llama-3): HF's own sequence-classification forward (TRL, vLLM,
+    OpenRLHF) reads the rightmost non-pad token. rm.py's checkpoint must score there what rm.py scored (the EOS
+    token): it read the token before EOS, 0.16 apart in a measured case."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_path, base)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "pad_token_id": tok.eos_token_id}))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "algorithms/rm.py", "--model_name_or_path", str(base), "--output_dir",
+                           str(tmp_path / "rm"), "--total_episodes", "64", "--local_micro_batch_size", "32",
+                           "--eval_num_pairs", "16", "--eval_every", "0", "--save_every", "0"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = tmp_path / "rm" / "final"
+    model = AutoModelForSequenceClassification.from_pretrained(final).eval()
+    rm_tok = AutoTokenizer.from_pretrained(final)
+    assert rm_tok.pad_token_id != rm_tok.eos_token_id and model.config.pad_token_id == rm_tok.pad_token_id
+    assert rm_tok.get_vocab() == tok.get_vocab()  # still the policy's tokenizer
+    pairs = data.load_preferences("builtin", "test", rm_tok, limit=8)
+    ids, attn, _ = data.pad_batch(pairs.prompt_ids, pairs.chosen_ids, rm_tok.pad_token_id)  # HF-style right padding
+    with torch.no_grad():
+        ours = score_last_token(model, ids, attn, normalize=False)
+        theirs = model(input_ids=ids, attention_mask=attn).logits.squeeze(-1)
+    assert torch.allclose(ours, theirs, atol=1e-5)

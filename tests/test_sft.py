@@ -55,6 +55,23 @@ def test_reduction_is_invariant_to_gradient_accumulation(reduction):
     assert torch.isclose(whole, parts)
 
 
+@pytest.mark.parametrize("reduction", ["seq_mean", "token_mean"])
+def test_two_ranks_equal_one_rank_accumulating_both_halves(reduction):
+    """Each rank's loss is averaged over ranks (as DeepSpeed averages gradients); with uneven token counts per rank
+    the old per-rank token mean weighted tokens differently from one rank accumulating the same two halves."""
+    torch.manual_seed(0)
+    nll = torch.rand(4, 6)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 5 + [0.0], [1.0, 0, 0, 0, 0, 0], [1.0, 1.0, 0, 0, 0, 0]])
+    tokens = int(mask.sum())
+    one_rank = sum(reduce_loss(nll[i : i + 2], mask[i : i + 2], reduction, 4, tokens) for i in (0, 2))
+    # 2 ranks, 2 sequences each (num_seqs counts this rank's step: 2), tokens counted over both ranks
+    two_ranks = sum(reduce_loss(nll[i : i + 2], mask[i : i + 2], reduction, 2, tokens, world_size=2)
+                    for i in (0, 2)) / 2
+    assert torch.isclose(one_rank, two_ranks)
+    if reduction == "token_mean":
+        assert torch.isclose(one_rank, (nll * mask).sum() / tokens)
+
+
 def test_unknown_reduction_is_rejected():
     with pytest.raises(ValueError, match="loss_reduction"):
         reduce_loss(torch.ones(1, 1), torch.ones(1, 1), "sum", 1, 1)
