@@ -329,8 +329,76 @@ def check_sizes(args, positive: tuple[str, ...] = (), non_negative: tuple[str, .
             raise ValueError(f"{name}: must be >= 0, got {getattr(args, name)}")
 
 
+# Allowed range of every numeric flag of every script, by name: (low, low included, high, high included); None is
+# unbounded. A name absent here falls to its suffix rule below, then to "int: >= 1". tests/test_cli.py checks that
+# every numeric flag of every script is covered, so a new flag cannot slip in unchecked.
+ARG_RANGES: dict[str, tuple] = {
+    # >= 0: intervals and counts where 0 means "never" / "none" / "all"
+    **{k: (0, True, None, False) for k in (
+        "seed", "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
+        "warmup_steps", "eval_num_prompts", "eval_num_pairs", "num_sample_pairs", "num_sample_completions",
+        "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
+        "max_grad_norm", "beta", "kl_coef",
+        "epsilon_high", "dpop_lambda", "center_rewards_coefficient", "unit_entropy_threshold", "alpha")},
+    # > 0
+    **{k: (0, False, None, False) for k in (
+        "cliprange", "cliprange_value", "ratio_threshold", "tis_cap", "kl_target", "reward_clip")},
+    # probabilities and fractions
+    **{k: (0, False, 1, True) for k in ("top_p", "generation_top_p", "vllm_gpu_memory_utilization", "cvar_level")},
+    **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta")},
+    **{k: (0, True, 1, False) for k in ("warmup_ratio", "epsilon_low")},
+    "label_smoothing": (0, True, 0.5, False),
+    "response_skip_tokens": (-1, True, None, False),  # -1: detect the chat template's response header
+    # any real number: reward values, thresholds and signed coefficients
+    **{k: (None, False, None, False) for k in (
+        "penalty_reward_value", "correct_threshold", "target_dist_beta", "eta", "rew_trans_alpha", "rew_trans_beta")},
+}
+ARG_SUFFIX_RANGES = {"learning_rate": (0, False, None, False), "temperature": (0, False, None, False)}
+
+
+def arg_range(name: str, kind: type) -> tuple:
+    if name in ARG_RANGES:
+        return ARG_RANGES[name]
+    for suffix, rng in ARG_SUFFIX_RANGES.items():
+        if name.endswith(suffix):
+            return rng
+    if kind is int:
+        return (1, True, None, False)  # batch sizes, counts, lengths
+    raise KeyError(f"no allowed range for the numeric flag {name!r} (add it to shared/distributed.py ARG_RANGES)")
+
+
+def check_args(args) -> None:
+    """Start-up checks of every script's flags, before anything is written: each numeric flag within its range
+    (ARG_RANGES, a one-line error naming it and the range), and `output_dir` a directory that can be created
+    (`--resume` is checked by shared/checkpoint.py). Runtime-computed fields (hidden from --help) are skipped."""
+    import dataclasses
+
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if "Suppress" in str(f.type) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name}: must be a finite number, got {value}")
+        low, low_in, high, high_in = arg_range(f.name, int if isinstance(value, int) else float)
+        too_low = low is not None and (value < low if low_in else value <= low)
+        too_high = high is not None and (value > high if high_in else value >= high)
+        if too_low or too_high:
+            lo = "-inf" if low is None else f"{low}"
+            hi = "inf" if high is None else f"{high}"
+            interval = f"{'[' if low_in else '('}{lo}, {hi}{']' if high_in else ')'}"
+            raise ValueError(f"{f.name}: must be in {interval}, got {value}")
+    out = getattr(args, "output_dir", None)
+    if out:
+        path = Path(out).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"output_dir: {out} exists and is not a directory")
+        parent = next((p for p in [path, *path.parents] if p.exists()), None)
+        if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK)):
+            raise ValueError(f"output_dir: cannot create {out} ({parent} is not a writable directory)")
+
+
 def run_cli(main, args_cls) -> None:
-    """`main(tyro.cli(Args))`, with configuration and data errors (ValueError, e.g. DataError, a bad flag, a
+    """`main(tyro.cli(Args))` after `check_args`, with configuration and data errors (ValueError, e.g. DataError, a bad flag, a
     missing model) and a diverged run printed as one line `error: ...` (exit status 2) instead of a traceback.
     Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
     import sys
@@ -339,6 +407,7 @@ def run_cli(main, args_cls) -> None:
 
     args = tyro.cli(args_cls, use_underscores=True)
     try:
+        check_args(args)
         main(args)
     except (ValueError, NonFiniteError) as e:
         if os.environ.get("CLEANRLHF_TRACEBACK"):

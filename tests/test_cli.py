@@ -67,3 +67,78 @@ def test_importing_a_script_has_no_side_effects(tmp_path, monkeypatch):
     for script in SCRIPTS:
         importlib.import_module(f"algorithms.{script}")
     assert list(tmp_path.iterdir()) == []
+
+
+# --- start-up validation of numeric and path flags (shared/distributed.py check_args, called by run_cli) ---------
+def numeric_fields(script: str):
+    args = importlib.import_module(f"algorithms.{script}").Args()
+    return [(f.name, getattr(args, f.name)) for f in public_fields(script)
+            if isinstance(getattr(args, f.name), (int, float)) and not isinstance(getattr(args, f.name), bool)]
+
+
+def run_cli_in_process(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """Run the script's CLI entry (its own main) in this process; return (exit status, stderr)."""
+    from shared.distributed import run_cli
+
+    mod = importlib.import_module(f"algorithms.{script}")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        run_cli(mod.main, mod.Args)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_flag_has_an_allowed_range_that_holds_its_default(script):
+    from shared.distributed import ARG_RANGES, ARG_SUFFIX_RANGES, arg_range, check_args
+
+    for name, value in numeric_fields(script):
+        arg_range(name, type(value))  # raises KeyError for a float flag with no rule
+        if isinstance(value, float):  # floats need an explicit rule: "int >= 1" is no default for them
+            assert name in ARG_RANGES or any(name.endswith(s) for s in ARG_SUFFIX_RANGES), name
+    check_args(importlib.import_module(f"algorithms.{script}").Args())
+
+
+# the cases the review listed, by hand: (flag, bad value) for every script that has the flag
+BAD_VALUES = [("learning_rate", "0"), ("learning_rate", "-1e-5"), ("base_actor_learning_rate", "0"),
+              ("critic_learning_rate", "-0.1"), ("top_p", "0"), ("top_p", "1.5"), ("generation_top_p", "0"),
+              ("temperature", "0"), ("temperature", "-1"), ("local_micro_batch_size", "0"),
+              ("local_micro_batch_size", "-4"), ("local_num_prompts", "0"), ("total_episodes", "0"),
+              ("num_minibatches", "-1"), ("max_new_tokens", "0"), ("gamma", "1.5"), ("lam", "-0.1"),
+              ("vllm_gpu_memory_utilization", "0"), ("warmup_ratio", "1"), ("cliprange", "0"), ("seed", "-1"),
+              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("kl_coef", "inf")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_out_of_range_flags_are_one_line_errors_before_anything_is_written(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    names = dict(numeric_fields(script))
+    cases = [(f, v) for f, v in BAD_VALUES if f in names]
+    assert len(cases) >= 5, cases
+    for flag, value in cases:
+        out = tmp_path / "run"
+        code, err = run_cli_in_process(script, [f"--{flag}", value, "--output_dir", str(out)], monkeypatch, capsys)
+        assert code == 2, (flag, value, err)
+        assert err.startswith(f"error: {flag}: must be") and err.count("\n") == 1, (flag, value, err)
+        assert not out.exists()
+    # and every numeric flag just outside its range (the table itself), named in the error
+    from shared.distributed import arg_range, check_args
+
+    args_cls = importlib.import_module(f"algorithms.{script}").Args
+    for name, value in names.items():
+        low, low_in, high, high_in = arg_range(name, type(value))
+        for bad in ([] if low is None else [low - 1 if low_in else low]) + ([] if high is None else
+                                                                           [high + 1 if high_in else high]):
+            bad = type(value)(bad)
+            with pytest.raises(ValueError, match=f"^{name}: must be in"):
+                check_args(dataclasses.replace(args_cls(), **{name: bad}))
+
+
+@pytest.mark.parametrize("script", ["grpo", "sft", "rm"])
+def test_output_dir_that_is_a_file_is_an_error(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("a file")
+    code, err = run_cli_in_process(script, ["--output_dir", "taken"], monkeypatch, capsys)
+    assert (code, err) == (2, "error: output_dir: taken exists and is not a directory\n")
+    code, err = run_cli_in_process(script, ["--output_dir", "taken/run"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: output_dir: cannot create taken/run"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
