@@ -363,16 +363,25 @@ def main(args: Args) -> str:
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919,
                                       index_offset=info.rank * per_rank)
             local_pairs, stats = [], torch.zeros(4, dtype=torch.float64)  # prompts, samples, correct, usable
+            error = None  # a reward function that raises on one rank: all ranks stop together (no hang)
             for i, group in zip(mine, outs):
                 row = prompts.rows[i]
-                rewards = compute_rewards(reward_fn, [row["prompt"]] * len(group), [decode(c.token_ids) for c in group],
-                                          [row["answer"]] * len(group), [c.finished for c in group], [row] * len(group))
+                try:
+                    rewards = compute_rewards(reward_fn, [row["prompt"]] * len(group),
+                                              [decode(c.token_ids) for c in group], [row["answer"]] * len(group),
+                                              [c.finished for c in group], [row] * len(group))
+                except ValueError as e:
+                    error = e
+                    break
                 pairs = make_pairs([(c.token_ids, r) for c, r in zip(group, rewards)], args.correct_threshold,
                                    args.max_pairs_per_prompt, random.Random(args.seed * 1_000_003 + i))
                 local_pairs += [(i, c, w) for c, w in pairs if len(prompts.prompt_ids[i]) + max(len(c), len(w))
                                 <= args.max_seq_length]
                 n_ok = sum(r >= args.correct_threshold for r in rewards)
                 stats += torch.tensor([1, len(group), n_ok, float(bool(pairs))], dtype=torch.float64)
+            failed = info.all_reduce(torch.tensor([float(error is not None)]), "max").item()
+            if failed:
+                raise error or ValueError("the reward function failed on another rank while generating pairs")
             info.all_reduce(stats)
             all_pairs = [p for part in info.gather_objects(local_pairs) for p in part]
         if not all_pairs:
@@ -533,7 +542,9 @@ def main(args: Args) -> str:
             window.zero_()
         tracker.progress(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            evaluate(step)
+            with ckpt.user_code(step, engines, tracker, trained=True, local={"window": window}, sampler=sampler,
+                                guard=guard, best=best):
+                evaluate(step)  # a grader that raises: checkpoint this step, then a one-line error
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
@@ -542,7 +553,9 @@ def main(args: Args) -> str:
                 break
     if ckpt.stopping:
         return ckpt.stop(tracker)
-    evaluate(args.num_steps)
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, local={"window": window}, sampler=sampler,
+                        guard=guard, best=best):
+        evaluate(args.num_steps)
     tracker.log(check_ranks(policy, info, local_idx), args.num_steps)
 
     final = ""

@@ -737,7 +737,8 @@ def main(args: Args) -> str:
                         "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
                         "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
+                                               best=best, first_eval=first):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -759,7 +760,9 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    metrics = evaluate(args.num_steps)
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
+                        sampler=sampler, guard=guard, best=best, first_eval=first):
+        metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))

@@ -407,6 +407,7 @@ def main(args: Args) -> str:
     policy.train()
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
+        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
         # 1. rollout: this rank's slice of the global prompt batch, G samples each
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -432,9 +433,10 @@ def main(args: Args) -> str:
                     scores = torch.cat([score_last_token(reward_model, input_ids[s : s + args.local_micro_batch_size],
                                                          attn[s : s + args.local_micro_batch_size])
                                         for s in range(0, args.local_batch_size, args.local_micro_batch_size)]).tolist()
-            else:
-                scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
-                                         [c.finished for c in comps], rows)
+            else:  # a reward function that raises stops the run, after saving the previous step
+                with ckpt.user_code(step, engines, tracker):
+                    scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
+                                             [x["answer"] for x in rows], [c.finished for c in comps], rows)
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
@@ -537,7 +539,8 @@ def main(args: Args) -> str:
             "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
         })
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
+                                               best=best, first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -555,7 +558,9 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    metrics = evaluate(args.num_steps)
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
+                        sampler=sampler, guard=guard, best=best, first_eval=first_eval):
+        metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))

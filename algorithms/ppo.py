@@ -428,6 +428,7 @@ def main(args: Args) -> str:
     B, mb = args.local_batch_size, args.local_micro_batch_size
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
+        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, kl_coef=kl_coef, first_eval=first_eval)
         # 1. rollout: this rank's slice of the global prompt batch
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -452,10 +453,11 @@ def main(args: Args) -> str:
                 with torch.no_grad():
                     scores = torch.cat([score_last_token(reward_model, input_ids[s : s + mb], attn[s : s + mb])
                                         for s in range(0, B, mb)])
-            else:
-                scores = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
-                                                      [x["answer"] for x in rows], [c.finished for c in comps], rows),
-                                      device=info.device)
+            else:  # a reward function that raises stops the run, after saving the previous step
+                with ckpt.user_code(step, engines, tracker):
+                    scores = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
+                                                          [x["answer"] for x in rows], [c.finished for c in comps],
+                                                          rows), device=info.device)
             if args.non_stop_penalty:
                 scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
 
@@ -569,7 +571,8 @@ def main(args: Args) -> str:
                         "objective/kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0],
                         "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
+                                               best=best, kl_coef=kl_coef, first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -588,7 +591,9 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    metrics = evaluate(args.num_steps)
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
+                        sampler=sampler, guard=guard, best=best, kl_coef=kl_coef, first_eval=first_eval):
+        metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))

@@ -43,6 +43,7 @@ the ~100-token vocabulary after every step. Launch:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -429,8 +430,9 @@ def main(args: Args) -> str:
                                             [x["answer"] for x in prompt_rows], [c.finished for c in comps],
                                             prompt_rows))
 
-    def rollout(gen, prompt_idx, data, n, seed, offset):
-        """Sample n completions per prompt; tensors [B, L] and the [B, L-1] response mask, rewards [B]."""
+    def rollout(gen, prompt_idx, data, n, seed, offset, on_reward_error=None):
+        """Sample n completions per prompt; tensors [B, L] and the [B, L-1] response mask, rewards [B].
+        `on_reward_error`: ckpt.user_code(...), so a reward function that raises saves a checkpoint and stops."""
         outs = gen.generate([data.prompt_ids[i] for i in prompt_idx], n=n, temperature=1.0, top_p=1.0,
                             max_new_tokens=args.max_new_tokens, seed=seed, index_offset=offset)
         comps = [c for group in outs for c in group]
@@ -438,13 +440,15 @@ def main(args: Args) -> str:
         input_ids, attn, resp = data_utils.pad_batch([data.prompt_ids[i] for i in prompt_idx for _ in range(n)],
                                                      [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1; EOS included
-        return comps, input_ids, attn, mask, score(rows, comps, input_ids, attn)
+        with on_reward_error or contextlib.nullcontext():
+            r = score(rows, comps, input_ids, attn)
+        return comps, input_ids, attn, mask, r
 
     def logprobs(model, input_ids, attn):
         with torch.no_grad():
             return batched(lambda i, a: forward_logprobs(model, i, a), input_ids, attn)
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int, on_reward_error=None) -> dict:
         """Held-out sampling from p_theta: P(bad), CVaR, mean reward and return; exact log P(bad) on the toy."""
         out = {}
         if exact:
@@ -457,7 +461,8 @@ def main(args: Args) -> str:
         idx = own + [0] * (per_rank - len(own))
         keep = len(own) * args.eval_num_samples
         _, ids, attn, mask, r = rollout(generator, idx, eval_data, args.eval_num_samples,
-                                        seed=args.seed + 1_000_003, offset=info.rank * per_rank)
+                                        seed=args.seed + 1_000_003, offset=info.rank * per_rank,
+                                        on_reward_error=on_reward_error)
         ret = r
         if ref_policy is not None:
             ret = kl_return(r, logprobs(policy, ids, attn).cpu(), logprobs(ref_policy, ids, attn).cpu(),
@@ -492,16 +497,20 @@ def main(args: Args) -> str:
     N = args.num_generations
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
-        # 1. rollouts (no grad): S_p ~ p_theta and S_q ~ q_xi on the same prompts, N each
+        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first=first)
+        # 1. rollouts (no grad): S_p ~ p_theta and S_q ~ q_xi on the same prompts, N each (a reward function that
+        # raises saves step - 1 and stops the run)
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
             offset = info.rank * args.local_num_prompts
             comps_p, ids_p, attn_p, mask_p, r_p = rollout(generator, local_idx, train_data, N,
-                                                          args.seed * 7_919 + step, offset)
+                                                          args.seed * 7_919 + step, offset,
+                                                          ckpt.user_code(step, engines, tracker))
             if sample_q:
                 comps_q, ids_q, attn_q, mask_q, r_q = rollout(q_generator, local_idx, train_data, N,
-                                                              args.seed * 7_919 + step + 500_000_003, offset)
+                                                              args.seed * 7_919 + step + 500_000_003, offset,
+                                                              ckpt.user_code(step, engines, tracker))
         r_p, mask_p = r_p.to(info.device), mask_p
         # 2. log-probs at sampling time (the current p and q, before either update)
         with timer("logprob"):
@@ -594,7 +603,8 @@ def main(args: Args) -> str:
                                                             args.max_new_tokens)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
-                metrics.update(evaluate(step))
+                metrics.update(evaluate(step, ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler,
+                                                             guard=guard, best=best, first=first)))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
         tracker.progress(1, score=metrics["objective/scores"], log_p_bad=metrics.get("exact/log_p_bad", float("nan")))
@@ -613,7 +623,8 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    metrics = evaluate(args.num_steps)
+    metrics = evaluate(args.num_steps, ckpt.user_code(args.num_steps, engines, tracker, trained=True, sampler=sampler,
+                                                      guard=guard, best=best, first=first))
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
     if proposal is not None:

@@ -275,7 +275,8 @@ def main(args: Args) -> str:
             tracker.log(metrics, step)
         tracker.progress(1, loss=loss_sum.item())
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            run_eval(step)
+            with ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard, best=best):
+                run_eval(step)  # a grader that raises: checkpoint this step, then a one-line error
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
@@ -284,7 +285,8 @@ def main(args: Args) -> str:
                 break
     if ckpt.stopping:
         return ckpt.stop(tracker)
-    run_eval(args.num_steps)
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, sampler=sampler, guard=guard, best=best):
+        run_eval(args.num_steps)
 
     final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info)
     tracker.write(f"saved {final}")

@@ -364,6 +364,7 @@ def main(args: Args) -> str:
     B, mb = args.local_batch_size, args.local_micro_batch_size
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
+        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
         # 1. rollout: this rank's slice of the global prompt batch
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -383,8 +384,9 @@ def main(args: Args) -> str:
         # 2. scores: the grader (0 if truncated)
         with timer("reward"):
             texts = [decode(c.token_ids) for c in comps]
-            scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
-                                     [c.finished for c in comps], rows)
+            with ckpt.user_code(step, engines, tracker):  # a raising reward function: save step - 1, stop
+                scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
+                                         [c.finished for c in comps], rows)
 
         # 3. states: split each response into steps; state S_j = prompt + the tokens of steps < j
         starts, parse_failed = [], 0
@@ -409,9 +411,10 @@ def main(args: Args) -> str:
                                     seed=args.seed * 7_919 + step + 500_009, index_offset=0)  # also with none:
             # under ZeRO-3 the HF backend's ranks must make the same generate calls (shared/generation.py)
             flat = [(r, cont) for r, group in zip(requests, mc) for cont in group]
-            mc_rewards = compute_rewards(
-                reward_fn, [r[2]["prompt"] for r, _ in flat], [decode(r[3] + cont.token_ids) for r, cont in flat],
-                [r[2]["answer"] for r, _ in flat], [cont.finished for _, cont in flat], [r[2] for r, _ in flat])
+            with ckpt.user_code(step, engines, tracker):
+                mc_rewards = compute_rewards(
+                    reward_fn, [r[2]["prompt"] for r, _ in flat], [decode(r[3] + cont.token_ids) for r, cont in flat],
+                    [r[2]["answer"] for r, _ in flat], [cont.finished for _, cont in flat], [r[2] for r, _ in flat])
             values = torch.tensor(mc_rewards).view(len(requests), args.num_mc_rollouts).mean(1).tolist() \
                 if requests else []
             generator.sleep()
@@ -515,7 +518,8 @@ def main(args: Args) -> str:
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
                         "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
+                                               best=best, first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -533,7 +537,9 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    metrics = evaluate(args.num_steps)
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
+                        sampler=sampler, guard=guard, best=best, first_eval=first_eval):
+        metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))

@@ -25,6 +25,8 @@ signal stops at once without saving.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
 import random
@@ -97,6 +99,10 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class UserCodeError(ValueError):
+    """User code (a reward function) failed mid-run; the message names the step and the checkpoint saved."""
+
+
 class Checkpointer:
     """Resumable checkpoints of one run (see the module docstring).
 
@@ -104,6 +110,10 @@ class Checkpointer:
         tracker = Tracker(..., resume=ckpt.tracker_state)
         start_step, extra = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
         for step in range(start_step + 1, args.num_steps + 1):
+            ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, kl_coef=kl_coef)
+            ...
+            with ckpt.user_code(step, engines, tracker):   # the reward function: on error, save step - 1, stop
+                scores = compute_rewards(reward_fn, ...)
             ...
             if ckpt.step_end(step):               # save_every, stop_after_steps, or SIGTERM/SIGINT on any rank
                 ckpt.save(step, engines, tracker, local={"window": window}, sampler=sampler, guard=guard,
@@ -129,6 +139,7 @@ class Checkpointer:
         self.stopping = False
         self.signum = 0
         self._received = 0
+        self._start: dict | None = None  # step_start's snapshot
         self._old_handlers: dict = {}
         self.path = self._resolve(args.resume)
         self.state: dict = {}
@@ -220,6 +231,53 @@ class Checkpointer:
 
     def save(self, step: int, engines: dict, tracker, local: dict | None = None, **state) -> Path:
         """Write checkpoint `step` (every rank must call this), then keep only the last keep_checkpoints."""
+        extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items() if v is not None}
+        return self._write(step, engines, tracker, _rng_state(), local or {}, tracker.state_dict(), extra)
+
+    def step_start(self, tracker, local: dict | None = None, **state) -> None:
+        """Remember the state at the start of a step (RNG states, metrics-file offsets, the keyword state `save`
+        takes: small), so that `user_code` can still save the previous step when this one fails before its first
+        optimizer update (the weights, optimizer and LR schedule are then those of the previous step)."""
+        self._start = {"rng": copy.deepcopy(_rng_state()), "local": copy.deepcopy(local or {}),
+                       "tracker": tracker.state_dict(),
+                       "extra": {k: copy.deepcopy(v.state_dict() if hasattr(v, "state_dict") else v)
+                                 for k, v in state.items() if v is not None}}
+
+    @contextlib.contextmanager
+    def user_code(self, step: int, engines: dict, tracker, trained: bool = False, local: dict | None = None,
+                  **state):
+        """Run user code (a reward function) so that its exception on any rank stops the run without losing work.
+
+        Every rank agrees on whether some rank failed (one all-reduce), then all save a resumable checkpoint and
+        raise a one-line ValueError naming the error, the step and the checkpoint: checkpoint `step - 1` from
+        `step_start` when nothing of this step was trained yet (`trained=False`), or checkpoint `step` from the
+        given state when it was (an evaluation after the update; that step's metrics line is then not written).
+        In step 1 with nothing trained there is nothing to save. Every rank must enter the block."""
+        error = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any user error; re-raised below as one line, with its cause
+            error = e
+        failed = error is not None
+        if self.info.world_size > 1:
+            t = torch.tensor([int(failed)], dtype=torch.int64, device=self.info.device)
+            failed = bool(self.info.all_reduce(t, "max").item())
+        if not failed:
+            return
+        if trained:
+            path = self.save(step, engines, tracker, local=local, **state)
+        elif step > 1 and self._start is not None:
+            s = self._start
+            path = self._write(step - 1, engines, tracker, s["rng"], s["local"], s["tracker"], s["extra"])
+        else:
+            path = None
+        what = " ".join(str(error).split()) if error is not None else "the reward function failed on another rank"
+        saved = (f"saved checkpoint {path}: fix it and rerun the same command to resume" if path else
+                 "nothing to save in the first step")
+        raise UserCodeError(f"{what} (step {step}); {saved}") from error
+
+    def _write(self, step: int, engines: dict, tracker, rng: dict, local: dict, tracker_state: dict,
+               extra: dict) -> Path:
         info = self.info
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
@@ -229,11 +287,10 @@ class Checkpointer:
         info.barrier()
         for name, engine in engines.items():
             engine.save_checkpoint(str(tmp), tag=name, save_latest=False)
-        torch.save({"rng": _rng_state(), "local": local or {}}, tmp / f"rank{info.rank}.pt")
+        torch.save({"rng": rng, "local": local}, tmp / f"rank{info.rank}.pt")
         if info.is_main:
-            extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items() if v is not None}
             torch.save({"step": step, "world_size": info.world_size, "args": dataclasses.asdict(self.args),
-                        "tracker": tracker.state_dict(), "extra": extra}, tmp / "state.pt")
+                        "tracker": tracker_state, "extra": extra}, tmp / "state.pt")
         info.barrier()
         if info.is_main:
             shutil.rmtree(final, ignore_errors=True)

@@ -2,7 +2,10 @@
 
 Sources (`dataset` argument):
   - "builtin": the built-in running-sums task (shared/task.py), splits "train" / "test";
-  - a local file: *.jsonl, *.json (a list of objects, or JSON lines) or *.parquet;
+  - a local file: *.jsonl, *.json (a list of objects, or JSON lines) or *.parquet. Split `s` reads the sibling
+    file `<stem>.<s><suffix>` when it exists; a file with no such siblings at all is split by `holdout_split`
+    (a fixed 10% held out for evaluation, disjoint from training; said at start; under 10 rows, all of it is
+    used for both, with a warning);
   - a hub dataset: "org/name" or "org/name:config" (e.g. "openai/gsm8k:main"), loaded with `datasets`.
 
 Every row is validated: a missing key, an empty or non-string field, a malformed JSON line or a
@@ -61,6 +64,57 @@ def _read_local(path: Path) -> list[dict]:
     return rows
 
 
+HOLDOUT_FRACTION = 0.1
+MIN_HOLDOUT_ROWS = 10
+_noticed: set = set()
+
+
+def holdout_split(rows: list[dict], split: str, name: str) -> list[dict]:
+    """A single local file with no `<stem>.<split>` siblings: hold out a fixed, disjoint slice for evaluation.
+
+    10% of the rows (at least 1), chosen by a fixed shuffle that depends only on the number of rows (so every run,
+    seed and rank agrees), form every split but "train"; "train" gets the rest. Said once per file on stderr, with
+    the sizes. A file of fewer than MIN_HOLDOUT_ROWS rows (a smoke test) is not split: all of it is used for both,
+    said as a warning."""
+    n = len(rows)
+    if n < MIN_HOLDOUT_ROWS:
+        _notice(name, f"warning: dataset {name} has {n} rows (< {MIN_HOLDOUT_ROWS}) and no {Path(name).stem}.train "
+                      "/ .test files: all of it is used for training AND evaluation (held-out metrics are on "
+                      "training data)")
+        return rows
+    order = list(range(n))
+    random.Random(n).shuffle(order)
+    k = max(1, round(HOLDOUT_FRACTION * n))
+    held = sorted(order[:k])
+    _notice(name, f"dataset {name}: no {Path(name).stem}.train / .test files, so a fixed {k} of its {n} rows "
+                  f"({HOLDOUT_FRACTION:.0%}) are held out for evaluation and the other {n - k} are trained on")
+    keep = [i for i in range(n) if i not in set(held)] if split == "train" else held
+    return Rows([rows[i] for i in keep], numbers=keep)
+
+
+class Rows(list):
+    """Rows of one split that are a subset of their file, with `numbers`: each row's index in the file, which
+    errors name (so "row 7" is row 7 of the file whichever split it fell in)."""
+
+    def __init__(self, rows: list[dict], numbers: list[int]):
+        super().__init__(rows)
+        self.numbers = numbers
+
+
+def row_numbers(rows: list[dict]) -> list[int]:
+    return list(getattr(rows, "numbers", range(len(rows))))
+
+
+def _notice(key: str, message: str) -> None:
+    """One line on stderr, once per process and only on rank 0."""
+    import os
+    import sys
+
+    if key not in _noticed and os.environ.get("RANK", "0") == "0":
+        _noticed.add(key)
+        print(f"[cleanrlhf] {message}", file=sys.stderr, flush=True)
+
+
 def load_rows(dataset: str, split: str) -> list[dict]:
     """Raw rows of one split of a dataset (see module docstring for the accepted sources)."""
     if dataset == "builtin":
@@ -72,7 +126,10 @@ def load_rows(dataset: str, split: str) -> list[dict]:
         chosen = sibling if sibling.exists() else path
         if not chosen.exists():
             raise DataError(f"dataset file {chosen} does not exist")
-        return _read_local(chosen)
+        rows = _read_local(chosen)
+        if chosen == path and not list(path.parent.glob(f"{path.stem}.*{path.suffix}")):
+            return holdout_split(rows, split, str(path))  # one file, no split files: never eval on train rows
+        return rows
     if path.exists():
         raise DataError(f"dataset {dataset!r}: unsupported file type (use .jsonl, .json or .parquet)")
     import datasets
@@ -88,7 +145,7 @@ def select_fields(rows: list[dict], where: str, keys: dict[str, str]) -> list[di
     if not rows:
         raise DataError(f"{where}: no rows")
     out = []
-    for i, row in enumerate(rows):
+    for i, row in zip(row_numbers(rows), rows):
         new = dict(row)
         for ours, theirs in keys.items():
             if theirs not in row:
@@ -223,10 +280,11 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
     raw = builtin_task.builtin_preferences(split) if dataset == "builtin" else load_rows(dataset, split)
     if not raw:
         raise DataError(f"{where}: no rows")
+    numbers = row_numbers(raw)
     if limit:
-        raw = raw[:limit]
+        raw, numbers = raw[:limit], numbers[:limit]
     out = PreferenceData([], [], [], [])
-    for i, row in enumerate(raw):
+    for i, row in zip(numbers, raw):
         at = f"{where} row {i}"
         chosen = _preference_text(row, chosen_key, at)
         rejected = _preference_text(row, rejected_key, at)

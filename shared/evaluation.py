@@ -32,10 +32,15 @@ def evaluate_accuracy(generator, eval_data, reward_fn, decode, info, num_samples
     rows = [eval_data.rows[i] for i in idx for _ in range(num_samples)]
     comps = [c for group in outs for c in group]
     r = torch.zeros(len(idx), num_samples, dtype=torch.float64)
+    error = None  # a failing reward function: every rank still runs the collectives below, then all raise
     if reward_fn is not None:
-        r = compute_rewards(reward_fn, [x["prompt"] for x in rows], [decode(c.token_ids) for c in comps],
-                            [x["answer"] for x in rows], [c.finished for c in comps], rows)
-        r = torch.tensor(r, dtype=torch.float64).view(len(idx), num_samples)
+        try:
+            r = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows],
+                                             [decode(c.token_ids) for c in comps], [x["answer"] for x in rows],
+                                             [c.finished for c in comps], rows),
+                             dtype=torch.float64).view(len(idx), num_samples)
+        except ValueError as e:
+            error = e
     rm_sum = 0.0
     if reward_model is not None:
         from shared.scalar import score_sequences
@@ -43,9 +48,13 @@ def evaluate_accuracy(generator, eval_data, reward_fn, decode, info, num_samples
         prompts = [eval_data.prompt_ids[i] for i in idx for _ in range(num_samples)]
         scores = score_sequences(reward_model, prompts, [c.token_ids for c in comps], pad_id, info, micro_batch_size)
         rm_sum = scores.double().sum().item()
-    stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum() if len(idx) else 0, r.numel(), len(idx), rm_sum],
-                         dtype=torch.float64)
+    stats = torch.tensor([r.sum(), (r.max(1).values > 0.5).sum() if len(idx) else 0, r.numel(), len(idx), rm_sum,
+                          error is not None], dtype=torch.float64)
     info.all_reduce(stats)
+    if error is not None:
+        raise error
+    if stats[5] > 0:
+        raise ValueError("the reward function failed on another rank during evaluation")
     out = {}
     if reward_fn is not None:
         out = {"eval/accuracy": (stats[0] / stats[2]).item(), f"eval/pass@{num_samples}": (stats[1] / stats[3]).item()}

@@ -113,8 +113,11 @@ def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], an
     """Call a reward function (as `call_style` says) and validate its output shape and values."""
     values = dict(prompts=prompts, completions=completions, answers=answers, finished=finished, rows=rows)
     style, names = call_style(fn)
-    out = fn(**{k: values[k] for k in names}) if style == "keywords" else fn(*(values[k] for k in ARGUMENTS))
     name = getattr(fn, "__name__", repr(fn))
+    try:
+        out = fn(**{k: values[k] for k in names}) if style == "keywords" else fn(*(values[k] for k in ARGUMENTS))
+    except Exception as e:  # noqa: BLE001 - the user's code: name it, keep the cause
+        raise ValueError(f"reward_fn {name} raised {type(e).__name__}: {e}") from e
     if hasattr(out, "tolist"):
         out = out.tolist()
     if not isinstance(out, (list, tuple)) or len(out) != len(completions):

@@ -70,8 +70,9 @@ def _write(tmp_path, name, text):
 def test_bad_rows_name_the_row_and_field(tmp_path, tiny_model, rows, message):
     _, tok = tiny_model
     path = _write(tmp_path, "d.jsonl", "\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(DataError, match=message):
-        data.load_prompts(path, "train", tok)
+    with pytest.raises(DataError, match=message):  # a lone file is split (10% held out): the row is in one split
+        for split in ("train", "test"):
+            data.load_prompts(path, split, tok)
 
 
 def test_malformed_jsonl_line_is_reported_with_its_number(tmp_path, tiny_model):
@@ -244,3 +245,37 @@ def test_conversational_pairs_use_the_chat_template(tmp_path, tiny_model):
     assert out.prompt_ids == [expected, expected]
     assert expected.count(tok.bos_token_id) == 1
     assert out.chosen_ids[0] == data.encode_response(tok, "2") and out.rejected_ids[1] == data.encode_response(tok, "5")
+
+
+def test_a_single_file_without_split_files_holds_out_a_fixed_disjoint_slice(tmp_path, tiny_model, capsys):
+    """#16.2: train and test of a lone file are disjoint (10% held out, at least 1), cover the file, do not depend on
+    the call (seed, rank), and the split is said once on stderr; sibling split files switch it off."""
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
+    path = _write(tmp_path, "lone.jsonl", "\n".join(json.dumps(r) for r in rows))
+    train, test = data.load_rows(path, "train"), data.load_rows(path, "test")
+    assert (len(train), len(test)) == (27, 3)
+    assert sorted(r["prompt"] for r in train + test) == sorted(r["prompt"] for r in rows)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert data.load_rows(path, "test") == test and data.load_rows(path, "validation") == test
+    assert test != rows[-3:] and test != rows[:3]  # a shuffled slice, not the file's head or tail
+    err = capsys.readouterr().err
+    assert err.count("held out") == 1 and "3 of its 30 rows" in err
+    prompts = data.load_prompts(path, "test", tiny_model[1])
+    assert [r["prompt"] for r in prompts.rows] == [r["prompt"] for r in test]
+    # a bad row is named by its number in the file, whichever split holds it
+    bad = rows[:29] + [{"prompt": "  ", "answer": "1"}]
+    path = _write(tmp_path, "bad.jsonl", "\n".join(json.dumps(r) for r in bad))
+    split = "test" if 29 in data.load_rows(path, "test").numbers else "train"
+    with pytest.raises(DataError, match="row 29: field 'prompt' is empty"):
+        data.load_prompts(path, split, tiny_model[1])
+    # with split files beside it, the file is read as given (and no split happens)
+    _write(tmp_path, "lone.test.jsonl", json.dumps(rows[0]))
+    assert data.load_rows(str(tmp_path / "lone.jsonl"), "train") == rows
+    assert data.load_rows(str(tmp_path / "lone.jsonl"), "test") == rows[:1]
+
+
+def test_a_tiny_file_is_used_for_both_with_a_warning(tmp_path, capsys):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(9)]
+    path = _write(tmp_path, "small.jsonl", "\n".join(json.dumps(r) for r in rows))
+    assert data.load_rows(path, "train") == data.load_rows(path, "test") == rows
+    assert "9 rows (< 10)" in capsys.readouterr().err

@@ -471,3 +471,82 @@ def test_the_command_line_prints_one_line(tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines() == [f"error: {path}: line 2 is not valid JSON: Unterminated string starting at"]
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- a reward function that raises mid-run (#16.14)
+RL_TINY = ["--model_name_or_path", "builtin:tiny-sft", "--generator", "hf", "--local_num_prompts", "4",
+           "--num_generations", "4", "--num_minibatches", "1", "--local_micro_batch_size", "16", "--max_new_tokens", "8",
+           "--eval_num_prompts", "8", "--eval_num_samples", "2", "--best_metric", ""]
+FLAKY = """import os
+from pathlib import Path
+
+from shared.rewards import builtin_reward
+
+
+def flaky(prompts, completions, answers, finished, rows):
+    here = Path(__file__).parent
+    with open(here / "calls.txt", "a") as f:
+        f.write("x")
+    if (here / "boom").exists() and len((here / "calls.txt").read_text()) == int((here / "boom").read_text()):
+        raise ZeroDivisionError("boom")
+    return builtin_reward(prompts, completions, answers, finished, rows)
+"""
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_a_reward_function_raising_mid_run_saves_a_checkpoint_and_the_run_resumes(tmp_path, monkeypatch, capsys,
+                                                                                 where):
+    """grpo: calls are probe, step-0 evaluation, then one per step (and one per evaluation every 2 steps). The 5th
+    call raises: in step 3's rollout ("train": checkpoint step 2 from the step's start), or in the evaluation after
+    step 2's update ("eval", --eval_every 2: checkpoint step 2 with the updated weights). One line naming the function
+    and the step, exit status 2; after fixing it, the same command resumes and ends with the weights and metrics of
+    a run that never failed (the failed evaluation's metrics line aside)."""
+    import importlib
+
+    from shared.distributed import run_cli
+
+    grpo = importlib.import_module("algorithms.grpo")
+    fn_dir = tmp_path / "fn"
+    fn_dir.mkdir()
+    (fn_dir / "flaky.py").write_text(FLAKY)
+
+    def run(out: Path, boom: int | None) -> tuple[int, str]:
+        (fn_dir / "calls.txt").write_text("")
+        (fn_dir / "boom").unlink(missing_ok=True)
+        if boom:
+            (fn_dir / "boom").write_text(str(boom))
+        monkeypatch.setattr(sys, "argv", [
+            "grpo.py", "--output_dir", str(out), "--reward_fn", f"{fn_dir / 'flaky.py'}:flaky", *RL_TINY,
+            "--total_episodes", "64", "--eval_every", "2" if where == "eval" else "0", "--save_every", "0"])
+        try:
+            run_cli(grpo.main, grpo.Args)
+        except SystemExit as e:
+            return e.code, capsys.readouterr().err
+        return 0, capsys.readouterr().err
+
+    straight, failed = tmp_path / "straight", tmp_path / "failed"
+    assert run(straight, None)[0] == 0
+    code, err = run(failed, 5)
+    assert code == 2, err
+    step = 3 if where == "train" else 2
+    assert err.splitlines()[-1] == (f"error: reward_fn flaky raised ZeroDivisionError: boom (step {step}); "
+                                    f"saved checkpoint {failed}/checkpoints/step_00000002: fix it and rerun the same "
+                                    "command to resume")
+    assert [s for s, _ in list_checkpoints(failed)] == [2]
+    assert not (failed / "final").exists()
+    assert run(failed, None)[0] == 0  # fixed: the same command resumes from step 2
+    a, b = _weights(straight / "final"), _weights(failed / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "time" and not k.startswith("time/")} for r in rows]
+
+    rows_a, rows_b = strip(metric_rows(straight)), strip(metric_rows(failed))
+    if where == "eval":  # the step whose evaluation failed has no metrics line
+        rows_a = [r for r in rows_a if r["step"] != 2]
+    assert rows_a == rows_b
