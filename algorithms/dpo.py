@@ -97,7 +97,7 @@ class Args:
     max_seq_length: int = 512
     """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
     reward_fn: str = "auto"
-    """grader for held-out accuracy and self-generated pairs: `auto`, `builtin`, `gsm8k`, `math`, or `module:function`"""
+    """grader for held-out accuracy and self-generated pairs: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"

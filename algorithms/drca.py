@@ -91,7 +91,7 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """held-out grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `none`, or `module:function`"""
+    """held-out grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"

@@ -78,7 +78,7 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """`auto` (by dataset), `builtin`, `gsm8k`, `math`, or your own `module:function` / `file.py:function`"""
+    """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     reward_model_path: str = ""
     """score completions with this reward model (rm.py checkpoint or any HF sequence classifier) instead of reward_fn; held-out accuracy still uses the grader"""
     track: bool = False

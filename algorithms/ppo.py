@@ -76,7 +76,7 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, or `module:function` / `file.py:function`"""
+    """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     reward_model_path: str = ""
     """if set, score completions with this reward model (HF sequence classification) instead of reward_fn"""
     critic_model_path: str = ""

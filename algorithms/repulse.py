@@ -93,7 +93,7 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """`auto` (`toy` for the toy dataset, else by dataset), `toy`, `builtin`, `gsm8k`, `math`, or `module:function`"""
+    """`auto` (`toy` for the toy dataset, else by dataset), `toy`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     reward_model_path: str = ""
     """score prompt + completion with this reward model (rm.py checkpoint or HF sequence classifier) instead"""
     track: bool = False

@@ -69,7 +69,7 @@ class Args:
     max_seq_length: int = 512
     """examples whose prompt+response exceed this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, or `module:function` / `file.py:function`"""
+    """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"

@@ -69,7 +69,7 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """verifiable reward for trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, or `module:function`"""
+    """verifiable reward for trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     step_splitter: str = "auto"
     """how responses are cut into steps: `auto` (by dataset), `lines` (built-in task), `gsm8k`, `math`"""
     track: bool = False

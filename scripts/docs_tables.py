@@ -69,7 +69,16 @@ def real_model_grpo(d: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo}
+def graders(d: dict) -> str:
+    lines = ["| grader | agrees with the human verdict | where it does not | seconds |", "|---|---|---|---|"]
+    for name, r in d["results"].items():
+        wrong = ", ".join(f"{w['case']} (says {w['got']})" for w in r["wrong"]) or "-"
+        lines.append(f"| `{name}` | {r['correct']} / {d['num_cases']} | {wrong} | {r['seconds']:.1f} |")
+    lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}."]
+    return "\n".join(lines)
+
+
+RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders}
 
 
 def render_file(path: Path) -> tuple[str, str]:

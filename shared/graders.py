@@ -2,10 +2,15 @@ r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO refe
 
 * GSM8K (§3, ``McGill-NLP/VinePPO:src/treetune/tasks/gsm8k.py`` with ``use_original_format=True``): the answer is
   the text after the last ``####``; grading is an exact string match after removing commas from the prediction,
-  so ``1,234 == 1234`` but ``18.0 != 18``.
+  or (not in the reference) the same number once commas, ``$`` and a trailing period are gone: ``$18 == 18.0 ==
+  18`` but ``18.01 != 18``.
 * MATH (§2, ``McGill-NLP/VinePPO:src/treetune/tasks/math_answer_exctraction.py`` and ``math_grader_minerva.py``):
   Minerva-style extraction of a *list* of candidate answers, ``strip_string`` normalisation, then ``eval_math``:
   numeric, string, tuple/interval/matrix and finally symbolic (sympy) equivalence.
+
+Gold texts: a MATH gold may be a worked solution (MATH's ``solution``: its last ``\boxed{}`` is the answer) or a bare
+answer (MATH-500's ``answer``), told apart by ``\boxed`` (``is_math_solution``). tests/grader_cases.py holds 73
+hand-written cases (tests/test_graders.py); scripts/compare_graders.py runs them through math-verify too.
 
 Differences from the reference, all on purpose:
 * LaTeX is turned into sympy-readable text by a small converter in this file instead of ``pylatexenc``.
@@ -15,6 +20,12 @@ Differences from the reference, all on purpose:
 * Intervals/tuples must use the same bracket types (the reference accepted ``[1,2)`` for ``(1,2]``).
 * An empty gold list (solution without an extractable answer) grades as incorrect.
 * ``\boxed{5}%`` extracts ``5%`` (the reference kept a stray brace, ``5}``).
+* A MATH gold that is a bare answer (MATH-500's ``answer`` column, no ``\boxed``) is used as it stands; the reference
+  only took gold solutions, and passing it a bare ``\frac{14}{3}`` made the gold its last number, ``3``.
+* ``1{,}000`` reads as ``1000``; a GSM8K answer also matches when it is the same number once commas, a leading
+  ``$`` and a trailing period are removed (``$18``, ``18.00``, ``18.`` vs ``18``), where VINE compared strings.
+* Kept from the reference on purpose (the protocol's graded numbers depend on them): numbers within 1e-3 are equal
+  (``1.414`` for ``\sqrt{2}``), and exponents of two or more digits are not evaluated (``2^{10}`` is not ``1024``).
 
 The worker is started with ``spawn`` but without re-importing the caller's ``__main__`` (which ``spawn`` does by
 default), so a reward function called from a script without an ``if __name__ == "__main__":`` guard, a notebook or
@@ -52,14 +63,29 @@ def extract_gsm8k_answer(text: str) -> str | None:
     return text.split("####")[-1].strip()
 
 
+def _gsm8k_number(text: str) -> float | None:
+    """The number a GSM8K answer states: commas, a leading ``$`` and a trailing period removed; None if not one."""
+    text = text.strip().replace(",", "").rstrip(".").strip()
+    text = text[1:] if text.startswith("$") else text
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def grade_gsm8k(completion: str, gold: str) -> bool:
-    """VINE exact match: ``pred.strip().replace(',', '').lower() == gold.strip().lower()``."""
+    """VINE exact match (``pred.strip().replace(',', '').lower() == gold.strip().lower()``), or the same number
+    once commas, a ``$`` and a trailing period are removed from both (VINE would fail ``$18``, ``18.00``, ``18.``
+    and a gold written ``1,234``)."""
     pred = extract_gsm8k_answer(completion)
     if pred is None:
         return False
     if "####" in gold:  # tolerate being handed the full gold solution instead of the extracted answer
         gold = gsm8k_gold_from_solution(gold)
-    return pred.strip().replace(",", "").lower() == gold.strip().lower()
+    if pred.strip().replace(",", "").lower() == gold.strip().lower():
+        return True
+    p, g = _gsm8k_number(pred), _gsm8k_number(gold)
+    return p is not None and g is not None and p == g
 
 
 # -- MATH extraction (spec §2.1; VINE math_answer_exctraction.py) --------------------------------------------------
@@ -100,6 +126,7 @@ def _fix_a_slash_b(s: str) -> str:
 def strip_math_string(s: str) -> str:
     """Minerva ``strip_string`` normalisation of one answer (spec §2.1), rule for rule as in the VINE reference."""
     s = str(s).strip().replace("\n", "").rstrip(".").replace("\\!", "")
+    s = s.replace("{,}", "")  # LaTeX thousands separator 1{,}000 (not in the reference: it graded 1{,}000 wrong)
     if s.startswith("\\text{") and s.endswith("}"):
         s = s.split("{", 1)[1][:-1]
     for frac in ("tfrac", "dfrac", "cfrac"):
@@ -172,22 +199,41 @@ def _extract_raw_answers(text: str) -> list[str]:
     return out
 
 
+def _split_answers(question: str, answers: list[str]) -> list[str]:
+    """VINE's multi-answer split: on commas for "separated by commas" questions, and on ``\text{ and }``."""
+    out: list[str] = []
+    for ans in answers:
+        if "separated by commas" in question and all(ch not in ans for ch in "()[]"):
+            out.extend(a.strip() for a in ans.split(","))
+        elif re.search(r"\\text\{\s*and\s*\}", ans):
+            out.extend(a.strip() for a in re.split(r"\\text\{\s*and\s*\}", ans))
+        else:
+            out.append(ans.strip())
+    return out
+
+
 def extract_math_answer(question: str, text: str) -> list[str]:
     """List of normalised candidate answers in ``text``; splits multi-answers as VINE ``extract_math_answer``."""
-    answers: list[str] = []
-    for ans in _extract_raw_answers(text):
-        if "separated by commas" in question and all(ch not in ans for ch in "()[]"):
-            answers.extend(a.strip() for a in ans.split(","))
-        elif re.search(r"\\text\{\s*and\s*\}", ans):
-            answers.extend(a.strip() for a in re.split(r"\\text\{\s*and\s*\}", ans))
-        else:
-            answers.append(ans.strip())
-    return answers
+    return _split_answers(question, _extract_raw_answers(text))
+
+
+def is_math_solution(gold: str) -> bool:
+    r"""True when a MATH gold text is a worked solution (it boxes its answer: MATH's ``solution`` column), False
+    when it is a bare answer (MATH-500's ``answer`` column: ``\frac{14}{3}``, ``(2, 5]``). Safe: a bare answer
+    never contains ``\boxed`` / ``\fbox``, and every MATH solution does."""
+    return "\\boxed" in gold or "\\fbox" in gold
 
 
 def math_gold_from_solution(question: str, solution: str) -> list[str]:
-    r"""Gold answers from the dataset ``solution`` (its ``\boxed{}``), never the stored ``answer`` field (§2.1)."""
-    return extract_math_answer(question, solution)
+    r"""Gold answers of a MATH gold text: a solution's ``\boxed{}`` (§2.1), or a bare answer as it stands (only
+    normalised). A bare answer must not go through the response extraction, whose last-number fallback would turn
+    ``\frac{14}{3}`` into ``3`` (#16)."""
+    if is_math_solution(solution):
+        return extract_math_answer(question, solution)
+    text = solution.strip()
+    if text.startswith("$") and text.endswith("$"):
+        text = text.strip("$")
+    return _split_answers(question, [strip_math_string(text)]) if text else []
 
 
 # -- LaTeX -> sympy text, guards, and the sandboxed sympy worker (spec §2.2 step 4, VINE math_grader*.py) ----------
@@ -317,6 +363,28 @@ def _sympy_equal_worker(a: str, b: str) -> bool:
         return math.isclose(float(sympy.N(_sympy_parse(a))), float(sympy.N(_sympy_parse(b))), abs_tol=1e-3)
     except Exception:
         return False
+
+
+def _math_verify_worker(pred: str, gold: str) -> bool:
+    """Runs in the worker process: math-verify's `verify` of two extracted answers, each read as LaTeX. Its own
+    signal-based timeouts are off (our worker's timeout kills a stuck call); it parses with a grammar into sympy
+    and never evaluates the text as Python."""
+    from math_verify import parse, verify
+
+    try:
+        g = parse(f"${gold}$", parsing_timeout=None)
+        p = parse(f"${pred}$", parsing_timeout=None)
+        return bool(g and p and verify(g, p, timeout_seconds=None))
+    except Exception:
+        return False
+
+
+def math_verify_equal(pred: str, gold: str, timeout: float = 15.0) -> bool:
+    """Equivalence by math-verify (pip `math-verify`) instead of ours, in the same sandboxed worker and timeout."""
+    pred, gold = str(pred).strip(), str(gold).strip()
+    if pred == gold:
+        return bool(pred)
+    return _call_with_timeout(_math_verify_worker, (pred, gold), timeout)
 
 
 class GraderWorkerError(RuntimeError):
@@ -456,16 +524,19 @@ def math_equal(pred: str, gold: str, timeout: float = 15.0) -> bool:
     return symbolic_equal(pred, gold, timeout)
 
 
-def _is_correct(pred: str | list[str], gold: str | list[str], timeout: float) -> bool:
-    """VINE ``is_correct``: lists match iff every prediction matches some gold and every gold is matched."""
+def _is_correct(pred: str | list[str], gold: str | list[str], timeout: float, equal=None) -> bool:
+    """VINE ``is_correct``: lists match iff every prediction matches some gold and every gold is matched.
+    `equal`: the element equivalence, ours (`math_equal`, VINE's float pre-check first) or `math_verify_equal`."""
     if isinstance(pred, list):
         pred_hit, gold_hit = set(), set()
         for i, p in enumerate(pred):
             for j, g in enumerate(gold):
-                if _is_correct(p, g, timeout):
+                if _is_correct(p, g, timeout, equal):
                     pred_hit.add(i)
                     gold_hit.add(j)
         return len(pred_hit) == len(pred) and len(gold_hit) == len(gold)
+    if equal is not None:
+        return equal(pred, gold, timeout)
     if "\\cup" in pred and "\\cup" in gold:  # unions of intervals compare as lists
         return _is_correct(pred.split("\\cup"), gold.split("\\cup"), timeout)
     try:
@@ -476,14 +547,16 @@ def _is_correct(pred: str | list[str], gold: str | list[str], timeout: float) ->
     return bool(gold and pred == gold) or math_equal(pred, gold, timeout)
 
 
-def grade_math(question: str, completion: str, gold_solution: str, timeout: float = 15.0) -> bool:
-    """VINE ``eval_math`` on the Minerva-extracted prediction list vs the gold solution's boxed answer list."""
+def grade_math(question: str, completion: str, gold_solution: str, timeout: float = 15.0,
+               checker: str = "vine") -> bool:
+    """VINE ``eval_math`` on the Minerva-extracted prediction list vs the gold's answer list (a solution's box or a
+    bare answer); `checker` "vine" (ours) or "math_verify" decides when two answers are equal."""
     gold = list(dict.fromkeys(math_gold_from_solution(question, gold_solution)))  # de-duplicate, keep order
     if not gold:
         return False
     preds = list(dict.fromkeys(extract_math_answer(question, completion)))
     preds = preds[-len(gold) :]  # some completions box non-answers first; keep only the last len(gold)
-    return _is_correct(preds, gold, timeout)
+    return _is_correct(preds, gold, timeout, math_verify_equal if checker == "math_verify" else None)
 
 
 # -- Entry point used by the trainers ------------------------------------------------------------------------------
@@ -492,18 +565,18 @@ def grade_math(question: str, completion: str, gold_solution: str, timeout: floa
 def grade(task: str, completion: str, gold: str, question: str = "", finished: bool = True) -> float:
     """Reward in {0.0, 1.0} for one completion; 0.0 if truncated (``finish_reason == 'length'``, spec §2.3).
 
-    ``task`` is ``'gsm8k'`` (``gold`` = the answer after ``####``) or ``'math'`` (``gold`` = the full gold solution,
-    ``question`` = the problem text, needed for "separated by commas" questions). Never raises on bad model or gold
-    text; raises ``ValueError`` for an unknown task and ``GraderWorkerError`` if the sympy worker cannot start.
+    ``task`` is ``'gsm8k'`` (``gold`` = the answer after ``####``), ``'math'`` (``gold`` = a gold solution or a bare
+    answer, ``question`` = the problem text, needed for "separated by commas" questions) or ``'math_verify'`` (the
+    same extraction, math-verify's equivalence). Never raises on bad model or gold text; raises ``ValueError`` for an unknown task and ``GraderWorkerError`` if the sympy worker cannot start.
     """
-    if task not in ("gsm8k", "math"):
-        raise ValueError(f"unknown task {task!r}; expected 'gsm8k' or 'math'")
+    if task not in ("gsm8k", "math", "math_verify"):
+        raise ValueError(f"unknown task {task!r}; expected 'gsm8k', 'math' or 'math_verify'")
     if not finished:
         return 0.0
     try:
         if task == "gsm8k":
             return float(grade_gsm8k(completion, gold))
-        return float(grade_math(question, completion, gold))
+        return float(grade_math(question, completion, gold, checker="math_verify" if task == "math_verify" else "vine"))
     except GraderWorkerError:
         raise
     except Exception:

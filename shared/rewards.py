@@ -12,7 +12,10 @@ so graders can read metadata). Any parameter names work when the function takes 
 
 `reward_fn` values:
   - "builtin": the built-in running-sums task (shared/task.py);
-  - "gsm8k" / "math": the graders of shared/graders.py (graders.md);
+  - "gsm8k" / "math": the graders of shared/graders.py (the VinePPO protocol; a MATH gold may be a solution or a
+    bare answer);
+  - "math_verify": the same MATH answer extraction with math-verify's equivalence check (it matched the human
+    verdict on all of tests/grader_cases.py, "math" on all but two protocol cases: docs/bench/graders/);
   - "package.module:function" or "path/to/file.py:function": your own function.
 Every result is checked: one finite number per completion, or a one-line error naming the function.
 `probe_reward_fn` makes that check once at start-up, before the run writes anything.
@@ -51,7 +54,14 @@ def math_reward(prompts, completions, answers, finished, rows=None, **_):
             for p, c, a, f in zip(prompts, completions, answers, finished)]
 
 
-BUILTIN = {"builtin": builtin_reward, "gsm8k": gsm8k_reward, "math": math_reward}
+def math_verify_reward(prompts, completions, answers, finished, rows=None, **_):
+    from shared import graders
+
+    return [graders.grade("math_verify", c, a, question=p, finished=f)
+            for p, c, a, f in zip(prompts, completions, answers, finished)]
+
+
+BUILTIN = {"builtin": builtin_reward, "gsm8k": gsm8k_reward, "math": math_reward, "math_verify": math_verify_reward}
 
 
 def load_reward_fn(spec: str, dataset: str = "builtin") -> RewardFn:
