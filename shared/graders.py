@@ -9,7 +9,7 @@ r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO refe
   numeric, string, tuple/interval/matrix and finally symbolic (sympy) equivalence.
 
 Gold texts: a MATH gold may be a worked solution (MATH's ``solution``: its last ``\boxed{}`` is the answer) or a bare
-answer (MATH-500's ``answer``), told apart by ``\boxed`` (``is_math_solution``). tests/grader_cases.py holds 73
+answer (MATH-500's ``answer``), told apart by ``is_math_solution``; a GSM8K-format gold gives its ``####`` number. tests/grader_cases.py holds 76
 hand-written cases (tests/test_graders.py); scripts/compare_graders.py runs them through math-verify too.
 
 Differences from the reference, all on purpose:
@@ -218,17 +218,19 @@ def extract_math_answer(question: str, text: str) -> list[str]:
 
 
 def is_math_solution(gold: str) -> bool:
-    r"""True when a MATH gold text is a worked solution (it boxes its answer: MATH's ``solution`` column), False
-    when it is a bare answer (MATH-500's ``answer`` column: ``\frac{14}{3}``, ``(2, 5]``). Safe: a bare answer
-    never contains ``\boxed`` / ``\fbox``, and every MATH solution does."""
-    return "\\boxed" in gold or "\\fbox" in gold
+    r"""True when a gold text is a worked solution, whose answer must be extracted: it boxes its answer (MATH's
+    ``solution`` column), states it ("The answer is 5", a GSM8K ``#### 19`` line) or spans several lines. False
+    for a bare answer (MATH-500's ``answer`` column: ``\frac{14}{3}``, ``(2, 5]``), which has none of these."""
+    return any(k in gold for k in ("\\boxed", "\\fbox", "he answer is", "####")) or "\n" in gold.strip()
 
 
 def math_gold_from_solution(question: str, solution: str) -> list[str]:
     r"""Gold answers of a MATH gold text: a solution's ``\boxed{}`` (§2.1), or a bare answer as it stands (only
     normalised). A bare answer must not go through the response extraction, whose last-number fallback would turn
     ``\frac{14}{3}`` into ``3`` (#16)."""
-    if is_math_solution(solution):
+    if "####" in solution:  # a GSM8K-format gold ("12 + 7 = 19\n#### 19") graded by the MATH grader
+        solution = solution.split("####")[-1].strip()
+    elif is_math_solution(solution):
         return extract_math_answer(question, solution)
     text = solution.strip()
     if text.startswith("$") and text.endswith("$"):

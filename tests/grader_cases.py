@@ -99,6 +99,10 @@ CASES = [
      "gold solution, unboxed response"),
     ("math", MATH_Q, r"There are $2 \cdot 5 = \boxed{10}$ ways.", r"$\boxed{5}$", False,
      "gold solution; a number of the solution is not its answer"),
+    ("math", "What is 12+7?", "12 + 7 = 19\n#### 19", "12 + 7 = 19", True,
+     "GSM8K-format gold with the math grader (docs/real_models.md)"),
+    ("math", "What is 12+7?", "12 + 7 = 19\n#### 19", "12 + 7 = 20", False, "GSM8K-format gold, wrong sum"),
+    ("math", MATH_Q, "Adding gives 14.\nThe answer is 14.", "$\\boxed{14}$", True, "unboxed gold solution"),
     # GSM8K `#### N` answers
     ("gsm8k", "", "She pays 2 * 617 = <<2*617=1234>>1234.\n#### 1234", "2*617=1234\n#### 1,234", True,
      "comma in the response"),
