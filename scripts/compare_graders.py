@@ -1,6 +1,6 @@
 """Our graders vs math-verify on the hand-written grading cases of tests/grader_cases.py (a benchmark, not a test).
 
-    python scripts/compare_graders.py       # writes docs/bench/graders/<device>_<time>.json (math-verify: requirements.txt)
+    python scripts/compare_graders.py       # writes docs/bench/graders/<device>_<time>.json
 
 Three graders, each scored against the human verdict of every case (GSM8K and MATH; gold answers and solutions):
   - `math`: `--reward_fn math` / `gsm8k` (shared/graders.py: the VinePPO protocol with its documented differences);

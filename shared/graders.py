@@ -9,8 +9,9 @@ r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO refe
   numeric, string, tuple/interval/matrix and finally symbolic (sympy) equivalence.
 
 Gold texts: a MATH gold may be a worked solution (MATH's ``solution``: its last ``\boxed{}`` is the answer) or a bare
-answer (MATH-500's ``answer``), told apart by ``is_math_solution``; a GSM8K-format gold gives its ``####`` number. tests/grader_cases.py holds 76
-hand-written cases (tests/test_graders.py); scripts/compare_graders.py runs them through math-verify too.
+answer (MATH-500's ``answer``), told apart by ``is_math_solution``; a GSM8K-format gold gives its ``####`` number.
+tests/grader_cases.py holds 76 hand-written cases (tests/test_graders.py); scripts/compare_graders.py runs them
+through math-verify too.
 
 Differences from the reference, all on purpose:
 * LaTeX is turned into sympy-readable text by a small converter in this file instead of ``pylatexenc``.
@@ -569,7 +570,8 @@ def grade(task: str, completion: str, gold: str, question: str = "", finished: b
 
     ``task`` is ``'gsm8k'`` (``gold`` = the answer after ``####``), ``'math'`` (``gold`` = a gold solution or a bare
     answer, ``question`` = the problem text, needed for "separated by commas" questions) or ``'math_verify'`` (the
-    same extraction, math-verify's equivalence). Never raises on bad model or gold text; raises ``ValueError`` for an unknown task and ``GraderWorkerError`` if the sympy worker cannot start.
+    same extraction, math-verify's equivalence). Never raises on bad model or gold text; raises ``ValueError`` for
+    an unknown task and ``GraderWorkerError`` if the sympy worker cannot start.
     """
     if task not in ("gsm8k", "math", "math_verify"):
         raise ValueError(f"unknown task {task!r}; expected 'gsm8k', 'math' or 'math_verify'")
