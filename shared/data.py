@@ -88,7 +88,8 @@ def holdout_split(rows: list[dict], split: str, name: str) -> list[dict]:
     held = sorted(order[:k])
     _notice(name, f"dataset {name}: no {Path(name).stem}.train / .test files, so a fixed {k} of its {n} rows "
                   f"({HOLDOUT_FRACTION:.0%}) are held out for evaluation and the other {n - k} are trained on")
-    keep = [i for i in range(n) if i not in set(held)] if split == "train" else held
+    held_set = set(held)
+    keep = [i for i in range(n) if i not in held_set] if split == "train" else held
     return Rows([rows[i] for i in keep], numbers=keep)
 
 

@@ -370,13 +370,14 @@ def _sympy_equal_worker(a: str, b: str) -> bool:
 
 def _math_verify_worker(pred: str, gold: str) -> bool:
     """Runs in the worker process: math-verify's `verify` of two extracted answers, each read as LaTeX. Its own
-    signal-based timeouts are off (our worker's timeout kills a stuck call); it parses with a grammar into sympy
-    and never evaluates the text as Python."""
-    from math_verify import parse, verify
+    signal-based timeouts are off (our worker's timeout kills a stuck call); only its LaTeX reader is used, which
+    parses with a grammar into sympy and never evaluates the text as Python."""
+    from math_verify import LatexExtractionConfig, parse, verify
 
+    latex_only = [LatexExtractionConfig()]  # its plain-expression reader would call sympy's eval-based parse_expr
     try:
-        g = parse(f"${gold}$", parsing_timeout=None)
-        p = parse(f"${pred}$", parsing_timeout=None)
+        g = parse(f"${gold}$", extraction_config=latex_only, parsing_timeout=None)
+        p = parse(f"${pred}$", extraction_config=latex_only, parsing_timeout=None)
         return bool(g and p and verify(g, p, timeout_seconds=None))
     except Exception:
         return False
