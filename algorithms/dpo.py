@@ -120,8 +120,8 @@ class Args:
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
-    best_metric: str = "eval/accuracy"
-    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/rewards/accuracies` without task accuracy"""
+    best_metric: str = "dev/accuracy"
+    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/rewards/accuracies` without task accuracy"""
 
     # algorithm args
     loss_type: str = "dpop"
@@ -177,13 +177,15 @@ class Args:
     eval_every: int = 150
     """evaluate every this many optimizer steps (0: only before and after training)"""
     eval_num_prompts: int = 500
-    """held-out prompts for task accuracy (0: skip; needs the answer column)"""
+    """held-out prompts for task accuracy (0: skip; skipped too when eval_split has no answer column); a fixed-seed sample, the same every run"""
     eval_num_samples: int = 4
     """samples per held-out prompt"""
     eval_temperature: float = 1.0
     """sampling temperature for held-out accuracy"""
     eval_num_pairs: int = 500
-    """held-out pairs for implicit-reward accuracy (0: skip; needs chosen/rejected columns in eval_split)"""
+    """held-out pairs for implicit-reward accuracy (0: skip; needs chosen/rejected columns in eval_split); a fixed-seed sample"""
+    dev_num_prompts: int = 100
+    """dev slice: prompts held out of the train split (at most 10%; their pairs are not trained on) whose task accuracy, and offline their pairs' implicit-reward accuracy, select output_dir/best (0: no best checkpoint)"""
     num_sample_completions: int = 4
     """held-out completions written to samples.jsonl (and printed) at each evaluation"""
 
@@ -266,6 +268,15 @@ def validate(args: Args) -> None:
         raise ValueError(f"logit_temperature: must be > 0, got {args.logit_temperature}")
 
 
+
+def unique_prompts(pairs: data_utils.PreferenceData, answer_key: str) -> data_utils.PromptData:
+    """The distinct prompts of `pairs` that carry a gold answer (column answer_key), for task accuracy."""
+    seen: dict[tuple, dict] = {}
+    for row, ids in zip(pairs.rows, pairs.prompt_ids):
+        if answer_key and row.get(answer_key) not in (None, ""):
+            seen.setdefault(tuple(ids), {**row, "answer": str(row[answer_key])})
+    return data_utils.PromptData(list(seen.values()), [list(k) for k in seen])
+
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
     validate(args)
@@ -293,27 +304,42 @@ def main(args: Args) -> str:
                 rejected_key=args.rejected_key, prompt_template=args.prompt_template,
                 response_template=args.response_template, use_chat_template=args.chat_template,
                 max_prompt_length=args.max_prompt_length, max_seq_length=args.max_seq_length)
-    load_prompts = lambda split, limit: data_utils.load_prompts(  # noqa: E731
+    load_prompts = lambda split, limit, part=None: data_utils.load_prompts(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
-        args.max_prompt_length, limit=limit)
-    eval_data = load_prompts(args.eval_split, args.eval_num_prompts) if args.eval_num_prompts else None
+        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
+        part=part or "train")
+    # task accuracy needs gold answers: a plain prompt/chosen/rejected dataset is evaluated on its pairs only
+    graded = args.eval_num_prompts > 0 and data_utils.has_column(args.dataset, (args.eval_split,), args.answer_key)
+    eval_data = load_prompts(args.eval_split, args.eval_num_prompts) if graded else None
     held_out = None
     if args.eval_num_pairs:
         held_out = data_utils.load_preferences(args.dataset, args.eval_split, limit=args.eval_num_pairs, **load)
+    # the dev slice (selects output_dir/best, never the reported eval set): prompts of the train split, with their
+    # pairs when offline (grouped by prompt, so no dev prompt is trained on)
+    dev_pairs = data_utils.PreferenceData([], [], [], [])
     if args.pair_source == "offline":
-        train = data_utils.load_preferences(args.dataset, args.train_split, **load)
+        train = data_utils.load_preferences(args.dataset, args.train_split, num_dev=args.dev_num_prompts, **load)
+        dev_pairs = data_utils.load_preferences(args.dataset, args.train_split, num_dev=args.dev_num_prompts,
+                                                part="dev", **load)
+        dev_data = unique_prompts(dev_pairs, args.answer_key)  # task accuracy on them, if they carry answers
     else:
-        prompts = load_prompts(args.train_split, args.num_generation_prompts or None)
-    needs_grader = args.eval_num_prompts > 0 or args.pair_source == "self_generated"
+        prompts = load_prompts(args.train_split, args.num_generation_prompts or None, part="train")
+        dev_data = load_prompts(args.train_split, None, part="dev")
+    needs_grader = graded or args.pair_source == "self_generated"
     reward_fn = load_reward_fn(args.reward_fn, args.dataset) if needs_grader else None
     if reward_fn is not None:
         probe_reward_fn(reward_fn, (eval_data or prompts).rows)
+    elif args.best_metric == "dev/accuracy":
+        args.best_metric = "dev/rewards/accuracies"  # no grader: the dev pairs' implicit-reward accuracy selects best/
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
+    if args.eval_num_prompts and not graded:
+        tracker.write(f"no {args.answer_key!r} column in {args.eval_split!r}: no task accuracy; held-out pairs are "
+                      "evaluated (eval/rewards/accuracies)")
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -332,9 +358,10 @@ def main(args: Args) -> str:
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
-    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
+    has_dev = bool(len(dev_pairs) or (dev_data.rows and reward_fn is not None))
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, has_dev)  # output_dir/best
     generator = None
-    if args.eval_num_prompts or args.pair_source == "self_generated":
+    if args.eval_num_prompts or args.pair_source == "self_generated" or has_dev and reward_fn is not None:
         generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
                                    dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length,
                                    world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop)
@@ -428,7 +455,7 @@ def main(args: Args) -> str:
             merged.update(part)
         return merged
 
-    ref_model = ref_cache = held_out_ref = None
+    ref_model = ref_cache = held_out_ref = dev_ref = None
     if not args.precompute_ref_logps or ref_path != model_path:
         ref_model = prepare_frozen(load_causal_lm(ref_path, dtype), info, dtype)
     if args.precompute_ref_logps:
@@ -441,6 +468,8 @@ def main(args: Args) -> str:
             ref_cache = reference_logps(source, train, used)
             if held_out is not None:
                 held_out_ref = reference_logps(source, held_out, list(range(len(held_out))))
+            if len(dev_pairs):
+                dev_ref = reference_logps(source, dev_pairs, list(range(len(dev_pairs))))
             policy.train()
         ref_model = None  # freed: training needs no reference model
         setup.update(timer.pop())
@@ -477,29 +506,40 @@ def main(args: Args) -> str:
                 f"{prefix}rewards/rejected": v[4], f"{prefix}rewards/margins": v[3] - v[4],
                 f"{prefix}logps/chosen": v[5], f"{prefix}logps/rejected": v[6], f"{prefix}dpop/penalty": v[7]}
 
+    def pair_metrics(d, cache, prefix: str) -> dict:
+        """Implicit-reward accuracy, margins, loss on the pairs d (each rank a slice)."""
+        n = len(d)
+        per_rank = math.ceil(n / info.world_size)
+        mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
+        stats = torch.zeros(8, dtype=torch.float64)
+        with torch.no_grad():
+            for s in range(0, per_rank, args.local_micro_batch_size):
+                idx = mine[s : s + args.local_micro_batch_size]
+                if not idx:  # ZeRO-3: every rank runs the same number of forwards
+                    loss_and_stats(d, [0], cache)
+                    continue
+                _, st = loss_and_stats(d, idx, cache)
+                stats += st
+        info.all_reduce(stats)
+        return stats_to_metrics(stats, prefix)
+
     def evaluate(step: int) -> dict:
-        """Held-out task accuracy with the grader, implicit-reward accuracy on held-out pairs; the best policy."""
+        """Task accuracy with the grader and implicit-reward accuracy on pairs, on the held-out set (eval/) and the
+        dev slice (dev/); the best policy on dev."""
         metrics = {}
         policy.eval()
         if held_out is not None:
-            n = len(held_out)
-            per_rank = math.ceil(n / info.world_size)
-            mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
-            stats = torch.zeros(8, dtype=torch.float64)
-            with torch.no_grad():
-                for s in range(0, per_rank, args.local_micro_batch_size):
-                    idx = mine[s : s + args.local_micro_batch_size]
-                    if not idx:  # ZeRO-3: every rank runs the same number of forwards
-                        loss_and_stats(held_out, [0], held_out_ref)
-                        continue
-                    _, st = loss_and_stats(held_out, idx, held_out_ref)
-                    stats += st
-            info.all_reduce(stats)
-            metrics.update(stats_to_metrics(stats, "eval/"))
-        if eval_data is not None:
+            metrics.update(pair_metrics(held_out, held_out_ref, "eval/"))
+        if len(dev_pairs):
+            metrics.update(pair_metrics(dev_pairs, dev_ref, "dev/"))
+        if eval_data is not None or (dev_data.rows and reward_fn is not None):
             generator.sync_weights(full_named_parameters(policy, info))
-            metrics.update(evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 7))
+        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
+            if data is not None and data.rows and reward_fn is not None:
+                metrics.update(evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
+                                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 7,
+                                                 prefix=prefix))
+        if eval_data is not None:
             outs = generator.generate(eval_data.prompt_ids[: args.num_sample_completions], n=1, temperature=1.0, top_p=1.0,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed + step)
             if info.is_main:

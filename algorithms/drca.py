@@ -118,8 +118,8 @@ class Args:
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
-    best_metric: str = "eval/accuracy"
-    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/reward` with --reward_fn none"""
+    best_metric: str = "dev/accuracy"
+    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with --reward_fn none"""
 
     # algorithm args: DRCA
     drca_beta: float = 0.8
@@ -193,7 +193,9 @@ class Args:
     eval_every: int = 10
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: int = 500
-    """held-out prompts per evaluation"""
+    """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
+    dev_num_prompts: int = 100
+    """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
     eval_num_samples: int = 4
     """samples per held-out prompt (accuracy = mean correctness, reward = mean RM score)"""
     eval_temperature: float = 1.0
@@ -479,10 +481,12 @@ def main(args: Args) -> str:
     tokenizer = load_tokenizer(model_path)
     check_same_tokenizer(rm_path, tokenizer)
     answer_key = args.answer_key if args.reward_fn != "none" else ""  # no grader: prompts without answers are fine
-    load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+    load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, answer_key, args.prompt_template, args.chat_template,
-        args.max_prompt_length, limit=limit)
-    train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
+        part=part or "train")
+    train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
+    dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_fn = load_reward_fn(args.reward_fn, args.dataset) if args.reward_fn != "none" else None
     if reward_fn is not None:
@@ -500,7 +504,8 @@ def main(args: Args) -> str:
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
+                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
+                  f"{args.batch_size} completions")
 
     # models and optimizers: policy, critic (from the RM, own optimizer), frozen reference and reward model
     dtype = default_dtype(info.device)
@@ -526,7 +531,7 @@ def main(args: Args) -> str:
     reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
-    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
 
     # generation engine
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -560,11 +565,15 @@ def main(args: Args) -> str:
         return [(skip + s, skip + e) for s, e in spans if e > s]
 
     def evaluate(step: int) -> dict:
-        """Held-out grader accuracy / pass@k and the mean normalised RM score of the same samples."""
-        metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
-                                    reward_model=reward_model, pad_id=tokenizer.pad_token_id, micro_batch_size=mb)
-        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy in output_dir/best
+        """Grader accuracy / pass@k and the mean normalised RM score of the same samples, on eval and dev."""
+        metrics = {}
+        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
+            if data.rows:
+                metrics |= evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
+                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
+                                             reward_model=reward_model, pad_id=tokenizer.pad_token_id,
+                                             micro_batch_size=mb, prefix=prefix)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, first evaluation
     engines = {"policy": policy, "critic": critic}

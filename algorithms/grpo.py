@@ -70,7 +70,7 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
-    """dataset column holding the gold answer given to the reward function"""
+    """dataset column holding the gold answer given to the reward function; with --reward_model_path it may be absent (then no accuracy is reported, best/ is selected on dev/reward)"""
     prompt_template: str = "{prompt}"
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
@@ -107,8 +107,8 @@ class Args:
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
-    best_metric: str = "eval/accuracy"
-    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `eval/reward` with a reward model"""
+    best_metric: str = "dev/accuracy"
+    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
 
     # algorithm args
     total_episodes: int = 102400
@@ -158,7 +158,9 @@ class Args:
     eval_every: int = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: int = 500
-    """held-out prompts per evaluation"""
+    """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
+    dev_num_prompts: int = 100
+    """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
     eval_num_samples: int = 4
     """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
     eval_temperature: float = 1.0
@@ -336,13 +338,22 @@ def main(args: Args) -> str:
     model_path = resolve_model_path(args.model_name_or_path)
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
-    load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
-        args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
-        args.max_prompt_length, limit=limit)
-    train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+    # a reward model needs no gold answers: without the answer column there is no grader and no accuracy
+    graded = not rm_path or data_utils.has_column(args.dataset, (args.train_split, args.eval_split), args.answer_key)
+    load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, args.answer_key if graded else "", args.prompt_template,
+        args.chat_template,
+        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
+        part=part or "train")
+    train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
+    dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    reward_fn = load_reward_fn(args.reward_fn, args.dataset)
-    probe_reward_fn(reward_fn, train_data.rows)
+    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if graded else None
+    if reward_fn is not None:
+        probe_reward_fn(reward_fn, train_data.rows)
+    headline = "eval/accuracy" if graded else "eval/reward"  # the held-out number printed at start and end
+    if not graded and args.best_metric == "dev/accuracy":
+        args.best_metric = "dev/reward"  # no grader: the reward model's score on the dev slice selects best/
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -353,7 +364,8 @@ def main(args: Args) -> str:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8); "
                       "the TIS weights and val/sampler_logprob_diff show how much")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {args.num_steps} steps of {args.batch_size} completions")
+                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
+                  f"{args.batch_size} completions")
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -371,7 +383,7 @@ def main(args: Args) -> str:
         ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
-    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
 
     # generation engine
     max_len = args.max_prompt_length + args.max_new_tokens
@@ -381,12 +393,15 @@ def main(args: Args) -> str:
                                enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
-    def evaluate(step: int) -> dict:  # held-out grader accuracy, pass@k, RM score (shared/evaluation.py)
-        metrics = evaluate_accuracy(generator, eval_data, reward_fn, decode, info, args.eval_num_samples,
-                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
-                                    reward_model=reward_model, pad_id=tokenizer.pad_token_id,
-                                    micro_batch_size=args.local_micro_batch_size)
-        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy in output_dir/best
+    def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
+        metrics = {}
+        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
+            if data.rows:
+                metrics |= evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
+                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
+                                             reward_model=reward_model, pad_id=tokenizer.pad_token_id,
+                                             micro_batch_size=args.local_micro_batch_size, prefix=prefix)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG
     engines = {"policy": policy}
@@ -402,8 +417,8 @@ def main(args: Args) -> str:
         metrics = evaluate(0)
         tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
                      "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
-        first_eval = metrics["eval/accuracy"]
+        tracker.write(f"[step 0] held-out {headline.split('/')[1]} {metrics[headline]:.3f}")
+        first_eval = metrics[headline]
     policy.train()
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
@@ -565,7 +580,7 @@ def main(args: Args) -> str:
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
+    tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
                   f"in {metrics['time/total']:.0f}s")
     final = ""
     if args.save_model:

@@ -120,8 +120,8 @@ class Args:
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
-    best_metric: str = "eval/p_bad:min"
-    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); empty: none)"""
+    best_metric: str = "dev/p_bad:min"
+    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); empty: none)"""
 
     # algorithm args
     total_episodes: int = 30_000
@@ -167,7 +167,9 @@ class Args:
     eval_every: int = 20
     """evaluate by held-out sampling every this many steps (0: only before and after training)"""
     eval_num_prompts: int = 500
-    """held-out prompts per evaluation"""
+    """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
+    dev_num_prompts: int = 100
+    """dev slice: prompts held out of the train split (at most 10%; not trained on) that select output_dir/best (0: no best checkpoint); the toy's one prompt is its own dev set, sampled with another seed"""
     eval_num_samples: int = 1000
     """samples per held-out prompt"""
     sample_every: int = 20
@@ -365,11 +367,14 @@ def main(args: Args) -> str:
         ids = [data_utils.encode_prompt(tokenizer, data_utils.format_prompt(r["prompt"], args.prompt_template),
                                         args.chat_template) for r in rows]
         train_data = eval_data = data_utils.PromptData(rows, ids)
+        dev_data = eval_data if args.dev_num_prompts else data_utils.PromptData([], [])  # fresh samples, own seed
     else:
-        load = lambda split, limit=None: data_utils.load_prompts(  # noqa: E731
+        load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
             args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template,
-            args.chat_template, args.max_prompt_length, limit=limit)
-        train_data, eval_data = load(args.train_split), load(args.eval_split, args.eval_num_prompts)
+            args.chat_template, args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
+            part=part or "train")
+        train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
+        dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     reward_spec = ("toy" if args.dataset == "toy" else "auto") if args.reward_fn == "auto" else args.reward_fn
     reward_fn = toy.make_toy_reward(tokenizer) if reward_spec == "toy" else load_reward_fn(reward_spec, args.dataset)
@@ -382,7 +387,8 @@ def main(args: Args) -> str:
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
-    tracker.write(f"{len(train_data.rows)} train prompts, {len(eval_data.rows)} eval prompts, {args.num_steps} steps "
+    tracker.write(f"{len(train_data.rows)} train prompts, {len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev "
+                  f"prompts, {args.num_steps} steps "
                   f"of {args.samples_per_step} samples ({'p and q' if sample_q else 'p only'})")
 
     # models and optimizers: p_theta, q_xi (a copy of the initial LM), frozen p_0 and reward model
@@ -402,7 +408,7 @@ def main(args: Args) -> str:
         reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
-    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best (p_theta)
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))  # p_theta
 
     # generation engines: p with the chosen backend, q with HF generate on the live proposal
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
@@ -448,21 +454,28 @@ def main(args: Args) -> str:
         with torch.no_grad():
             return batched(lambda i, a: forward_logprobs(model, i, a), input_ids, attn)
 
-    def evaluate(step: int, on_reward_error=None) -> dict:
-        """Held-out sampling from p_theta: P(bad), CVaR, mean reward and return; exact log P(bad) on the toy."""
+    def evaluate(step: int, on_reward_error=None) -> dict:  # on_reward_error: makes a fresh ckpt.user_code
+        """Sampling from p_theta on the held-out set (eval/) and the dev slice (dev/, selects output_dir/best):
+        P(bad), CVaR, mean reward and return; exact log P(bad) on the toy."""
         out = {}
         if exact:
             out["exact/log_p_bad"] = exact_log_prob_bad(policy, eval_data.prompt_ids[0], bad_ids, end_ids,
                                                         args.max_new_tokens)
-        per_rank = math.ceil(len(eval_data.rows) / info.world_size)
-        own = list(range(info.rank * per_rank, min(len(eval_data.rows), (info.rank + 1) * per_rank)))
+        out |= measure(eval_data, "eval", args.seed + 1_000_003, on_reward_error)
+        if dev_data.rows:
+            out |= measure(dev_data, "dev", args.seed + 2_000_003, on_reward_error)
+        return {**out, **best.update(out, step, policy)}  # keeps the best p_theta (on dev) in output_dir/best
+
+    def measure(data, prefix: str, seed: int, on_reward_error) -> dict:
+        per_rank = math.ceil(len(data.rows) / info.world_size)
+        own = list(range(info.rank * per_rank, min(len(data.rows), (info.rank + 1) * per_rank)))
         # every rank evaluates per_rank prompts (its own, then copies of prompt 0 whose results are dropped), so all
         # ranks make the same generate calls and forwards, as ZeRO-3 requires (the toy has 1 prompt for 2+ ranks)
         idx = own + [0] * (per_rank - len(own))
         keep = len(own) * args.eval_num_samples
-        _, ids, attn, mask, r = rollout(generator, idx, eval_data, args.eval_num_samples,
-                                        seed=args.seed + 1_000_003, offset=info.rank * per_rank,
-                                        on_reward_error=on_reward_error)
+        _, ids, attn, mask, r = rollout(generator, idx, data, args.eval_num_samples, seed=seed,
+                                        offset=info.rank * per_rank,
+                                        on_reward_error=on_reward_error() if on_reward_error else None)
         ret = r
         if ref_policy is not None:
             ret = kl_return(r, logprobs(policy, ids, attn).cpu(), logprobs(ref_policy, ids, attn).cpu(),
@@ -471,9 +484,9 @@ def main(args: Args) -> str:
         r = torch.cat([torch.tensor(x) for x in info.gather_objects(r.tolist())])
         ret = torch.cat([torch.tensor(x) for x in info.gather_objects(ret.tolist())])
         tail = tail_metrics(r, args.eta, args.cvar_level)
-        out.update({"eval/p_bad": tail["p_bad"], "eval/cvar": tail["cvar"], "eval/mean_reward": r.mean().item(),
-                    "eval/mean_return": ret.mean().item(), "eval/num_samples": float(r.numel())})
-        return {**out, **best.update(out, step, policy)}  # keeps the best p_theta in output_dir/best
+        return {f"{prefix}/p_bad": tail["p_bad"], f"{prefix}/cvar": tail["cvar"],
+                f"{prefix}/mean_reward": r.mean().item(), f"{prefix}/mean_return": ret.mean().item(),
+                f"{prefix}/num_samples": float(r.numel())}
 
     # TRY NOT TO MODIFY: resume: p_theta and q_xi (weights, optimizers), data position, RNG
     engines = {"policy": policy, **({"proposal": proposal} if proposal is not None else {})}
@@ -603,8 +616,9 @@ def main(args: Args) -> str:
                                                             args.max_new_tokens)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
-                metrics.update(evaluate(step, ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler,
-                                                             guard=guard, best=best, first=first)))
+                metrics.update(evaluate(step, lambda: ckpt.user_code(step, engines, tracker, trained=True,
+                                                                     sampler=sampler, guard=guard, best=best,
+                                                                     first=first)))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
         tracker.progress(1, score=metrics["objective/scores"], log_p_bad=metrics.get("exact/log_p_bad", float("nan")))
@@ -623,8 +637,8 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    metrics = evaluate(args.num_steps, ckpt.user_code(args.num_steps, engines, tracker, trained=True, sampler=sampler,
-                                                      guard=guard, best=best, first=first))
+    metrics = evaluate(args.num_steps, lambda: ckpt.user_code(args.num_steps, engines, tracker, trained=True,
+                                                              sampler=sampler, guard=guard, best=best, first=first))
     metrics["time/total"] = time.time() - start
     metrics.update(check_ranks(policy, info, local_idx))
     if proposal is not None:

@@ -95,8 +95,8 @@ class Args:
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
-    best_metric: str = "eval/accuracy"
-    """held-out metric that selects output_dir/best, saved with that evaluation's reward_mean/std (higher is better; `name:min`: lower is better; empty: none)"""
+    best_metric: str = "dev/accuracy"
+    """dev-slice metric that selects output_dir/best, saved with that evaluation's reward_mean/std (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: int = 128000
@@ -118,7 +118,9 @@ class Args:
     eval_every: int = 250
     """evaluate held-out pairwise accuracy every this many optimizer steps (0: only at the end)"""
     eval_num_pairs: int = 500
-    """held-out pairs per evaluation (the final one also sets reward_mean / reward_std)"""
+    """held-out pairs per evaluation, a fixed-seed sample (the final one also sets reward_mean / reward_std)"""
+    dev_num_prompts: int = 100
+    """dev slice: prompts held out of the train split with all their pairs (at most 10%; not trained on) whose pairwise accuracy selects output_dir/best (0: no best checkpoint)"""
     num_sample_pairs: int = 4
     """held-out pairs whose scores are written to samples.jsonl at each evaluation"""
 
@@ -185,7 +187,9 @@ def main(args: Args) -> str:
                 rejected_key=args.rejected_key, prompt_template=args.prompt_template,
                 response_template=args.response_template, use_chat_template=args.chat_template,
                 max_prompt_length=args.max_prompt_length, max_seq_length=args.max_seq_length)
-    train = data_utils.load_preferences(args.dataset, args.train_split, **load)
+    train = data_utils.load_preferences(args.dataset, args.train_split, num_dev=args.dev_num_prompts, **load)
+    dev = data_utils.load_preferences(args.dataset, args.train_split, num_dev=args.dev_num_prompts, part="dev",
+                                      **load)  # selects output_dir/best; never the reported eval set
     held_out = data_utils.load_preferences(args.dataset, args.eval_split, limit=args.eval_num_pairs, **load)
 
     def margins(d: data_utils.PreferenceData) -> list[float] | None:
@@ -200,7 +204,7 @@ def main(args: Args) -> str:
             out.append(float(value))
         return out
 
-    train_margin, held_out_margin = margins(train), margins(held_out)
+    train_margin, held_out_margin, dev_margin = margins(train), margins(held_out), margins(dev)
     sampler = data_utils.PromptSampler(len(train), args.seed)
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
@@ -209,7 +213,8 @@ def main(args: Args) -> str:
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
     tracker.write(f"{len(train)} training pairs ({train.num_identical} identical chosen/rejected and "
-                  f"{train.num_too_long} over-long skipped), {len(held_out)} held-out pairs, {args.num_steps} steps")
+                  f"{train.num_too_long} over-long skipped), {len(held_out)} held-out pairs, {len(dev)} dev pairs, "
+                  f"{args.num_steps} steps")
 
     # model: backbone + scalar head; any stored normalisation is dropped (this run measures its own)
     dtype = default_dtype(info.device)
@@ -240,13 +245,12 @@ def main(args: Args) -> str:
                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     pad_id = tokenizer.pad_token_id
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
-    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(len(dev)))  # output_dir/best
 
-    def evaluate(step: int) -> dict:
-        """Pairwise accuracy, margin and loss on the held-out pairs (each rank scores a slice), plus the
-        mean / std of all held-out scores (chosen and rejected pooled: OpenRLHF's normalisation stats)."""
-        model.eval()
-        n = len(held_out)
+    def score_set(d: data_utils.PreferenceData, d_margin, prefix: str, num_samples: int) -> tuple[dict, list]:
+        """Pairwise accuracy, margin, loss and the mean / std of all scores (chosen and rejected pooled: OpenRLHF's
+        normalisation stats) on the pairs d (each rank scores a slice); the first num_samples pairs' scores."""
+        n = len(d)
         mine = list(range(info.rank, n, info.world_size))
         sums = torch.zeros(6, dtype=torch.float64)  # count, correct, margin, loss, sum r, sum r^2
         samples = []
@@ -260,29 +264,36 @@ def main(args: Args) -> str:
                 if not idx:
                     score_pairs(model, [[pad_id]], [[pad_id]], [[pad_id]], pad_id, info.device)
                     continue
-                r_w, r_l = score_pairs(model, [held_out.prompt_ids[i] for i in idx],
-                                       [held_out.chosen_ids[i] for i in idx], [held_out.rejected_ids[i] for i in idx],
-                                       pad_id, info.device)
-                m = None if held_out_margin is None else torch.tensor([held_out_margin[i] for i in idx],
-                                                                      device=r_w.device)
+                r_w, r_l = score_pairs(model, [d.prompt_ids[i] for i in idx], [d.chosen_ids[i] for i in idx],
+                                       [d.rejected_ids[i] for i in idx], pad_id, info.device)
+                m = None if d_margin is None else torch.tensor([d_margin[i] for i in idx], device=r_w.device)
                 loss = bradley_terry_loss(r_w, r_l, m, args.center_rewards_coefficient)
                 both = torch.cat([r_w, r_l]).double().cpu()
                 sums += torch.tensor([len(idx), (r_w > r_l).sum().item(), (r_w - r_l).sum().item(),
                                       loss.sum().item(), both.sum().item(), (both**2).sum().item()], dtype=torch.float64)
                 for j, i in enumerate(idx):
-                    if i < args.num_sample_pairs:
-                        samples.append({"prompt": str(held_out.rows[i]["prompt"]), "chosen": held_out.rows[i]["chosen"],
-                                        "rejected": held_out.rows[i]["rejected"], "score_chosen": r_w[j].item(),
+                    if i < num_samples:
+                        samples.append({"prompt": str(d.rows[i]["prompt"]), "chosen": d.rows[i]["chosen"],
+                                        "rejected": d.rows[i]["rejected"], "score_chosen": r_w[j].item(),
                                         "score_rejected": r_l[j].item()})
         info.all_reduce(sums)
         samples = [x for part in info.gather_objects(samples) for x in part]
-        model.train()
         count = sums[0].item()
         mean = sums[4].item() / (2 * count)
         std = math.sqrt(max(sums[5].item() / (2 * count) - mean**2, 0.0))
-        metrics = {"eval/accuracy": sums[1].item() / count, "eval/margin": sums[2].item() / count,
-                   "eval/loss": sums[3].item() / count, "eval/reward_mean": mean, "eval/reward_std": std}
-        stats = {"reward_mean": mean, "reward_std": max(std, 1e-6)}  # normalisation of this model's scores
+        return {f"{prefix}/accuracy": sums[1].item() / count, f"{prefix}/margin": sums[2].item() / count,
+                f"{prefix}/loss": sums[3].item() / count, f"{prefix}/reward_mean": mean,
+                f"{prefix}/reward_std": std}, samples
+
+    def evaluate(step: int) -> dict:
+        """score_set on the held-out pairs (eval/, reported) and the dev slice (dev/, selects output_dir/best)."""
+        model.eval()
+        metrics, samples = score_set(held_out, held_out_margin, "eval", args.num_sample_pairs)
+        if len(dev):
+            metrics |= score_set(dev, dev_margin, "dev", 0)[0]
+        model.train()
+        stats = {"reward_mean": metrics["eval/reward_mean"],  # normalisation of this model's scores
+                 "reward_std": max(metrics["eval/reward_std"], 1e-6)}
         metrics.update(best.update(metrics, step, model, extra_config=stats))  # the best model in output_dir/best
         tracker.log(metrics, step)
         tracker.log_samples(samples, step)

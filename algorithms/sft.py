@@ -90,8 +90,8 @@ class Args:
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
-    best_metric: str = "eval/accuracy"
-    """held-out metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none)"""
+    best_metric: str = "dev/accuracy"
+    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: int = 20480
@@ -113,7 +113,9 @@ class Args:
     eval_every: int = 100
     """evaluate held-out accuracy every this many optimizer steps (0: only at the end)"""
     eval_num_prompts: int = 200
-    """held-out prompts per evaluation"""
+    """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
+    dev_num_prompts: int = 100
+    """dev slice: examples held out of the train split (at most 10%; not trained on; needs the answer column there) whose accuracy selects output_dir/best (0: no best checkpoint)"""
     eval_temperature: float = 1.0
     """sampling temperature for held-out evaluation (0 = greedy)"""
     max_new_tokens: int = 16
@@ -178,10 +180,10 @@ def main(args: Args) -> str:
     # data: validated before anything is written (a bad row, model path or grader stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
-    rows = data_utils.select_fields(
-        data_utils.load_rows(args.dataset, args.train_split), f"dataset {args.dataset!r} split {args.train_split!r}",
-        {"prompt": args.prompt_key, "response": args.response_key},
-    )
+    where = f"dataset {args.dataset!r} split {args.train_split!r}"
+    raw = data_utils.load_rows(args.dataset, args.train_split)
+    rows = data_utils.select_fields(data_utils.dev_split(raw, args.dev_num_prompts, "train", where), where,
+                                    {"prompt": args.prompt_key, "response": args.response_key})
     examples, dropped = [], 0
     for row in rows:
         p = data_utils.encode_prompt(tokenizer, data_utils.format_prompt(row["prompt"], args.prompt_template),
@@ -197,6 +199,11 @@ def main(args: Args) -> str:
     eval_data = data_utils.load_prompts(args.dataset, args.eval_split, tokenizer, args.prompt_key, args.answer_key,
                                         args.prompt_template, args.chat_template, args.max_prompt_length,
                                         limit=args.eval_num_prompts)
+    dev_data = data_utils.PromptData([], [])  # selects output_dir/best; never the reported eval set
+    if args.dev_num_prompts and all(args.answer_key in r for r in raw):
+        dev_data = data_utils.load_prompts(args.dataset, args.train_split, tokenizer, args.prompt_key, args.answer_key,
+                                           args.prompt_template, args.chat_template, args.max_prompt_length,
+                                           num_dev=args.dev_num_prompts, part="dev")
     reward_fn = load_reward_fn(args.reward_fn, args.dataset)
     probe_reward_fn(reward_fn, eval_data.rows)
     sampler = data_utils.PromptSampler(len(examples), args.seed)
@@ -206,7 +213,8 @@ def main(args: Args) -> str:
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
-    tracker.write(f"{len(examples)} training examples ({dropped} over-long dropped), {args.num_steps} steps")
+    tracker.write(f"{len(examples)} training examples ({dropped} over-long dropped), {len(eval_data.rows)} eval "
+                  f"prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps")
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -225,7 +233,7 @@ def main(args: Args) -> str:
                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
-    best = BestModel(args.best_metric, args.output_dir, info, tokenizer)  # output_dir/best
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
 
     # generation engine (evaluation only)
     generator = make_generator(args.generator, model_path=model_path, model=model.module, tokenizer=tokenizer,
@@ -234,10 +242,13 @@ def main(args: Args) -> str:
 
     def run_eval(step: int) -> None:
         generator.sync_weights(full_named_parameters(model, info))
-        metrics = evaluate_accuracy(generator, eval_data, reward_fn,
-                                    completion_decoder(tokenizer, args.stop), info, 1,
-                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 7)
-        metrics.update(best.update(metrics, step, model))  # keeps the best model in output_dir/best
+        metrics = {}
+        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
+            if data.rows:
+                metrics |= evaluate_accuracy(generator, data, reward_fn, completion_decoder(tokenizer, args.stop), info,
+                                             1, args.eval_temperature, args.max_new_tokens, seed=args.seed + 7,
+                                             prefix=prefix)
+        metrics.update(best.update(metrics, step, model))  # keeps the best model (on dev) in output_dir/best
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] held-out accuracy {metrics['eval/accuracy']:.3f}")
 

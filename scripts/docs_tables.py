@@ -78,7 +78,53 @@ def graders(d: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders}
+HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
+                 "grpo": "held-out grader accuracy (4 samples per prompt)",
+                 "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy"}
+
+
+def _spread3(x: dict) -> str:
+    return f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
+
+
+def headline(d: dict) -> str:
+    """README's results table: every script's default run, mean (min-max) over seeds."""
+    lines = ["| script (default run) | metric | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
+             "minutes | peak RSS |", "|---|---|---|---|---|---|---|"]
+    for name, r in d["results"].items():
+        k = r["metrics"][0]
+        best = _spread3(r["at_best"][k]) if r.get("at_best") else "-"
+        lines.append(f"| `{r['command']}` | {HEADLINE_WHAT[name]} | {r['start'][k]['mean']:.3f} | "
+                     f"{_spread3(r['final'][k])} | {best} | {r['minutes']['mean']:.1f} | "
+                     f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB |")
+    seeds = sorted({s for r in d["results"].values() for s in r["seeds"]})
+    lines += ["", f"Seeds {', '.join(seeds)}; built-in task, tiny model, CPU. `{d['command']}`, {d['env']['device']}, "
+                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def headline_runs(d: dict, name: str) -> str:
+    """One script's default run, seed by seed (an algorithm page)."""
+    r = d["results"][name]
+    keys = r["metrics"]
+    head = " | ".join(f"{k}: start -> end" for k in keys)
+    lines = [f"| seed | {head} | best/ step | {keys[0]} at best/ (dev-selected) | minutes |",
+             "|---" * (len(keys) + 4) + "|"]
+    for seed, x in r["seeds"].items():
+        vals = " | ".join(f"{x['start'][k]:.3f} -> {x['final'][k]:.3f}" for k in keys)
+        at_best = f"{x['at_best'][keys[0]]:.3f}" if x.get("at_best") else "-"
+        lines.append(f"| {seed} | {vals} | {x['best_step'] if x['best_step'] is not None else '-'} | {at_best} | "
+                     f"{x['minutes']:.1f} |")
+    means = " | ".join(f"{r['start'][k]['mean']:.3f} -> {_spread3(r['final'][k])}" for k in keys)
+    at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
+    lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
+    lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}, "
+                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+             "headline": headline, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
 
 
 def render_file(path: Path) -> tuple[str, str]:

@@ -346,12 +346,21 @@ class BestModel:
     """Keeps the HF checkpoint with the best held-out metric in output_dir/best (best.json says which step).
 
     `metric` is a key of the evaluation metrics, higher is better; a `:min` suffix means lower is better
-    (`eval/p_bad:min`). Empty: disabled. Every rank must call `update` (saving gathers ZeRO-3 shards)."""
+    (`dev/p_bad:min`). Empty: disabled. The scripts select on `dev/*`, the dev slice of the training split, so the
+    reported `eval/*` numbers are not inflated by selection; selecting on `eval/*` is allowed but said (`tracker`).
+    `has_dev` False (no dev slice: a tiny training split, or dev_num_* 0) with a `dev/` metric: nothing is kept,
+    said. Every rank must call `update` (saving gathers ZeRO-3 shards)."""
 
-    def __init__(self, metric: str, output_dir: str | Path, info: DistInfo, tokenizer=None):
+    def __init__(self, metric: str, output_dir: str | Path, info: DistInfo, tokenizer=None, tracker=None,
+                 has_dev: bool = True):
         key, _, mode = metric.partition(":")
         if mode not in ("", "min", "max"):
             raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
+        if tracker is not None and key.startswith("eval/"):
+            tracker.write(f"warning: best_metric {key} selects output_dir/best on the reported held-out set, so its "
+                          f"{key} overstates what a fresh sample would give; dev/ metrics avoid that")
+        if tracker is not None and key.startswith("dev/") and not has_dev:
+            tracker.write("note: no dev slice (training split too small, or dev size 0): output_dir/best is not kept")
         self.key, self.sign = key, -1.0 if mode == "min" else 1.0
         self.path = Path(output_dir) / "best"
         self.info, self.tokenizer = info, tokenizer

@@ -102,6 +102,45 @@ class Rows(list):
         self.numbers = numbers
 
 
+def _groups(rows: list[dict], key) -> list[list[int]]:
+    """Row indices grouped by key(row) (rows of one prompt stay together), in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(json.dumps(key(row), sort_keys=True, default=str), []).append(i)
+    return list(groups.values())
+
+
+def dev_split(rows: list[dict], num_dev: int, part: str, name: str, key=None) -> list[dict]:
+    """Carve the dev slice (model selection: output_dir/best) out of the training split: min(num_dev, 10%) of its
+    prompts, with all their rows (`key(row)` names a row's prompt; default: every row its own), chosen by a shuffle
+    that depends only on the number of rows (every run, seed and rank agrees). `part` "dev" returns the slice,
+    "train" the rest. A split of fewer than MIN_HOLDOUT_ROWS prompts keeps no dev slice. The reported held-out
+    split is never used for selection (selecting on it would overstate its accuracy)."""
+    groups = _groups(rows, key) if key else [[i] for i in range(len(rows))]
+    n = len(groups)
+    k = 0 if n < MIN_HOLDOUT_ROWS or num_dev <= 0 else min(num_dev, max(1, int(HOLDOUT_FRACTION * n)))
+    if k == 0:
+        return rows if part == "train" else Rows([], [])
+    random.Random(f"dev:{n}").shuffle(groups)
+    dev = {i for g in groups[:k] for i in g}
+    _notice(f"dev:{name}", f"{name}: {k} of its {n} training prompts ({len(dev)} rows) are the dev slice that "
+                           "selects output_dir/best (not trained on); the held-out split is only reported")
+    keep = [i for i in range(len(rows)) if (i in dev) == (part == "dev")]
+    numbers = row_numbers(rows)
+    return Rows([rows[i] for i in keep], numbers=[numbers[i] for i in keep])
+
+
+def sample_rows(rows: list[dict], limit: int | None) -> list[dict]:
+    """At most `limit` rows, drawn by a fixed-seed sample (not the first rows: files are often sorted by source or
+    difficulty) and kept in file order; the same rows for every run, seed and rank."""
+    n = len(rows)
+    if not limit or n <= limit:
+        return rows
+    keep = sorted(random.Random(f"sample:{n}").sample(range(n), limit))
+    numbers = row_numbers(rows)
+    return Rows([rows[i] for i in keep], numbers=[numbers[i] for i in keep])
+
+
 def row_numbers(rows: list[dict]) -> list[int]:
     return list(getattr(rows, "numbers", range(len(rows))))
 
@@ -137,6 +176,11 @@ def load_rows(dataset: str, split: str) -> list[dict]:
 
     name, _, config = dataset.partition(":")
     return list(datasets.load_dataset(name, config or None, split=split))
+
+
+def has_column(dataset: str, splits: tuple[str, ...], key: str) -> bool:
+    """Whether every row of these splits has column `key` (e.g. a gold answer); False for an empty key."""
+    return bool(key) and all(key in row for split in splits for row in load_rows(dataset, split))
 
 
 def select_fields(rows: list[dict], where: str, keys: dict[str, str]) -> list[dict]:
@@ -201,9 +245,11 @@ class PromptData:
 
 def load_prompts(dataset: str, split: str, tokenizer, prompt_key: str = "prompt", answer_key: str = "answer",
                  prompt_template: str = "{prompt}", use_chat_template: bool = False, max_prompt_length: int = 512,
-                 response_key: str | None = None, limit: int | None = None) -> PromptData:
+                 response_key: str | None = None, limit: int | None = None, num_dev: int = 0,
+                 part: str = "train") -> PromptData:
     """Load, validate, format and tokenize one split. Rows get 'prompt', 'answer' (unless answer_key is empty) and
-    'response' (if response_key is given)."""
+    'response' (if response_key is given). `limit`: a fixed sample of that many rows (`sample_rows`). `num_dev` > 0:
+    the split minus its dev slice (`part` "train") or the dev slice itself (`part` "dev", possibly empty)."""
     keys = {"prompt": prompt_key}
     if answer_key:
         keys["answer"] = answer_key
@@ -211,15 +257,18 @@ def load_prompts(dataset: str, split: str, tokenizer, prompt_key: str = "prompt"
         keys["response"] = response_key
     where = f"dataset {dataset!r} split {split!r}"
     rows = select_fields(load_rows(dataset, split), where, keys)
-    if limit:
-        rows = rows[:limit]
+    if num_dev:
+        rows = dev_split(rows, num_dev, part, f"dataset {dataset!r} split {split!r}")
+        if not rows:
+            return PromptData([], [], 0)
+    rows = sample_rows(rows, limit)
     kept_rows, kept_ids = [], []
     for row in rows:
         ids = encode_prompt(tokenizer, format_prompt(row["prompt"], prompt_template), use_chat_template)
         if len(ids) <= max_prompt_length:
             kept_rows.append(row)
             kept_ids.append(ids)
-    if not kept_rows:
+    if not kept_rows and part != "dev":  # a dev slice may end up empty: then there is no best checkpoint
         raise DataError(f"{where}: all {len(rows)} prompts are longer than max_prompt_length={max_prompt_length}")
     return PromptData(kept_rows, kept_ids, len(rows) - len(kept_rows))
 
@@ -262,8 +311,8 @@ def _preference_text(row: dict, key: str, where: str):
 def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "prompt", chosen_key: str = "chosen",
                      rejected_key: str = "rejected", prompt_template: str = "{prompt}",
                      response_template: str = "{response}", use_chat_template: bool = False,
-                     max_prompt_length: int = 512, max_seq_length: int = 1024, limit: int | None = None
-                     ) -> PreferenceData:
+                     max_prompt_length: int = 512, max_seq_length: int = 1024, limit: int | None = None,
+                     num_dev: int = 0, part: str = "train") -> PreferenceData:
     """Load and tokenize (prompt, chosen, rejected) pairs.
 
     Row formats ("builtin": the built-in task's pairs, shared/task.py::builtin_preferences):
@@ -281,9 +330,13 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
     raw = builtin_task.builtin_preferences(split) if dataset == "builtin" else load_rows(dataset, split)
     if not raw:
         raise DataError(f"{where}: no rows")
+    if num_dev:  # the dev slice (or the rest): as in load_prompts
+        raw = dev_split(raw, num_dev, part, f"dataset {dataset!r} split {split!r}",
+                        key=lambda r: r.get(prompt_key, r.get(chosen_key, [])[:-1]))
+        if not raw:
+            return PreferenceData([], [], [], [])
+    raw = sample_rows(raw, limit)
     numbers = row_numbers(raw)
-    if limit:
-        raw, numbers = raw[:limit], numbers[:limit]
     out = PreferenceData([], [], [], [])
     for i, row in zip(numbers, raw):
         at = f"{where} row {i}"
@@ -325,7 +378,7 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
         out.prompt_ids.append(p)
         out.chosen_ids.append(c)
         out.rejected_ids.append(r)
-    if not out.rows:
+    if not out.rows and part != "dev":  # an empty dev slice: no best checkpoint
         raise DataError(f"{where}: no usable pair ({out.num_identical} with identical chosen and rejected, "
                         f"{out.num_too_long} over max_prompt_length={max_prompt_length} / "
                         f"max_seq_length={max_seq_length})")

@@ -349,6 +349,7 @@ ARG_RANGES: dict[str, tuple] = {
     **{k: (0, True, 1, False) for k in ("warmup_ratio", "epsilon_low")},
     "label_smoothing": (0, True, 0.5, False),
     "response_skip_tokens": (-1, True, None, False),  # -1: detect the chat template's response header
+    **{k: (0, True, None, False) for k in ("dev_num_prompts", "dev_num_pairs")},  # 0: no dev slice, no best/
     # any real number: reward values, thresholds and signed coefficients
     **{k: (None, False, None, False) for k in (
         "penalty_reward_value", "correct_threshold", "target_dist_beta", "eta", "rew_trans_alpha", "rew_trans_beta")},

@@ -20,9 +20,11 @@ from shared.rewards import compute_rewards
 
 def evaluate_accuracy(generator, eval_data, reward_fn, decode, info, num_samples: int, temperature: float,
                       max_new_tokens: int, seed: int, reward_model=None, pad_id: int = 0,
-                      micro_batch_size: int = 64) -> dict:
+                      micro_batch_size: int = 64, prefix: str = "eval") -> dict:
     """{"eval/accuracy": mean correctness over num_samples per prompt, "eval/pass@k": any correct} (with a grader),
-    plus "eval/reward" (mean reward-model score of the same completions) when `reward_model` is given."""
+    plus "eval/reward" (mean reward-model score of the same completions) when `reward_model` is given. `prefix`
+    names the set: "eval" (the reported held-out split) or "dev" (the slice of the training split that selects
+    output_dir/best)."""
     if reward_fn is None and reward_model is None:
         raise ValueError("evaluate_accuracy: needs a grader (reward_fn) or a reward_model")
     per_rank = math.ceil(len(eval_data.rows) / info.world_size)
@@ -57,7 +59,8 @@ def evaluate_accuracy(generator, eval_data, reward_fn, decode, info, num_samples
         raise ValueError("the reward function failed on another rank during evaluation")
     out = {}
     if reward_fn is not None:
-        out = {"eval/accuracy": (stats[0] / stats[2]).item(), f"eval/pass@{num_samples}": (stats[1] / stats[3]).item()}
+        out = {f"{prefix}/accuracy": (stats[0] / stats[2]).item(),
+               f"{prefix}/pass@{num_samples}": (stats[1] / stats[3]).item()}
     if reward_model is not None:
-        out["eval/reward"] = (stats[4] / stats[2]).item()
+        out[f"{prefix}/reward"] = (stats[4] / stats[2]).item()
     return out

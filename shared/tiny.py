@@ -139,7 +139,8 @@ def _built_by(name: str, script: str, base: Path) -> Path:
                 print(f"[cleanrlhf] building {final} with algorithms/{script} (once)", flush=True)
                 cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / script),
                        "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1",
-                       "--save_every", "0", "--best_metric", ""]  # the cache keeps only the final model
+                       "--save_every", "0", "--best_metric", "", "--dev_num_prompts", "0"]  # only the final model,
+                # trained on the whole train split (no dev slice: nothing selects a best checkpoint here)
                 subprocess.run(cmd, check=True, env=_clean_env(), cwd=PROJECT_ROOT)
                 # the scripts write their final checkpoint under output_dir/final
                 for item in (tmp / "final").iterdir():

@@ -42,7 +42,8 @@ def write_datasets(out: Path) -> dict[str, str]:
     train, test = task.builtin_split("train"), task.builtin_split("test")
     dump("prompts.jsonl", train[:64] + [{"prompt": long, "answer": "1"}])
     dump("prompts.test.jsonl", test[:8])
-    dump("sft.jsonl", train[:16] + [{"prompt": long, "response": "1", "answer": "1"}])  # 16 usable: 2 steps of 8
+    # 16 usable (2 steps of 8): 17 examples + 1 too long, of which the dev slice (selects best/) takes row 3
+    dump("sft.jsonl", train[:17] + [{"prompt": long, "response": "1", "answer": "1"}])
     dump("sft.test.jsonl", test[:8])
     pairs = task.builtin_preferences("train")[:48]
     dump("pairs.jsonl", pairs + [{**pairs[0], "prompt": long}, {**pairs[1], "rejected": pairs[1]["chosen"]}])

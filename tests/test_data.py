@@ -279,3 +279,54 @@ def test_a_tiny_file_is_used_for_both_with_a_warning(tmp_path, capsys):
     path = _write(tmp_path, "small.jsonl", "\n".join(json.dumps(r) for r in rows))
     assert data.load_rows(path, "train") == data.load_rows(path, "test") == rows
     assert "9 rows (< 10)" in capsys.readouterr().err
+
+
+def test_dev_slice_is_a_fixed_disjoint_part_of_the_train_split(tmp_path, tiny_model):
+    """#16.3: the dev slice (selects output_dir/best) comes out of the train split, min(num_dev, 10%) of it, never
+    trained on, the same for every call; the held-out split is untouched."""
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(200)]
+    path = _write(tmp_path, "d.train.jsonl", "\n".join(json.dumps(r) for r in rows))
+    _write(tmp_path, "d.test.jsonl", "\n".join(json.dumps(r) for r in rows[:20]))
+    path = str(tmp_path / "d.jsonl")
+    tok = tiny_model[1]
+    train = data.load_prompts(path, "train", tok, num_dev=100)
+    dev = data.load_prompts(path, "train", tok, num_dev=100, part="dev")
+    assert (len(train.rows), len(dev.rows)) == (180, 20)  # capped at 10% of the split
+    assert not {r["prompt"] for r in train.rows} & {r["prompt"] for r in dev.rows}
+    assert sorted(r["prompt"] for r in train.rows + dev.rows) == sorted(r["prompt"] for r in rows)
+    assert [r["prompt"] for r in data.load_prompts(path, "train", tok, num_dev=100, part="dev").rows] == \
+        [r["prompt"] for r in dev.rows]
+    assert [r["prompt"] for r in dev.rows] != [r["prompt"] for r in rows[:20]]  # shuffled, not the head
+    assert len(data.load_prompts(path, "train", tok, num_dev=5, part="dev").rows) == 5
+    assert len(data.load_prompts(path, "train", tok).rows) == 200  # num_dev 0: no slice
+    assert len(data.load_prompts(path, "test", tok, num_dev=100).rows) == 18  # any split can be carved
+    # under 10 rows: no dev slice at all
+    small = _write(tmp_path, "s.train.jsonl", "\n".join(json.dumps(r) for r in rows[:9]))
+    _write(tmp_path, "s.test.jsonl", json.dumps(rows[0]))
+    assert data.load_prompts(str(tmp_path / "s.jsonl"), "train", tok, num_dev=100, part="dev").rows == []
+    assert len(data.load_prompts(small.replace(".train", ""), "train", tok, num_dev=100).rows) == 9
+
+
+def test_dev_slice_of_preference_pairs_keeps_a_prompts_pairs_together(tiny_model):
+    """Builtin pairs: several pairs per problem. No dev prompt may have a pair in training."""
+    tok = tiny_model[1]
+    train = data.load_preferences("builtin", "train", tok, num_dev=50)
+    dev = data.load_preferences("builtin", "train", tok, num_dev=50, part="dev")
+    dev_prompts = {r["prompt"] for r in dev.rows}
+    assert len(dev_prompts) == 50 and len(dev) > 50  # all pairs of 50 problems
+    assert not dev_prompts & {r["prompt"] for r in train.rows}
+    assert len(train) + len(dev) == len(data.load_preferences("builtin", "train", tok))
+
+
+def test_eval_subset_is_a_fixed_sample_not_the_first_rows(tmp_path, tiny_model):
+    """#16.3: `limit` draws a fixed-seed sample (the same for every run and seed), kept in file order."""
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(100)]
+    path = _write(tmp_path, "e.test.jsonl", "\n".join(json.dumps(r) for r in rows))
+    _write(tmp_path, "e.train.jsonl", json.dumps(rows[0]))
+    path = str(tmp_path / "e.jsonl")
+    a = [int(r["answer"]) for r in data.load_prompts(path, "test", tiny_model[1], limit=10).rows]
+    b = [int(r["answer"]) for r in data.load_prompts(path, "test", tiny_model[1], limit=10).rows]
+    assert a == b == sorted(a) and len(set(a)) == 10 and a != list(range(1, 11))
+    assert len(data.load_prompts(path, "test", tiny_model[1], limit=500).rows) == 100
+    pairs = data.load_preferences("builtin", "test", tiny_model[1], limit=7)
+    assert len(pairs) == 7 and pairs.rows != data.load_preferences("builtin", "test", tiny_model[1]).rows[:7]

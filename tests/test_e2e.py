@@ -229,6 +229,31 @@ def test_rm_trained_by_rm_py_is_the_reward_of_grpo(trained_rm, tmp_path):
     assert math.isfinite(metrics(tmp_path)[-1]["eval/reward"])  # and the reward model's held-out score
 
 
+def _strip_answers(rows: list[dict], out: Path) -> None:
+    out.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("answer", "response")}) + "\n"
+                           for r in rows))
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_a_reward_model_task_needs_no_gold_answers(trained_rm, tmp_path, script):
+    """#17.4: prompts without an answer column train on the reward model; no accuracy is reported, the held-out and
+    dev reward are, and best/ is selected on dev/reward."""
+    from shared import task
+
+    _strip_answers(task.builtin_split("train")[:200], tmp_path / "p.train.jsonl")
+    _strip_answers(task.builtin_split("test")[:8], tmp_path / "p.test.jsonl")
+    flags = SMALL if script == "grpo" else PPO_SMALL
+    out = tmp_path / "run"
+    log = run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(out), *flags, "--generator", "hf",
+               "--dataset", str(tmp_path / "p.jsonl"), "--reward_model_path", str(trained_rm / "final")])
+    rows = metrics(out)
+    evals = [r for r in rows if "eval/reward" in r]
+    assert evals and all("eval/accuracy" not in r and "dev/accuracy" not in r for r in rows)
+    assert all(math.isfinite(r["dev/reward"]) for r in evals)
+    assert json.loads((out / "best" / "best.json").read_text())["metric"] == "dev/reward"
+    assert "held-out reward" in log
+
+
 def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
     run([sys.executable, "algorithms/ppo.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--reward_model_path",
          str(trained_rm / "final"), "--kl_placement", "reward", "--generator", "hf"])
@@ -345,3 +370,24 @@ def test_dpo_two_processes_zero3(tmp_path):
     last = metrics(tmp_path)[-1]
     assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
     assert last["check/ranks_shared_prompts"] == 0.0
+
+
+def test_dpo_on_pairs_without_gold_answers(tmp_path):
+    """#17.4: a plain prompt/chosen/rejected dataset runs with the default flags' evaluation: no task accuracy, the
+    held-out and dev pairs' implicit-reward accuracy, best/ selected on the dev pairs."""
+    from shared import task
+
+    for split, n in (("train", 400), ("test", 40)):
+        rows = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+                for r in task.builtin_preferences(split)[:n]]
+        (tmp_path / f"pairs.{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    log = run([sys.executable, "algorithms/dpo.py", "--output_dir", str(out), "--dataset",
+               str(tmp_path / "pairs.jsonl"), "--total_episodes", "128", "--local_micro_batch_size", "32",
+               "--eval_every", "2"])
+    rows = metrics(out)
+    assert not any("eval/accuracy" in r for r in rows)
+    evals = [r for r in rows if "eval/rewards/accuracies" in r]
+    assert len(evals) == 3 and all("dev/rewards/accuracies" in r for r in evals)
+    assert json.loads((out / "best" / "best.json").read_text())["metric"] == "dev/rewards/accuracies"
+    assert "no 'answer' column" in log

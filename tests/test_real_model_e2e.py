@@ -72,7 +72,7 @@ def grpo_run(runs, rm_run):
     out = runs / "grpo"
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
          "algorithms/grpo.py", "--output_dir", str(out), *SMOL, *RL, "--num_generations", "2", "--total_episodes",
-         "16", "--reward_model_path", str(rm_run / "final"), "--best_metric", "eval/reward", "--stop", "."],
+         "16", "--reward_model_path", str(rm_run / "final"), "--best_metric", "dev/reward", "--stop", "."],
         timeout=900)
     return out
 
@@ -82,7 +82,7 @@ def ppo_run(runs, rm_run):
     out = runs / "ppo"
     script("ppo", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--reward_model_path",
            str(rm_run / "final"), "--critic_model_path", "builtin:smollm2-135m", "--kl_placement", "reward",
-           "--kl_coef", "0.05", "--best_metric", "eval/reward")
+           "--kl_coef", "0.05", "--best_metric", "dev/reward")
     return out
 
 

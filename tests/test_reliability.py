@@ -95,8 +95,9 @@ def test_best_model_is_the_best_evaluated_one(resumed):
     out, _ = resumed
     rows = [r for r in metric_rows(out / "vineppo" / "a") if "eval/accuracy" in r]
     best = json.loads((out / "vineppo" / "a" / "best" / "best.json").read_text())
-    top = max(r["eval/accuracy"] for r in rows)
-    assert best["value"] == top and best["step"] == next(r["step"] for r in rows if r["eval/accuracy"] == top)
+    top = max(r["dev/accuracy"] for r in rows)  # selected on the dev slice, not on the reported eval/ set
+    assert best["metric"] == "dev/accuracy" and best["value"] == top
+    assert best["step"] == next(r["step"] for r in rows if r["dev/accuracy"] == top)
     assert rows[-1]["best/step"] == best["step"]
 
 
@@ -200,6 +201,30 @@ def test_resume_flag_semantics_and_flag_check(tmp_path):
     Checkpointer(args, info).finish()
     with pytest.raises(ValueError, match="holds a finished run"):
         Checkpointer(args, info)
+
+
+def test_best_model_warns_when_it_selects_on_the_reported_set_or_has_no_dev_slice(tmp_path):
+    """#16.3: selecting best/ on eval/* (the reported set) is said; a dev/ metric without a dev slice keeps nothing,
+    said; the default dev/ metric with a dev slice says nothing."""
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, text):
+            self.lines.append(text)
+
+    info = init_distributed()
+    said = Lines()
+    BestModel("eval/accuracy", tmp_path, info, tracker=said)
+    assert len(said.lines) == 1 and "overstates" in said.lines[0]
+    said = Lines()
+    best = BestModel("dev/accuracy", tmp_path, info, tracker=said, has_dev=False)
+    assert len(said.lines) == 1 and "not kept" in said.lines[0]
+    assert best.update({"eval/accuracy": 0.9}, 1, None) == {}  # no dev metric: nothing saved
+    said = Lines()
+    BestModel("dev/accuracy", tmp_path, info, tracker=said, has_dev=True)
+    assert said.lines == []
 
 
 def test_restore_brings_back_rng_state_and_objects(tmp_path):

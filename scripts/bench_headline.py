@@ -1,0 +1,121 @@
+"""Benchmark (not a test): the headline results of README.md, i.e. each script's default run, over several seeds.
+
+    python scripts/bench_headline.py                                # grpo sft dpo rm, seeds 1 2 3 (~1 h, 2 cores)
+    python scripts/bench_headline.py --algorithms grpo --seeds 1   # one run
+    python scripts/bench_headline.py --stop_after_steps 50         # spread over sessions: rerun to continue
+
+Every run is the script with no flags but `--seed` and `--output_dir`, i.e. exactly `python algorithms/<name>.py`
+on the built-in task, in a fresh model cache (CLEANRLHF_CACHE=<out>/cache), so the built-in warm start
+(`builtin:tiny-sft`, which grpo.py and dpo.py start from) is built by sft.py first, as on a fresh clone.
+A finished run is kept in <out>/<name>/seed<k>.json and not run again; `--stop_after_steps` leaves a resumable
+checkpoint (rerun the same command to continue).
+
+Reported per run, from its metrics.jsonl: the held-out metric at step 0 and at the end (`eval/accuracy`: grader
+accuracy for sft/grpo/dpo, pairwise accuracy for rm; dpo also `eval/rewards/accuracies`), the step that the dev
+slice selected for output_dir/best and the held-out value at that step, wall time, peak RSS. Over seeds: mean,
+min, max. Writes docs/bench/headline/<device>_<time>.json, rendered into README.md and docs/*.md by
+scripts/docs_tables.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+ROOT = bc.ROOT
+# the held-out metrics reported per script (the first is the headline); all are higher-is-better
+METRICS = {"sft": ["eval/accuracy"], "grpo": ["eval/accuracy", "eval/pass@4"],
+           "dpo": ["eval/accuracy", "eval/rewards/accuracies"], "rm": ["eval/accuracy"]}
+
+
+def spread(xs: list[float]) -> dict:
+    return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summarize_run(rows: list[dict], keys: list[str]) -> dict:
+    """Start / final / best-selected values of the held-out metrics of one run's metrics.jsonl rows."""
+    evals = [r for r in rows if keys[0] in r]
+    best = next((r for r in reversed(rows) if "best/step" in r), None)
+    at_best = next((r for r in evals if best and r["step"] == best["best/step"]), None)
+    return {
+        "steps": max(r["step"] for r in rows),
+        "curve": [{"step": r["step"], **{k: r.get(k) for k in keys}} for r in evals],
+        "start": {k: evals[0].get(k) for k in keys}, "final": {k: evals[-1].get(k) for k in keys},
+        "best_step": best["best/step"] if best else None,
+        "at_best": {k: at_best.get(k) for k in keys} if at_best else None,
+        "dev_at_best": {k.replace("eval/", "dev/"): at_best.get(k.replace("eval/", "dev/")) for k in keys}
+        if at_best else None,
+        "minutes": rows[-1]["time"] / 60 if "time" in rows[-1] else None,
+    }
+
+
+def run_one(a, name: str, seed: int) -> dict | None:
+    cache = a.out / name / f"seed{seed}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    run_dir = a.out / name / f"seed{seed}"
+    argv = [f"algorithms/{name}.py", "--seed", str(seed), "--output_dir", str(run_dir)]
+    if a.stop_after_steps:
+        argv += ["--stop_after_steps", str(a.stop_after_steps)]
+    print(f"[bench] {name} seed {seed}: python {' '.join(shlex.quote(x) for x in argv)}", flush=True)
+    child = bc.run_child(argv, a.out / name / f"log_seed{seed}",
+                         env=bc.child_env({"CLEANRLHF_CACHE": str(a.out / "cache")}))
+    if not (run_dir / "final" / "config.json").exists():
+        print(f"[bench] {name} seed {seed} stopped after a slice; rerun the same command to continue", flush=True)
+        return None
+    result = {"seed": seed, "command": f"python algorithms/{name}.py --seed {seed}",
+              **summarize_run(bc.read_jsonl(run_dir / "metrics.jsonl"), METRICS[name]),
+              "peak_rss_mb": child["peak_rss_mb"], "wall_s_this_invocation": child["wall_s"],
+              "loadavg_at_end": list(os.getloadavg())}  # other jobs on the machine stretch the wall time
+    cache.write_text(json.dumps(result, indent=1))
+    k = METRICS[name][0]
+    print(f"[bench] {name} seed {seed}: {k} {result['start'][k]:.3f} -> {result['final'][k]:.3f} "
+          f"({result['minutes']:.1f} min)", flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algorithms", nargs="+", default=["sft", "grpo", "dpo", "rm"], choices=sorted(METRICS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "headline", help="work directory")
+    p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "headline")
+    a = p.parse_args()
+    results = {}
+    for name in a.algorithms:
+        runs = {}
+        for seed in a.seeds:
+            r = run_one(a, name, seed)
+            if r is None:
+                return
+            runs[str(seed)] = r
+        keys = METRICS[name]
+        results[name] = {
+            "command": f"python algorithms/{name}.py", "metrics": keys,
+            "start": {k: spread([r["start"][k] for r in runs.values()]) for k in keys},
+            "final": {k: spread([r["final"][k] for r in runs.values()]) for k in keys},
+            "at_best": {k: spread([r["at_best"][k] for r in runs.values()]) for k in keys}
+            if all(r["at_best"] for r in runs.values()) else None,
+            "minutes": spread([r["minutes"] for r in runs.values()]),
+            "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
+            "seeds": runs,
+        }
+    out = {"benchmark": "headline", "env": bc.environment(),
+           "command": f"python scripts/bench_headline.py --algorithms {' '.join(a.algorithms)} --seeds "
+                      f"{' '.join(map(str, a.seeds))}",
+           "note": "default flags on the built-in task, fresh model cache (the warm start is built first)",
+           "results": results}
+    path = bc.write_result("headline", out, a.results, latest=False)
+    print(f"[bench] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
