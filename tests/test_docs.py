@@ -44,3 +44,14 @@ def test_docs_link_only_inside_the_repository():
                 continue
             resolved = (path.parent / target.split("#")[0]).resolve()
             assert ROOT in resolved.parents or resolved == ROOT, f"{path.name} links outside the repository: {target}"
+
+
+def test_docs_and_help_cite_no_design_notes_missing_from_a_clone():
+    """The scripts, shared/ and the docs once cited design notes kept outside the repository ("pitfalls P8",
+    "building_blocks.md §2", "style.md S5"); a reader of a clone cannot follow them, so none may remain."""
+    pattern = re.compile(r"pitfalls [PU]\d|building_blocks(\.md)? §|style\.md S\d")
+    files = [*docs_tables.markdown_files(), *sorted((ROOT / "algorithms").glob("*.py")),
+             *sorted((ROOT / "shared").glob("*.py"))]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files for m in pattern.finditer(p.read_text())]
+    assert not found, found
+
