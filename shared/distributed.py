@@ -397,19 +397,97 @@ def check_args(args) -> None:
             raise ValueError(f"output_dir: cannot create {out} ({parent} is not a writable directory)")
 
 
-def run_cli(main, args_cls) -> None:
-    """`main(tyro.cli(Args))` after `check_args`, with configuration and data errors (ValueError, e.g. DataError, a bad flag, a
-    missing model) and a diverged run printed as one line `error: ...` (exit status 2) instead of a traceback.
-    Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
+class CommandLineError(Exception):
+    """A command line tyro rejected (a value not among a flag's choices, a bad number, an unknown flag)."""
+
+
+def _rejected(event, args_cls) -> str:
+    """One line naming the flag for a tyro parse-error event (tyro._errors: private, hence the getattr defaults)."""
+    import dataclasses
+    import difflib
+
+    kind = type(event).__name__
+    lowered = getattr(getattr(event, "argument", None), "lowered", None)
+    flag = "/".join(getattr(lowered, "name_or_flags", None) or ()) or "argument"
+    metavar = getattr(lowered, "metavar", None) or "a value"
+    if kind == "InvalidChoice":
+        return f"{flag}: {event.value!r} is not one of {', '.join(event.choices)}"
+    if kind == "InstantiationFailure":  # a value that does not convert (an int, a float)
+        return f"{flag}: {str(event.message).splitlines()[0].strip()} (expected {metavar})"
+    if kind == "BadValue" and getattr(event, "offending_value", None) is None:
+        return f"{flag}: expected {metavar} after it"
+    if kind == "BadValue":
+        return f"{flag}: takes no value, got {event.offending_value!r}"
+    if kind == "UnrecognizedArgs":
+        tokens = list(event.tokens)
+        flags = [t.split("=")[0] for t in tokens if t.startswith("-")]
+        if not flags:
+            return f"unexpected argument {tokens[0]!r}; see --help"
+        known = [f.name for f in dataclasses.fields(args_cls) if "Suppress" not in str(f.type)]
+        known += [f"no_{f.name}" for f in dataclasses.fields(args_cls) if str(f.type) == "bool"]
+        close = difflib.get_close_matches(flags[0].lstrip("-").replace("-", "_"), known, n=1, cutoff=0.6)
+        return f"{flags[0]}: unknown flag" + (f"; did you mean --{close[0]}?" if close else "; see --help")
+    return f"the command line was rejected ({kind}); see --help"
+
+
+def _box_first_paragraph(text: str) -> str:
+    """The first paragraph of tyro's error box on one line (used only if tyro stops calling the hook)."""
+    rows = []
+    for line in text.splitlines()[1:]:
+        inner = line.strip().strip("│").strip()
+        if not inner or set(inner) <= set("─╰╯"):
+            break
+        rows.append(inner)
+    return " ".join(rows) or "the command line was rejected; see --help"
+
+
+def parse_cli(args_cls, argv: list[str] | None = None):
+    """`tyro.cli(args_cls)` whose rejected command lines raise CommandLineError with one line naming the flag
+    (`--loss_type: 'sigmod' is not one of sigmoid, ...`) instead of printing tyro's multi-line error box.
+
+    tyro reports each rejection to a parse-error hook just before printing its box; the hook raises instead. The
+    hook API (tyro._errors.on_parse_error) is private, so tyro is pinned (requirements.txt), and should a later
+    tyro stop calling it, its box is captured and reduced to its first paragraph. `--help` is untouched."""
+    import contextlib
+    import io
     import sys
 
     import tyro
 
-    args = tyro.cli(args_cls, use_underscores=True)
     try:
+        from tyro._errors import on_parse_error
+    except ImportError:
+        on_parse_error = None
+
+    def reject(event):
+        raise CommandLineError(_rejected(event, args_cls))
+
+    hook = on_parse_error(reject) if on_parse_error else contextlib.nullcontext()
+    captured = io.StringIO()  # tyro's own output on stderr: its error box, or warnings (passed on)
+    try:
+        with contextlib.redirect_stderr(captured), hook:
+            args = tyro.cli(args_cls, args=argv, use_underscores=True)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise CommandLineError(_box_first_paragraph(captured.getvalue())) from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())
+    return args
+
+
+def run_cli(main, args_cls) -> None:
+    """`main(parse_cli(Args))` after `check_args`, with a rejected command line (parse_cli), configuration and data
+    errors (ValueError, e.g. DataError, a bad flag, a missing model) and a diverged run printed as one line
+    `error: ...` (exit status 2) instead of a traceback or tyro's error box. Set CLEANRLHF_TRACEBACK=1 to see the
+    traceback."""
+    import sys
+
+    try:
+        args = parse_cli(args_cls)
         check_args(args)
         main(args)
-    except (ValueError, NonFiniteError) as e:
+    except (CommandLineError, ValueError, NonFiniteError) as e:
         if os.environ.get("CLEANRLHF_TRACEBACK"):
             raise
         from tqdm.std import tqdm

@@ -1,4 +1,5 @@
-"""Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all (style.md S4)."""
+"""Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all (style.md S4);
+a bad flag is one line `error: ...` (exit status 2) before anything is written."""
 
 import ast
 import dataclasses
@@ -62,6 +63,46 @@ def test_help_lists_every_field(script):
     assert "world_size" not in out.stdout  # runtime-computed fields are hidden
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_rejected_command_line_is_one_line_naming_the_flag(script, tmp_path, monkeypatch, capsys):
+    """tyro's own rejections (an unknown or misspelt flag, a value that is not a number, a missing value, a stray
+    word) are one line `error: ...` with exit status 2 too, not tyro's multi-line box."""
+    monkeypatch.chdir(tmp_path)
+    cases = [(["--total_episode", "8"], "error: --total_episode: unknown flag; did you mean --total_episodes?\n"),
+             (["--total-episode=8"], "error: --total-episode: unknown flag; did you mean --total_episodes?\n"),
+             (["--xyzzy", "1"], "error: --xyzzy: unknown flag; see --help\n"),
+             (["--seed", "abc"], "error: --seed: invalid literal for int() with base 10: 'abc' (expected INT)\n"),
+             (["--max_grad_norm", "x"], "error: --max_grad_norm: could not convert string to float: 'x' "
+                                        "(expected FLOAT)\n"),
+             (["--seed"], "error: --seed: expected INT after it\n"),
+             (["stray"], "error: unexpected argument 'stray'; see --help\n"),
+             (["--track", "yes"], "error: unexpected argument 'yes'; see --help\n")]
+    for argv, expected in cases:
+        code, err = run_cli_in_process(script, [*argv, "--output_dir", "run"], monkeypatch, capsys)
+        assert (code, err) == (2, expected), argv
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_help_still_exits_0(monkeypatch, capsys):
+    code, err = run_cli_in_process("dpo", ["--help"], monkeypatch, capsys)
+    assert code == 0 and err == ""
+
+
+def test_a_rejected_command_line_is_one_line_without_tyros_hook(tmp_path, monkeypatch, capsys):
+    """The hook that turns tyro's rejections into one line is private tyro API (tyro is pinned); without it, the
+    first paragraph of tyro's error box is the line."""
+    import tyro._errors
+
+    monkeypatch.delattr(tyro._errors, "on_parse_error")
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli_in_process("dpo", ["--seed", "abc", "--output_dir", "run"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "--seed" in err and "'abc'" in err, err
+    code, err = run_cli_in_process("dpo", ["--los_type", "ipo", "--output_dir", "run"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--los_type" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_importing_a_script_has_no_side_effects(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for script in SCRIPTS:
@@ -77,13 +118,16 @@ def numeric_fields(script: str):
 
 
 def run_cli_in_process(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """Run the script's CLI entry (its own main) in this process; return (exit status, stderr)."""
+    """Run the script's CLI entry in this process, for a command line that must be rejected before main (which
+    would write output_dir); return (exit status, stderr)."""
     from shared.distributed import run_cli
 
-    mod = importlib.import_module(f"algorithms.{script}")
+    def main(args):
+        raise AssertionError(f"{script} {argv}: accepted, main ran")
+
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as e:
-        run_cli(mod.main, mod.Args)
+        run_cli(main, importlib.import_module(f"algorithms.{script}").Args)
     return e.value.code, capsys.readouterr().err
 
 
