@@ -367,12 +367,25 @@ def arg_range(name: str, kind: type) -> tuple:
     raise KeyError(f"no allowed range for the numeric flag {name!r} (add it to shared/distributed.py ARG_RANGES)")
 
 
+def literal_choices(args_cls) -> dict[str, tuple]:
+    """Field name -> allowed values, for every `Literal[...]` field of an Args class."""
+    import typing
+
+    hints = typing.get_type_hints(args_cls)
+    return {name: typing.get_args(t) for name, t in hints.items() if typing.get_origin(t) is typing.Literal}
+
+
 def check_args(args) -> None:
-    """Start-up checks of every script's flags, before anything is written: each numeric flag within its range
-    (ARG_RANGES, a one-line error naming it and the range), and `output_dir` a directory that can be created
-    (`--resume` is checked by shared/checkpoint.py). Runtime-computed fields (hidden from --help) are skipped."""
+    """Start-up checks of every script's flags, before anything is written: each fixed-choice (`Literal`) flag
+    holds one of its choices (tyro checks them on the command line; this guards `Args(...)` built in code), each
+    numeric flag within its range (ARG_RANGES, a one-line error naming it and the range), and `output_dir` a
+    directory that can be created (`--resume` is checked by shared/checkpoint.py). Runtime-computed fields (hidden
+    from --help) are skipped."""
     import dataclasses
 
+    for name, choices in literal_choices(type(args)).items():
+        if getattr(args, name) not in choices:
+            raise ValueError(f"{name}: {getattr(args, name)!r} is not one of {', '.join(map(str, choices))}")
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if "Suppress" in str(f.type) or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -1,5 +1,6 @@
 """Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all (style.md S4);
-a bad flag is one line `error: ...` (exit status 2) before anything is written."""
+fixed-choice flags are `Literal`s, and a bad flag is one line `error: ...` (exit status 2) before anything is
+written."""
 
 import ast
 import dataclasses
@@ -60,7 +61,59 @@ def test_help_lists_every_field(script):
     assert out.returncode == 0, out.stderr
     for f in public_fields(script):
         assert f"--{f.name}" in out.stdout, f"--{f.name} missing from {script} --help"
+    for name, choices in CHOICES[script].items():  # tyro shows a fixed-choice flag as --name {a,b,c}
+        assert f"--{name} {{{','.join(choices)}}}" in out.stdout, f"--{name}'s choices missing from {script} --help"
     assert "world_size" not in out.stdout  # runtime-computed fields are hidden
+
+
+# --- fixed-choice flags: `Literal[...]` fields, checked by the parser ----------------------------------------------
+# Every flag whose valid values are a fixed set, with its choices in declaration order. Flags taking a fixed set OR
+# free text stay `str` and are checked at start-up: reward_fn (or module:function), resume (or a checkpoint
+# directory), best_metric (name[:min|:max]), drca's unit_pattern (or a regex).
+GENERATOR = {"generator": ("vllm", "hf")}
+CHOICES = {
+    "sft": {"generator": ("hf", "vllm"), "loss_reduction": ("seq_mean", "token_mean")},
+    "rm": {},
+    "dpo": {**GENERATOR, "loss_type": ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"),
+            "pair_source": ("offline", "self_generated")},
+    "grpo": {**GENERATOR, "advantage_scaling": ("group", "batch", "none"),
+             "loss_aggregation": ("seq_mean", "token_mean", "global_token", "constant"),
+             "kl_estimator": ("k1", "k2", "k3"), "tis": ("none", "token_truncate", "token_mask", "sequence_mask")},
+    "ppo": {**GENERATOR, "kl_placement": ("loss", "reward")},
+    "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math")},
+    "repulse": {"generator": ("hf", "vllm"), "loss_type": ("neg_training", "reinforce"),
+                "reward_transform": ("none", "minus_alpha_exp_beta_r")},
+    "drca": {**GENERATOR, "unit_extraction": ("regex", "entropy"), "entropy_boundary": ("before", "after"),
+             "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
+             "unitless_fallback": ("terminal", "zeros")},
+}
+CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_fixed_choice_flags_are_literals(script):
+    from shared.distributed import literal_choices
+
+    args_cls = importlib.import_module(f"algorithms.{script}").Args
+    assert literal_choices(args_cls) == CHOICES[script]
+    for name, choices in CHOICES[script].items():
+        assert getattr(args_cls(), name) in choices  # the default is one of them
+
+
+@pytest.mark.parametrize("script, name", CHOICE_FIELDS)
+def test_a_wrong_choice_is_a_one_line_error_before_anything_is_written(script, name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    choices = ", ".join(CHOICES[script][name])
+    for flag in ([f"--{name}", "Bogus"], [f"--{name}=Bogus"], [f"--{name.replace('_', '-')}", "Bogus"]):
+        code, err = run_cli_in_process(script, [*flag, "--output_dir", "run"], monkeypatch, capsys)
+        assert (code, err) == (2, f"error: --{name}: 'Bogus' is not one of {choices}\n")
+        assert list(tmp_path.iterdir()) == []
+    # an Args built in code is checked at start-up too (check_args, which run_cli calls before main)
+    from shared.distributed import check_args
+
+    args = importlib.import_module(f"algorithms.{script}").Args(**{name: "Bogus"})
+    with pytest.raises(ValueError, match=f"^{name}: 'Bogus' is not one of {choices}$"):
+        check_args(args)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -95,11 +148,22 @@ def test_a_rejected_command_line_is_one_line_without_tyros_hook(tmp_path, monkey
 
     monkeypatch.delattr(tyro._errors, "on_parse_error")
     monkeypatch.chdir(tmp_path)
-    code, err = run_cli_in_process("dpo", ["--seed", "abc", "--output_dir", "run"], monkeypatch, capsys)
+    code, err = run_cli_in_process("dpo", ["--loss_type", "sigmod", "--output_dir", "run"], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert "--seed" in err and "'abc'" in err, err
+    assert "--loss_type" in err and "'sigmod'" in err and "'dpop'" in err, err
     code, err = run_cli_in_process("dpo", ["--los_type", "ipo", "--output_dir", "run"], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--los_type" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script, flag, value", [("sft", "generator", "vlm"), ("vineppo", "step_splitter", "lins")])
+def test_a_wrong_choice_fails_as_a_command(script, flag, value, tmp_path):
+    """The two choices once caught only after output_dir was written, as users run them."""
+    out = subprocess.run([sys.executable, f"algorithms/{script}.py", f"--{flag}", value, "--output_dir",
+                          str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    choices = ", ".join(CHOICES[script][flag])
+    assert (out.returncode, out.stderr) == (2, f"error: --{flag}: {value!r} is not one of {choices}\n")
     assert list(tmp_path.iterdir()) == []
 
 
