@@ -335,7 +335,7 @@ def check_sizes(args, positive: tuple[str, ...] = (), non_negative: tuple[str, .
 ARG_RANGES: dict[str, tuple] = {
     # >= 0: intervals and counts where 0 means "never" / "none" / "all"
     **{k: (0, True, None, False) for k in (
-        "seed", "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
+        "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
         "warmup_steps", "eval_num_prompts", "eval_num_pairs", "num_sample_pairs", "num_sample_completions",
         "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
         "max_grad_norm", "beta", "kl_coef",
@@ -348,6 +348,8 @@ ARG_RANGES: dict[str, tuple] = {
     **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta")},
     **{k: (0, True, 1, False) for k in ("warmup_ratio", "epsilon_low")},
     "label_smoothing": (0, True, 0.5, False),
+    # numpy takes seeds below 2**32, and each rank adds rank * 100003 (a prime) to its seed
+    "seed": (0, True, 2**31 - 1, True),
     "response_skip_tokens": (-1, True, None, False),  # -1: detect the chat template's response header
     # any real number: reward values, thresholds and signed coefficients
     **{k: (None, False, None, False) for k in (

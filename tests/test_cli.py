@@ -213,7 +213,8 @@ BAD_VALUES = [("learning_rate", "0"), ("learning_rate", "-1e-5"), ("base_actor_l
               ("local_micro_batch_size", "-4"), ("local_num_prompts", "0"), ("total_episodes", "0"),
               ("num_minibatches", "-1"), ("max_new_tokens", "0"), ("gamma", "1.5"), ("lam", "-0.1"),
               ("vllm_gpu_memory_utilization", "0"), ("warmup_ratio", "1"), ("cliprange", "0"), ("seed", "-1"),
-              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("kl_coef", "inf")]
+              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("kl_coef", "inf"),
+              ("seed", "2147483648")]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
