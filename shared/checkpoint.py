@@ -349,14 +349,19 @@ class BestModel:
     (`eval/p_bad:min`). Empty: disabled. Every rank must call `update` (saving gathers ZeRO-3 shards)."""
 
     def __init__(self, metric: str, output_dir: str | Path, info: DistInfo, tokenizer=None):
-        key, _, mode = metric.partition(":")
-        if mode not in ("", "min", "max"):
-            raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
-        self.key, self.sign = key, -1.0 if mode == "min" else 1.0
+        self.key, self.sign = self.parse(metric)
         self.path = Path(output_dir) / "best"
         self.info, self.tokenizer = info, tokenizer
         self.value: float | None = None
         self.step: int | None = None
+
+    @staticmethod
+    def parse(metric: str) -> tuple[str, float]:
+        """`name[:min|:max]` -> (name, +1.0 when higher is better, -1.0 when lower is); also checked at start-up."""
+        key, _, mode = metric.partition(":")
+        if mode not in ("", "min", "max"):
+            raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
+        return key, -1.0 if mode == "min" else 1.0
 
     def update(self, metrics: dict, step: int, model, extra_config: dict | None = None) -> dict:
         """Save `model` if metrics[key] improved; returns {"best/<key>", "best/step"} to log (empty if no metric)."""

@@ -380,9 +380,10 @@ def literal_choices(args_cls) -> dict[str, tuple]:
 def check_args(args) -> None:
     """Start-up checks of every script's flags, before anything is written: each fixed-choice (`Literal`) flag
     holds one of its choices (tyro checks them on the command line; this guards `Args(...)` built in code), each
-    numeric flag within its range (ARG_RANGES, a one-line error naming it and the range), and `output_dir` a
-    directory that can be created (`--resume` is checked by shared/checkpoint.py). Runtime-computed fields (hidden
-    from --help) are skipped."""
+    numeric flag within its range (ARG_RANGES, a one-line error naming it and the range), `best_metric` of the form
+    `name[:min|:max]`, and `output_dir` a directory that can be created (`--resume` is checked by
+    shared/checkpoint.py's Checkpointer, also before anything is written). Runtime-computed fields (hidden from
+    --help) are skipped."""
     import dataclasses
 
     for name, choices in literal_choices(type(args)).items():
@@ -402,6 +403,10 @@ def check_args(args) -> None:
             hi = "inf" if high is None else f"{high}"
             interval = f"{'[' if low_in else '('}{lo}, {hi}{']' if high_in else ')'}"
             raise ValueError(f"{f.name}: must be in {interval}, got {value}")
+    if getattr(args, "best_metric", None) is not None:
+        from shared.checkpoint import BestModel
+
+        BestModel.parse(args.best_metric)  # BestModel itself is built after output_dir is written
     out = getattr(args, "output_dir", None)
     if out:
         path = Path(out).expanduser()

@@ -251,3 +251,13 @@ def test_output_dir_that_is_a_file_is_an_error(script, tmp_path, monkeypatch, ca
     code, err = run_cli_in_process(script, ["--output_dir", "taken/run"], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: output_dir: cannot create taken/run"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli_in_process(script, ["--best_metric", "eval/accuracy:highest", "--output_dir", "run"],
+                                   monkeypatch, capsys)
+    assert (code, err) == (2, "error: best_metric: expected `name`, `name:min` or `name:max`, got "
+                              "'eval/accuracy:highest'\n")
+    assert list(tmp_path.iterdir()) == []
