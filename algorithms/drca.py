@@ -35,6 +35,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -96,7 +97,7 @@ class Args:
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
     """wandb project name"""
-    generator: str = "vllm"
+    generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
@@ -126,21 +127,21 @@ class Args:
     """beta: share of the reward spread over units (beta * d_k); (1 - beta) * R stays on the last token; 0 = PPO"""
     max_units_per_sequence: int = 10
     """N: at most this many units per response (the N-th absorbs the rest)"""
-    unit_extraction: str = "regex"
+    unit_extraction: Literal["regex", "entropy"] = "regex"
     """`regex` (a pattern marks where units start) or `entropy` (units start at policy-entropy peaks)"""
     unit_pattern: str = "auto"
     """regex units: `labels` (reference: "A. "), `labels+digits`, `lines`, a raw regex, or `auto` (lines for builtin)"""
     unit_entropy_threshold: float = 1.5
     """entropy units: tau, in nats; a token whose entropy exceeds it starts a new unit"""
-    entropy_boundary: str = "before"
+    entropy_boundary: Literal["before", "after"] = "before"
     """entropy units: `before` (a peak token starts a unit) or `after` (the reference: it ends one)"""
     entropy_cap: bool = True
     """entropy units: cap at max_units_per_sequence (the reference ignores the cap)"""
-    entropy_source: str = "policy"
+    entropy_source: Literal["policy", "reference"] = "policy"
     """entropy units: entropy of the current `policy` (the reference) or of the frozen `reference` model"""
-    counterfactual: str = "truncate"
+    counterfactual: Literal["truncate", "mask"] = "truncate"
     """`truncate` (reference: prefix + blanked unit + EOS) or `mask` (leave-one-out: blank the unit, keep the rest)"""
-    unitless_fallback: str = "terminal"
+    unitless_fallback: Literal["terminal", "zeros"] = "terminal"
     """a response without units gets R on its last token (`terminal`) or, as the reference, nothing (`zeros`)"""
     response_skip_tokens: int = -1
     """response tokens before the unit region: -1 = auto (a leading <think>...</think> block and whitespace)"""
@@ -428,12 +429,6 @@ def validate(args: Args) -> None:
                                 "max_units_per_sequence"),
                 non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
                               "stop_after_steps", "max_nonfinite_steps"))
-    choices = {"generator": ("vllm", "hf"), "unit_extraction": ("regex", "entropy"),
-               "entropy_boundary": ("before", "after"), "entropy_source": ("policy", "reference"),
-               "counterfactual": ("truncate", "mask"), "unitless_fallback": ("terminal", "zeros")}
-    for name, allowed in choices.items():
-        if getattr(args, name) not in allowed:
-            raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {getattr(args, name)!r}")
     if not 0.0 <= args.drca_beta <= 1.0:
         raise ValueError(f"drca_beta: must be in [0, 1], got {args.drca_beta}")
     if not args.reward_model_path:

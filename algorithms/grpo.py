@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -85,7 +86,7 @@ class Args:
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
     """wandb project name"""
-    generator: str = "vllm"
+    generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
@@ -137,9 +138,9 @@ class Args:
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
-    advantage_scaling: str = "group"
+    advantage_scaling: Literal["group", "batch", "none"] = "group"
     """`group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
-    loss_aggregation: str = "global_token"
+    loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: float = 0.2
     """lower clip range: ratio >= 1 - epsilon_low"""
@@ -147,11 +148,11 @@ class Args:
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     beta: float = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
-    kl_estimator: str = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
-    tis: str = "token_truncate"
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
     """correction for sampler/trainer mismatch: `none`, `token_truncate` (clip w at tis_cap), `token_mask`, `sequence_mask`"""
     tis_cap: float = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
@@ -298,16 +299,6 @@ def validate(args: Args) -> None:
                               "stop_after_steps", "max_nonfinite_steps"))
     if args.num_generations < 2:
         raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
-    if args.advantage_scaling not in ("group", "batch", "none"):
-        raise ValueError(f"advantage_scaling: expected group, batch or none, got {args.advantage_scaling!r}")
-    if args.loss_aggregation not in ("seq_mean", "token_mean", "global_token", "constant"):
-        raise ValueError(f"loss_aggregation: unknown mode {args.loss_aggregation!r}")
-    if args.kl_estimator not in ("k1", "k2", "k3"):
-        raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {args.kl_estimator!r}")
-    if args.tis not in ("none", "token_truncate", "token_mask", "sequence_mask"):
-        raise ValueError(f"tis: unknown mode {args.tis!r}")
-    if args.generator not in ("vllm", "hf"):
-        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
     if args.temperature <= 0:
         raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
     if args.num_iterations < 1 or args.beta < 0:

@@ -31,6 +31,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -85,7 +86,7 @@ class Args:
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
     """wandb project name"""
-    generator: str = "vllm"
+    generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
@@ -149,7 +150,7 @@ class Args:
     """value clip range around the old values"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
-    kl_placement: str = "loss"
+    kl_placement: Literal["loss", "reward"] = "loss"
     """`loss`: beta * k3 as a loss term (VinePPO); `reward`: -beta * k1 on every token's reward (RLHF)"""
     kl_coef: float = 1e-4
     """beta: KL coefficient (VinePPO 1e-4; RLHF with a reward model 0.05); 0 skips the reference model"""
@@ -308,10 +309,6 @@ def validate(args: Args) -> None:
                                 "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
                 non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
                               "stop_after_steps", "max_nonfinite_steps"))
-    if args.kl_placement not in ("loss", "reward"):
-        raise ValueError(f"kl_placement: expected loss or reward, got {args.kl_placement!r}")
-    if args.generator not in ("vllm", "hf"):
-        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
     if args.temperature <= 0:
         raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
     if args.num_ppo_epochs < 1 or args.kl_coef < 0:

@@ -48,6 +48,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -100,7 +101,7 @@ class Args:
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
     """wandb project name"""
-    generator: str = "hf"
+    generator: Literal["hf", "vllm"] = "hf"
     """backend sampling p_theta: `hf` (model.generate) or `vllm`; q_xi is always sampled with `hf` (one engine/rank)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
@@ -142,7 +143,7 @@ class Args:
     """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
-    loss_type: str = "neg_training"
+    loss_type: Literal["neg_training", "reinforce"] = "neg_training"
     """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
     alpha: float = 10.0
     """alpha: weight of the negative term (code units: the term is a mean over J*N samples, alpha_eff = alpha/N)"""
@@ -150,7 +151,7 @@ class Args:
     """beta (code sign): log phi = beta * r, sigma ∝ p exp(beta r); beta < 0 targets low reward (paper's -beta)"""
     use_base_as_proposal: bool = False
     """use p_theta itself as the proposal (ablation): S_q := S_p, weights ≈ softmax(beta r), no q model"""
-    reward_transform: str = "none"
+    reward_transform: Literal["none", "minus_alpha_exp_beta_r"] = "none"
     """`none` or `minus_alpha_exp_beta_r`: r' = r - rew_trans_alpha * exp(rew_trans_beta * r) in the RL term only"""
     rew_trans_alpha: float | None = None
     """alpha of the reward transform (default: --alpha)"""
@@ -323,12 +324,6 @@ def validate(args: Args) -> None:
                               "max_nonfinite_steps"))
     if args.num_generations < 2:
         raise ValueError("num_generations: RLOO and the SNIS weights need at least 2 samples per prompt")
-    if args.loss_type not in ("neg_training", "reinforce"):
-        raise ValueError(f"loss_type: expected neg_training or reinforce, got {args.loss_type!r}")
-    if args.reward_transform not in ("none", "minus_alpha_exp_beta_r"):
-        raise ValueError(f"reward_transform: expected none or minus_alpha_exp_beta_r, got {args.reward_transform!r}")
-    if args.generator not in ("vllm", "hf"):
-        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
     if args.kl_coef < 0 or args.alpha < 0:
         raise ValueError("kl_coef and alpha must be >= 0")
     if args.use_base_as_proposal and args.loss_type != "neg_training":

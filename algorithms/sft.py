@@ -20,6 +20,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -74,7 +75,7 @@ class Args:
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
     """wandb project name"""
-    generator: str = "hf"
+    generator: Literal["hf", "vllm"] = "hf"
     """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
@@ -108,7 +109,7 @@ class Args:
     """examples per forward pass on each rank (HF `per_device_train_batch_size`)"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    loss_reduction: str = "seq_mean"
+    loss_reduction: Literal["seq_mean", "token_mean"] = "seq_mean"
     """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over all tokens of the step, on all ranks"""
     eval_every: int = 100
     """evaluate held-out accuracy every this many optimizer steps (0: only at the end)"""
@@ -163,8 +164,6 @@ def main(args: Args) -> str:
                                 "max_new_tokens", "keep_checkpoints"),
                 non_negative=("eval_every", "eval_num_prompts", "save_every", "stop_after_steps",
                               "max_nonfinite_steps"))
-    if args.loss_reduction not in ("seq_mean", "token_mean"):
-        raise ValueError(f"loss_reduction: expected seq_mean or token_mean, got {args.loss_reduction!r}")
     info = init_distributed()
     args.world_size = info.world_size
     args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -70,13 +71,13 @@ class Args:
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """verifiable reward for trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
-    step_splitter: str = "auto"
+    step_splitter: Literal["auto", "lines", "gsm8k", "math"] = "auto"
     """how responses are cut into steps: `auto` (by dataset), `lines` (built-in task), `gsm8k`, `math`"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "cleanrlhf"
     """wandb project name"""
-    generator: str = "vllm"
+    generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
@@ -263,8 +264,6 @@ def validate(args: Args) -> None:
                               "stop_after_steps", "max_nonfinite_steps"))
     if args.num_mc_rollouts < 1:
         raise ValueError("num_mc_rollouts: needs at least 1 rollout per state")
-    if args.generator not in ("vllm", "hf"):
-        raise ValueError(f"generator: expected vllm or hf, got {args.generator!r}")
     if args.temperature <= 0:
         raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
     if args.num_ppo_epochs < 1 or args.kl_coef < 0:

@@ -353,19 +353,25 @@ class BestModel:
 
     def __init__(self, metric: str, output_dir: str | Path, info: DistInfo, tokenizer=None, tracker=None,
                  has_dev: bool = True):
-        key, _, mode = metric.partition(":")
-        if mode not in ("", "min", "max"):
-            raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
+        self.key, self.sign = self.parse(metric)
+        key = self.key
         if tracker is not None and key.startswith("eval/"):
             tracker.write(f"warning: best_metric {key} selects output_dir/best on the reported held-out set, so its "
                           f"{key} overstates what a fresh sample would give; dev/ metrics avoid that")
         if tracker is not None and key.startswith("dev/") and not has_dev:
             tracker.write("note: no dev slice (training split too small, or dev size 0): output_dir/best is not kept")
-        self.key, self.sign = key, -1.0 if mode == "min" else 1.0
         self.path = Path(output_dir) / "best"
         self.info, self.tokenizer = info, tokenizer
         self.value: float | None = None
         self.step: int | None = None
+
+    @staticmethod
+    def parse(metric: str) -> tuple[str, float]:
+        """`name[:min|:max]` -> (name, +1.0 when higher is better, -1.0 when lower is); also checked at start-up."""
+        key, _, mode = metric.partition(":")
+        if mode not in ("", "min", "max"):
+            raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
+        return key, -1.0 if mode == "min" else 1.0
 
     def update(self, metrics: dict, step: int, model, extra_config: dict | None = None) -> dict:
         """Save `model` if metrics[key] improved; returns {"best/<key>", "best/step"} to log (empty if no metric)."""

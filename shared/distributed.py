@@ -335,7 +335,7 @@ def check_sizes(args, positive: tuple[str, ...] = (), non_negative: tuple[str, .
 ARG_RANGES: dict[str, tuple] = {
     # >= 0: intervals and counts where 0 means "never" / "none" / "all"
     **{k: (0, True, None, False) for k in (
-        "seed", "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
+        "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
         "warmup_steps", "eval_num_prompts", "eval_num_pairs", "num_sample_pairs", "num_sample_completions",
         "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
         "max_grad_norm", "beta", "kl_coef",
@@ -348,6 +348,8 @@ ARG_RANGES: dict[str, tuple] = {
     **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta")},
     **{k: (0, True, 1, False) for k in ("warmup_ratio", "epsilon_low")},
     "label_smoothing": (0, True, 0.5, False),
+    # numpy takes seeds below 2**32, and each rank adds rank * 100003 (a prime) to its seed
+    "seed": (0, True, 2**31 - 1, True),
     "response_skip_tokens": (-1, True, None, False),  # -1: detect the chat template's response header
     **{k: (0, True, None, False) for k in ("dev_num_prompts", "dev_num_pairs")},  # 0: no dev slice, no best/
     # any real number: reward values, thresholds and signed coefficients
@@ -368,12 +370,26 @@ def arg_range(name: str, kind: type) -> tuple:
     raise KeyError(f"no allowed range for the numeric flag {name!r} (add it to shared/distributed.py ARG_RANGES)")
 
 
+def literal_choices(args_cls) -> dict[str, tuple]:
+    """Field name -> allowed values, for every `Literal[...]` field of an Args class."""
+    import typing
+
+    hints = typing.get_type_hints(args_cls)
+    return {name: typing.get_args(t) for name, t in hints.items() if typing.get_origin(t) is typing.Literal}
+
+
 def check_args(args) -> None:
-    """Start-up checks of every script's flags, before anything is written: each numeric flag within its range
-    (ARG_RANGES, a one-line error naming it and the range), and `output_dir` a directory that can be created
-    (`--resume` is checked by shared/checkpoint.py). Runtime-computed fields (hidden from --help) are skipped."""
+    """Start-up checks of every script's flags, before anything is written: each fixed-choice (`Literal`) flag
+    holds one of its choices (tyro checks them on the command line; this guards `Args(...)` built in code), each
+    numeric flag within its range (ARG_RANGES, a one-line error naming it and the range), `best_metric` of the form
+    `name[:min|:max]`, and `output_dir` a directory that can be created (`--resume` is checked by
+    shared/checkpoint.py's Checkpointer, also before anything is written). Runtime-computed fields (hidden from
+    --help) are skipped."""
     import dataclasses
 
+    for name, choices in literal_choices(type(args)).items():
+        if getattr(args, name) not in choices:
+            raise ValueError(f"{name}: {getattr(args, name)!r} is not one of {', '.join(map(str, choices))}")
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if "Suppress" in str(f.type) or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -388,6 +404,10 @@ def check_args(args) -> None:
             hi = "inf" if high is None else f"{high}"
             interval = f"{'[' if low_in else '('}{lo}, {hi}{']' if high_in else ')'}"
             raise ValueError(f"{f.name}: must be in {interval}, got {value}")
+    if getattr(args, "best_metric", None) is not None:
+        from shared.checkpoint import BestModel
+
+        BestModel.parse(args.best_metric)  # BestModel itself is built after output_dir is written
     out = getattr(args, "output_dir", None)
     if out:
         path = Path(out).expanduser()
@@ -398,19 +418,97 @@ def check_args(args) -> None:
             raise ValueError(f"output_dir: cannot create {out} ({parent} is not a writable directory)")
 
 
-def run_cli(main, args_cls) -> None:
-    """`main(tyro.cli(Args))` after `check_args`, with configuration and data errors (ValueError, e.g. DataError, a bad flag, a
-    missing model) and a diverged run printed as one line `error: ...` (exit status 2) instead of a traceback.
-    Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
+class CommandLineError(Exception):
+    """A command line tyro rejected (a value not among a flag's choices, a bad number, an unknown flag)."""
+
+
+def _rejected(event, args_cls) -> str:
+    """One line naming the flag for a tyro parse-error event (tyro._errors: private, hence the getattr defaults)."""
+    import dataclasses
+    import difflib
+
+    kind = type(event).__name__
+    lowered = getattr(getattr(event, "argument", None), "lowered", None)
+    flag = "/".join(getattr(lowered, "name_or_flags", None) or ()) or "argument"
+    metavar = getattr(lowered, "metavar", None) or "a value"
+    if kind == "InvalidChoice":
+        return f"{flag}: {event.value!r} is not one of {', '.join(event.choices)}"
+    if kind == "InstantiationFailure":  # a value that does not convert (an int, a float)
+        return f"{flag}: {str(event.message).splitlines()[0].strip()} (expected {metavar})"
+    if kind == "BadValue" and getattr(event, "offending_value", None) is None:
+        return f"{flag}: expected {metavar} after it"
+    if kind == "BadValue":
+        return f"{flag}: takes no value, got {event.offending_value!r}"
+    if kind == "UnrecognizedArgs":
+        tokens = list(event.tokens)
+        flags = [t.split("=")[0] for t in tokens if t.startswith("-")]
+        if not flags:
+            return f"unexpected argument {tokens[0]!r}; see --help"
+        known = [f.name for f in dataclasses.fields(args_cls) if "Suppress" not in str(f.type)]
+        known += [f"no_{f.name}" for f in dataclasses.fields(args_cls) if str(f.type) == "bool"]
+        close = difflib.get_close_matches(flags[0].lstrip("-").replace("-", "_"), known, n=1, cutoff=0.6)
+        return f"{flags[0]}: unknown flag" + (f"; did you mean --{close[0]}?" if close else "; see --help")
+    return f"the command line was rejected ({kind}); see --help"
+
+
+def _box_first_paragraph(text: str) -> str:
+    """The first paragraph of tyro's error box on one line (used only if tyro stops calling the hook)."""
+    rows = []
+    for line in text.splitlines()[1:]:
+        inner = line.strip().strip("│").strip()
+        if not inner or set(inner) <= set("─╰╯"):
+            break
+        rows.append(inner)
+    return " ".join(rows) or "the command line was rejected; see --help"
+
+
+def parse_cli(args_cls, argv: list[str] | None = None):
+    """`tyro.cli(args_cls)` whose rejected command lines raise CommandLineError with one line naming the flag
+    (`--loss_type: 'sigmod' is not one of sigmoid, ...`) instead of printing tyro's multi-line error box.
+
+    tyro reports each rejection to a parse-error hook just before printing its box; the hook raises instead. The
+    hook API (tyro._errors.on_parse_error) is private, so tyro is pinned (requirements.txt), and should a later
+    tyro stop calling it, its box is captured and reduced to its first paragraph. `--help` is untouched."""
+    import contextlib
+    import io
     import sys
 
     import tyro
 
-    args = tyro.cli(args_cls, use_underscores=True)
     try:
+        from tyro._errors import on_parse_error
+    except ImportError:
+        on_parse_error = None
+
+    def reject(event):
+        raise CommandLineError(_rejected(event, args_cls))
+
+    hook = on_parse_error(reject) if on_parse_error else contextlib.nullcontext()
+    captured = io.StringIO()  # tyro's own output on stderr: its error box, or warnings (passed on)
+    try:
+        with contextlib.redirect_stderr(captured), hook:
+            args = tyro.cli(args_cls, args=argv, use_underscores=True)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise CommandLineError(_box_first_paragraph(captured.getvalue())) from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())
+    return args
+
+
+def run_cli(main, args_cls) -> None:
+    """`main(parse_cli(Args))` after `check_args`, with a rejected command line (parse_cli), configuration and data
+    errors (ValueError, e.g. DataError, a bad flag, a missing model) and a diverged run printed as one line
+    `error: ...` (exit status 2) instead of a traceback or tyro's error box. Set CLEANRLHF_TRACEBACK=1 to see the
+    traceback."""
+    import sys
+
+    try:
+        args = parse_cli(args_cls)
         check_args(args)
         main(args)
-    except (ValueError, NonFiniteError) as e:
+    except (CommandLineError, ValueError, NonFiniteError) as e:
         if os.environ.get("CLEANRLHF_TRACEBACK"):
             raise
         from tqdm.std import tqdm

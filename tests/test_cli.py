@@ -1,4 +1,6 @@
-"""Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all (style.md S4)."""
+"""Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all (style.md S4);
+fixed-choice flags are `Literal`s, and a bad flag is one line `error: ...` (exit status 2) before anything is
+written."""
 
 import ast
 import dataclasses
@@ -59,7 +61,110 @@ def test_help_lists_every_field(script):
     assert out.returncode == 0, out.stderr
     for f in public_fields(script):
         assert f"--{f.name}" in out.stdout, f"--{f.name} missing from {script} --help"
+    for name, choices in CHOICES[script].items():  # tyro shows a fixed-choice flag as --name {a,b,c}
+        assert f"--{name} {{{','.join(choices)}}}" in out.stdout, f"--{name}'s choices missing from {script} --help"
     assert "world_size" not in out.stdout  # runtime-computed fields are hidden
+
+
+# --- fixed-choice flags: `Literal[...]` fields, checked by the parser ----------------------------------------------
+# Every flag whose valid values are a fixed set, with its choices in declaration order. Flags taking a fixed set OR
+# free text stay `str` and are checked at start-up: reward_fn (or module:function), resume (or a checkpoint
+# directory), best_metric (name[:min|:max]), drca's unit_pattern (or a regex).
+GENERATOR = {"generator": ("vllm", "hf")}
+CHOICES = {
+    "sft": {"generator": ("hf", "vllm"), "loss_reduction": ("seq_mean", "token_mean")},
+    "rm": {},
+    "dpo": {**GENERATOR, "loss_type": ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"),
+            "pair_source": ("offline", "self_generated")},
+    "grpo": {**GENERATOR, "advantage_scaling": ("group", "batch", "none"),
+             "loss_aggregation": ("seq_mean", "token_mean", "global_token", "constant"),
+             "kl_estimator": ("k1", "k2", "k3"), "tis": ("none", "token_truncate", "token_mask", "sequence_mask")},
+    "ppo": {**GENERATOR, "kl_placement": ("loss", "reward")},
+    "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math")},
+    "repulse": {"generator": ("hf", "vllm"), "loss_type": ("neg_training", "reinforce"),
+                "reward_transform": ("none", "minus_alpha_exp_beta_r")},
+    "drca": {**GENERATOR, "unit_extraction": ("regex", "entropy"), "entropy_boundary": ("before", "after"),
+             "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
+             "unitless_fallback": ("terminal", "zeros")},
+}
+CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_fixed_choice_flags_are_literals(script):
+    from shared.distributed import literal_choices
+
+    args_cls = importlib.import_module(f"algorithms.{script}").Args
+    assert literal_choices(args_cls) == CHOICES[script]
+    for name, choices in CHOICES[script].items():
+        assert getattr(args_cls(), name) in choices  # the default is one of them
+
+
+@pytest.mark.parametrize("script, name", CHOICE_FIELDS)
+def test_a_wrong_choice_is_a_one_line_error_before_anything_is_written(script, name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    choices = ", ".join(CHOICES[script][name])
+    for flag in ([f"--{name}", "Bogus"], [f"--{name}=Bogus"], [f"--{name.replace('_', '-')}", "Bogus"]):
+        code, err = run_cli_in_process(script, [*flag, "--output_dir", "run"], monkeypatch, capsys)
+        assert (code, err) == (2, f"error: --{name}: 'Bogus' is not one of {choices}\n")
+        assert list(tmp_path.iterdir()) == []
+    # an Args built in code is checked at start-up too (check_args, which run_cli calls before main)
+    from shared.distributed import check_args
+
+    args = importlib.import_module(f"algorithms.{script}").Args(**{name: "Bogus"})
+    with pytest.raises(ValueError, match=f"^{name}: 'Bogus' is not one of {choices}$"):
+        check_args(args)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_rejected_command_line_is_one_line_naming_the_flag(script, tmp_path, monkeypatch, capsys):
+    """tyro's own rejections (an unknown or misspelt flag, a value that is not a number, a missing value, a stray
+    word) are one line `error: ...` with exit status 2 too, not tyro's multi-line box."""
+    monkeypatch.chdir(tmp_path)
+    cases = [(["--total_episode", "8"], "error: --total_episode: unknown flag; did you mean --total_episodes?\n"),
+             (["--total-episode=8"], "error: --total-episode: unknown flag; did you mean --total_episodes?\n"),
+             (["--xyzzy", "1"], "error: --xyzzy: unknown flag; see --help\n"),
+             (["--seed", "abc"], "error: --seed: invalid literal for int() with base 10: 'abc' (expected INT)\n"),
+             (["--max_grad_norm", "x"], "error: --max_grad_norm: could not convert string to float: 'x' "
+                                        "(expected FLOAT)\n"),
+             (["--seed"], "error: --seed: expected INT after it\n"),
+             (["stray"], "error: unexpected argument 'stray'; see --help\n"),
+             (["--track", "yes"], "error: unexpected argument 'yes'; see --help\n")]
+    for argv, expected in cases:
+        code, err = run_cli_in_process(script, [*argv, "--output_dir", "run"], monkeypatch, capsys)
+        assert (code, err) == (2, expected), argv
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_help_still_exits_0(monkeypatch, capsys):
+    code, err = run_cli_in_process("dpo", ["--help"], monkeypatch, capsys)
+    assert code == 0 and err == ""
+
+
+def test_a_rejected_command_line_is_one_line_without_tyros_hook(tmp_path, monkeypatch, capsys):
+    """The hook that turns tyro's rejections into one line is private tyro API (tyro is pinned); without it, the
+    first paragraph of tyro's error box is the line."""
+    import tyro._errors
+
+    monkeypatch.delattr(tyro._errors, "on_parse_error")
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli_in_process("dpo", ["--loss_type", "sigmod", "--output_dir", "run"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "--loss_type" in err and "'sigmod'" in err and "'dpop'" in err, err
+    code, err = run_cli_in_process("dpo", ["--los_type", "ipo", "--output_dir", "run"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "--los_type" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script, flag, value", [("sft", "generator", "vlm"), ("vineppo", "step_splitter", "lins")])
+def test_a_wrong_choice_fails_as_a_command(script, flag, value, tmp_path):
+    """The two choices once caught only after output_dir was written, as users run them."""
+    out = subprocess.run([sys.executable, f"algorithms/{script}.py", f"--{flag}", value, "--output_dir",
+                          str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    choices = ", ".join(CHOICES[script][flag])
+    assert (out.returncode, out.stderr) == (2, f"error: --{flag}: {value!r} is not one of {choices}\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_importing_a_script_has_no_side_effects(tmp_path, monkeypatch):
@@ -77,13 +182,16 @@ def numeric_fields(script: str):
 
 
 def run_cli_in_process(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """Run the script's CLI entry (its own main) in this process; return (exit status, stderr)."""
+    """Run the script's CLI entry in this process, for a command line that must be rejected before main (which
+    would write output_dir); return (exit status, stderr)."""
     from shared.distributed import run_cli
 
-    mod = importlib.import_module(f"algorithms.{script}")
+    def main(args):
+        raise AssertionError(f"{script} {argv}: accepted, main ran")
+
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as e:
-        run_cli(mod.main, mod.Args)
+        run_cli(main, importlib.import_module(f"algorithms.{script}").Args)
     return e.value.code, capsys.readouterr().err
 
 
@@ -105,7 +213,8 @@ BAD_VALUES = [("learning_rate", "0"), ("learning_rate", "-1e-5"), ("base_actor_l
               ("local_micro_batch_size", "-4"), ("local_num_prompts", "0"), ("total_episodes", "0"),
               ("num_minibatches", "-1"), ("max_new_tokens", "0"), ("gamma", "1.5"), ("lam", "-0.1"),
               ("vllm_gpu_memory_utilization", "0"), ("warmup_ratio", "1"), ("cliprange", "0"), ("seed", "-1"),
-              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("kl_coef", "inf")]
+              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("kl_coef", "inf"),
+              ("seed", "2147483648")]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -142,3 +251,13 @@ def test_output_dir_that_is_a_file_is_an_error(script, tmp_path, monkeypatch, ca
     code, err = run_cli_in_process(script, ["--output_dir", "taken/run"], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: output_dir: cannot create taken/run"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli_in_process(script, ["--best_metric", "eval/accuracy:highest", "--output_dir", "run"],
+                                   monkeypatch, capsys)
+    assert (code, err) == (2, "error: best_metric: expected `name`, `name:min` or `name:max`, got "
+                              "'eval/accuracy:highest'\n")
+    assert list(tmp_path.iterdir()) == []

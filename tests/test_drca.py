@@ -7,6 +7,7 @@ from algorithms import drca, ppo
 from algorithms.drca import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_span_to_tokens, compute_gae,
                              counterfactual_response, entropy_units, masked_whiten, regex_units, shaped_rewards,
                              think_prefix_length, unit_token_rewards)
+from shared.distributed import check_args
 
 
 def units_text(text, spans):
@@ -220,6 +221,9 @@ def test_validate_names_the_flag():
                                                                               "max_units_per_sequence"),
                          ({"unit_pattern": "("}, "unit_pattern"), ({"reward_model_path": ""}, "reward_model_path"),
                          ({"entropy_source": "reference", "kl_coef": 0.0}, "entropy_source")]:
-        with pytest.raises(ValueError, match=flag):
-            drca.validate(drca.Args(**kwargs))
+        args = drca.Args(**kwargs)
+        with pytest.raises(ValueError, match=f"^{flag}: "):
+            check_args(args)  # the start-up checks in run_cli's order: fixed choices and ranges, then drca's own
+            drca.validate(args)
+    check_args(drca.Args(drca_beta=0.0))
     drca.validate(drca.Args(drca_beta=0.0))  # beta = 0 is allowed: plain PPO

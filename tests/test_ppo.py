@@ -109,8 +109,12 @@ def test_adaptive_kl_controller_formula_and_clip():
 @pytest.mark.parametrize("change, flag", [({"kl_placement": "both"}, "kl_placement"), ({"generator": "x"}, "generator"),
                                           ({"adaptive_kl": True, "kl_coef": 0.0}, "adaptive_kl")])
 def test_invalid_config_is_rejected(change, flag):
-    with pytest.raises(ValueError, match=flag):
-        validate(Args(**change))
+    from shared.distributed import check_args
+
+    args = Args(**change)
+    with pytest.raises(ValueError, match=f"^{flag}: "):
+        check_args(args)  # the start-up checks in run_cli's order: fixed choices and ranges, then the script's own
+        validate(args)
 
 
 @pytest.mark.parametrize("script", ["ppo", "vineppo", "drca"])
