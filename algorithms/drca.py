@@ -172,7 +172,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: float = 1.0
-    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
     max_new_tokens: int = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
@@ -447,7 +447,7 @@ def validate(args: Args) -> None:
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
     args.world_size = info.world_size
@@ -497,7 +497,7 @@ def main(args: Args) -> str:
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
     if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
                   f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
                   f"{args.batch_size} completions")

@@ -17,7 +17,7 @@ instead of GAE on a learned critic. Variants (grpo.md):
   --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
   --tis                                     truncated importance sampling against the sampler's log-probs
 Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is ~0 (beta=0), yet the
-gradient is the policy gradient sum_t A grad log pi (pitfalls P16).
+gradient is the policy gradient sum_t A grad log pi.
 
 Launch:
     python algorithms/grpo.py                                  # CPU, built-in task, tiny model, ~7.5 minutes
@@ -131,9 +131,9 @@ class Args:
     num_iterations: int = 2
     """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
     temperature: float = 1.0
-    """sampling temperature; trainer logits are divided by it too (building_blocks.md §2)"""
+    """sampling temperature; trainer logits are divided by it too"""
     top_p: float = 1.0
-    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
     max_new_tokens: int = 16
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
@@ -196,9 +196,9 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from samples of pi (building_blocks.md §5), d = logp - logp_ref.
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
 
-    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL (pitfalls P7);
+    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
     k3 is the GRPO/TRL default."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
@@ -226,7 +226,7 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float) -> torch.Tensor:
-    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch (pitfalls P9), detached.
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
 
     token_truncate: min(w_t, C); token_mask: w_t if 1/C <= w_t <= C else 0;
     sequence_mask: w_t if the sequence's geometric-mean ratio is within [1/C, C] else 0."""
@@ -247,7 +247,7 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the optimizer-step loss (building_blocks.md §6; pitfalls P3).
+    """This micro-batch's share of the optimizer-step loss.
 
     num_seqs / num_tokens count the whole optimizer step on this rank, num_tokens_global on all ranks.
     Summed over micro-batches and averaged over ranks (as DeepSpeed does with gradients) this gives:
@@ -292,7 +292,7 @@ def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_tr
 
 
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up (pitfalls P4, P14, P15)."""
+    """One-line errors naming the flag, at start-up."""
     check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_minibatches", "local_micro_batch_size",
                                 "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
                 non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
@@ -306,7 +306,7 @@ def validate(args: Args) -> None:
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
     args.world_size = info.world_size
@@ -352,7 +352,7 @@ def main(args: Args) -> str:
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
     if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8); "
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
                       "the TIS weights and val/sampler_logprob_diff show how much")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
                   f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
@@ -370,7 +370,7 @@ def main(args: Args) -> str:
         check_same_tokenizer(rm_path, tokenizer)
         reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     ref_policy = None
-    if args.beta > 0:  # the reference is only loaded when the KL term is used (U13: no NaN KL when beta = 0)
+    if args.beta > 0:  # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
         ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps

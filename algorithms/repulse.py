@@ -200,7 +200,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def rloo_baseline(returns: torch.Tensor) -> torch.Tensor:
-    """Leave-one-out baseline b_i = (sum_k R_k - R_i) / (N - 1) per prompt; returns [J, N] (pitfalls P20)."""
+    """Leave-one-out baseline b_i = (sum_k R_k - R_i) / (N - 1) per prompt; returns [J, N]."""
     n = returns.shape[-1]
     if n < 2:
         raise ValueError("num_generations: the RLOO baseline needs at least 2 samples per prompt")
@@ -331,7 +331,7 @@ def validate(args: Args) -> None:
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
     sample_q = args.loss_type == "neg_training" and not args.use_base_as_proposal  # separate proposal samples

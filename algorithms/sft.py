@@ -172,7 +172,7 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
 
-    # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order; see style.md S10)
+    # TRY NOT TO MODIFY: seeding (same seed on every rank for init and data order)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003
 

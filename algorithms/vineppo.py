@@ -122,9 +122,9 @@ class Args:
     local_micro_batch_size: int = 256
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
     temperature: float = 1.0
-    """sampling temperature; trainer logits are divided by it too (building_blocks.md §2)"""
+    """sampling temperature; trainer logits are divided by it too"""
     top_p: float = 1.0
-    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)"""
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
     max_new_tokens: int = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
@@ -167,7 +167,7 @@ class Args:
 # ALGO LOGIC: algorithm-local pure functions
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None = None,
                   var: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over masked entries (building_blocks.md §4); mean/var may be given
+    """(x - mean) / sqrt(var + 1e-8) over masked entries; mean/var may be given
     (e.g. all-reduced over ranks). shift_mean=False adds the mean back."""
     if mean is None:
         mean = (x * mask).sum() / mask.sum()
@@ -181,7 +181,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref (building_blocks.md §5)."""
+    """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -273,7 +273,7 @@ def validate(args: Args) -> None:
 
 
 def main(args: Args) -> str:
-    # TRY NOT TO MODIFY: derived sizes (style.md S5: local_* is per rank)
+    # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
     args.world_size = info.world_size
@@ -311,7 +311,7 @@ def main(args: Args) -> str:
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
                       resume=ckpt.tracker_state)
     if args.top_p < 1.0:
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (pitfalls P8)")
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
                   f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
                   f"{args.batch_size} completions")

@@ -15,7 +15,7 @@ non-UTF-8 file raises one ValueError naming the dataset, split and row. Prompts 
 Preference data (dpo.py, rm.py) is loaded by `load_preferences`, with the bad-row policy documented there.
 
 Tokenization keeps exactly one BOS: with a chat template the template's text is tokenized with
-`add_special_tokens=False`; without one the tokenizer adds its BOS (if it has one) once (pitfalls P5).
+`add_special_tokens=False`; without one the tokenizer adds its BOS (if it has one) once.
 """
 
 from __future__ import annotations

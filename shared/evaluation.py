@@ -2,7 +2,7 @@
 for reward-model tasks.
 
 Independent of the training reward (a reward model, a shaped reward): accuracy always grades with `reward_fn`
-on the held-out split (pitfalls U10); with `reward_model` the same completions also get `eval/reward`, the
+on the held-out split; with `reward_model` the same completions also get `eval/reward`, the
 reward model's mean score; without a grader (`reward_fn` None, prompts without answers) only `eval/reward` is
 reported. Prompts are split into contiguous blocks over the ranks and seeded by their global index, so results
 do not depend on the number of ranks; the same seed at every evaluation (common random numbers) makes

@@ -1,4 +1,4 @@
-"""Generation: one interface, two backends, token ids in and token ids out (no re-tokenization; pitfalls P6).
+"""Generation: one interface, two backends, token ids in and token ids out (no re-tokenization).
 
     gen = make_generator("vllm" | "hf", ...)
     out = gen.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_new_tokens=64, seed=step)
@@ -11,7 +11,7 @@ one budget per prompt (a rollout from a partial response gets what is left of th
 `vllm`: an in-process vLLM engine colocated with the trainer on each rank (VLLM_ENABLE_V1_MULTIPROCESSING=0;
 `external_launcher` when several ranks). Weights are updated in place with vLLM's `reload_weights`, then the
 prefix cache is reset. Returned log-probs are vLLM's *processed* log-probs (after temperature and top-p),
-i.e. those of the distribution actually sampled (pitfalls P8). On GPU, sleep mode frees the GPU memory
+i.e. those of the distribution actually sampled. On GPU, sleep mode frees the GPU memory
 between rollouts when `enable_sleep_mode` is set.
 
 `hf`: `model.generate` on the live training model (always in sync; `synced_gpus` under ZeRO-3); log-probs
@@ -142,7 +142,7 @@ class VLLMGenerator:
             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode and not on_cpu,
             # never take sampling defaults from the checkpoint's generation_config.json (instruct models ship
             # top_k, repetition_penalty, ...): the sampler must be exactly the distribution the trainer scores
-            # (pitfalls P8). vLLM 0.32 already ignores them given explicit SamplingParams; this pins it.
+            #. vLLM 0.32 already ignores them given explicit SamplingParams; this pins it.
             generation_config="vllm",
         )
         if on_cpu:
@@ -295,7 +295,7 @@ class HFGenerator:
         self.model.eval()
         greedy = temperature == 0
         # a fresh GenerationConfig: no sampling defaults from the checkpoint (top_k, repetition_penalty, ...)
-        # leak in, so the sampler is exactly softmax(logits / T) with optional top-p (pitfalls P8). Temperature and
+        # leak in, so the sampler is exactly softmax(logits / T) with optional top-p. Temperature and
         # top-p are applied by our own processor list, followed by the recorder of the sampled tokens' log-probs
         # (HF puts user processors before its own warpers, so the config keeps T = 1, top-p = 1: no warpers).
         config = GenerationConfig(

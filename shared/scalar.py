@@ -4,7 +4,7 @@ One format for both, so a reward model trained here (or any HF sequence-classifi
 with `from_pretrained`, can initialise a critic, and scores completions the same way everywhere:
 
     rm = load_scalar_model(path, dtype)               # reward model or critic
-    scores = score_last_token(rm, input_ids, attn)    # [B], read at the last non-pad token (pitfalls P12)
+    scores = score_last_token(rm, input_ids, attn)    # [B], read at the last non-pad token
     values = token_values(critic, input_ids, attn)    # [B, L], one value per position
 
 The score is read at index `attention_mask.sum(1) - 1` of right-padded batches, never located through
