@@ -257,7 +257,7 @@ def load_prompts(dataset: str, split: str, tokenizer, prompt_key: str = "prompt"
         keys["response"] = response_key
     where = f"dataset {dataset!r} split {split!r}"
     rows = select_fields(load_rows(dataset, split), where, keys)
-    if num_dev:
+    if num_dev or part == "dev":  # num_dev 0: no dev slice, so part "dev" is empty
         rows = dev_split(rows, num_dev, part, f"dataset {dataset!r} split {split!r}")
         if not rows:
             return PromptData([], [], 0)
@@ -330,7 +330,7 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
     raw = builtin_task.builtin_preferences(split) if dataset == "builtin" else load_rows(dataset, split)
     if not raw:
         raise DataError(f"{where}: no rows")
-    if num_dev:  # the dev slice (or the rest): as in load_prompts
+    if num_dev or part == "dev":  # the dev slice (or the rest): as in load_prompts
         raw = dev_split(raw, num_dev, part, f"dataset {dataset!r} split {split!r}",
                         key=lambda r: r.get(prompt_key, r.get(chosen_key, [])[:-1]))
         if not raw:

@@ -299,6 +299,8 @@ def test_dev_slice_is_a_fixed_disjoint_part_of_the_train_split(tmp_path, tiny_mo
     assert [r["prompt"] for r in dev.rows] != [r["prompt"] for r in rows[:20]]  # shuffled, not the head
     assert len(data.load_prompts(path, "train", tok, num_dev=5, part="dev").rows) == 5
     assert len(data.load_prompts(path, "train", tok).rows) == 200  # num_dev 0: no slice
+    assert data.load_prompts(path, "train", tok, num_dev=0, part="dev").rows == []  # and an empty dev part
+    assert len(data.load_preferences("builtin", "train", tok, num_dev=0, part="dev")) == 0
     assert len(data.load_prompts(path, "test", tok, num_dev=100).rows) == 18  # any split can be carved
     # under 10 rows: no dev slice at all
     small = _write(tmp_path, "s.train.jsonl", "\n".join(json.dumps(r) for r in rows[:9]))
