@@ -200,10 +200,13 @@ def prepare(model: torch.nn.Module, optimizer, scheduler, info: DistInfo, micro_
     """
     import deepspeed
 
+    from shared.console import muted
+
     cfg = deepspeed_config(info, micro_batch_size, grad_accum, max_grad_norm, dtype)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False
-    )
+    with muted():  # DeepSpeed prints its op builds (CPU: "deepspeed_shm_comm_op built successfully")
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False
+        )
     return engine, optimizer, scheduler
 
 
@@ -215,8 +218,11 @@ def prepare_frozen(model: torch.nn.Module, info: DistInfo, dtype: torch.dtype):
         return model.to(info.device)
     import deepspeed
 
+    from shared.console import muted
+
     cfg = deepspeed_config(info, 1, 1, 0.0, dtype, train=False)
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, dist_init_required=False)
+    with muted():
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, dist_init_required=False)
     engine.eval()
     return engine
 
@@ -400,12 +406,16 @@ def check_args(args) -> None:
 def run_cli(main, args_cls) -> None:
     """`main(tyro.cli(Args))` after `check_args`, with configuration and data errors (ValueError, e.g. DataError, a bad flag, a
     missing model) and a diverged run printed as one line `error: ...` (exit status 2) instead of a traceback.
+    Library INFO/WARNING output is hidden unless `--verbose` (shared/console.py).
     Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
     import sys
 
     import tyro
 
+    from shared.console import quiet_libraries
+
     args = tyro.cli(args_cls, use_underscores=True)
+    quiet_libraries(getattr(args, "verbose", False))
     try:
         check_args(args)
         main(args)
