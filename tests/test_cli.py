@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__")
 SHARED_VOCABULARY = ["model_name_or_path", "dataset", "output_dir", "seed", "total_episodes", "learning_rate",
-                     "track", "generator",
+                     "report_to", "project", "verbose", "generator",
                      # reliability flags (shared/checkpoint.py), the same in every script
                      "save_every", "keep_checkpoints", "resume", "stop_after_steps", "max_nonfinite_steps",
                      "best_metric"]
