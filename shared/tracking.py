@@ -114,12 +114,6 @@ class Tracker:
                         bar_format="{desc}: step {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
         self.start = time.time()
 
-    def _before_first_step(self) -> None:
-        # what is logged or written before the first step is set-up (models, engine, the step-0 evaluation): keep it
-        # out of the bar's step rate (tqdm measures it from last_print_t), or the first remaining-time estimates of
-        # a run with a slow start are hours long
-        if self.bar is not None and self.bar.n == self.initial:
-            self.bar.last_print_t = time.time()
 
     def _remember(self, row: dict) -> None:
         if row.get(self.eval_key) is not None:
@@ -148,9 +142,10 @@ class Tracker:
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         self._remember(row)
-        self._before_first_step()
         if self.bar is not None:  # shown at the bar's next redraw
             self.bar.set_postfix_str(self._postfix(), refresh=False)
+            if step <= self.initial:  # set-up (models, engine, step-0 evaluation) ends: keep it out of tqdm's step
+                self.bar.last_print_t = time.time()  # rate (timed from last_print_t), or the first ETAs are hours long
         if self.backend:
             self.backend.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
 
@@ -183,7 +178,6 @@ class Tracker:
     def write(self, text: str) -> None:
         if self.enabled:
             (self.bar.write if self.bar is not None else print)(text)
-            self._before_first_step()
 
     def summary(self, status: str = "done") -> str:
         """`done: 200 steps in 7m32s; final eval/accuracy 0.81 (best 0.83 @ step 175); wrote runs/grpo/metrics.jsonl,

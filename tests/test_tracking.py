@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,20 @@ def test_progress_bar_carries_the_last_held_out_value(tmp_path):
     t.log({"eval/p_bad": 0.125}, 1)
     t.progress(1, reward=1.0, log_p_bad=None)
     assert t.bar.postfix == "reward=1, eval/p_bad=0.125"
+    t.close()
+
+
+def test_remaining_time_leaves_the_set_up_out(tmp_path):
+    """A slow start (models, engine, the step-0 evaluation: 1 s here) does not count as time of the first step, so
+    the remaining-time estimate after it follows the step time (0.1 s), not the start (was: hours on a real run)."""
+    t = Tracker(_Args(), tmp_path, "run", enabled=True, total=10)
+    time.sleep(1.0)
+    t.log({"eval/accuracy": 0.5}, 0)  # the last set-up line, logged at step 0
+    for step in (1, 2):
+        time.sleep(0.1)
+        t.log({"objective/scores": 0.5}, step)
+        t.progress(1, reward=0.5)
+    assert t.bar.format_dict["rate"] > 4  # steps per second; ~0.9 if the set-up counted
     t.close()
 
 
