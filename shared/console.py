@@ -4,11 +4,13 @@
   - vLLM, transformers, datasets, huggingface_hub: their verbosity environment variables (read when they are
     imported) and their loggers' levels (for one already imported) set to ERROR; HF progress bars off;
   - DeepSpeed, accelerate, torch: their loggers at ERROR (DeepSpeed resets its level on import: a filter);
+  - wandb: WANDB_SILENT (its banner and end-of-run summary; the tracker prints one line naming the run);
   - Python warnings raised inside installed packages (site-packages) are not shown; those from this project's
     code or a user's reward function still are.
 `muted()` wraps the few library calls that print around logging (C++ warnings from vLLM's engine start,
 DeepSpeed's op-build `print`, trackio's banner): their stdout/stderr is held back, and shown if the call raises.
-With `--verbose` both do nothing, and every library prints as it would without this module.
+With `--verbose` both do nothing, and every library prints as it would without this module. A variable the user
+has set is kept. Not covered: what a launcher prints in its own process (`accelerate launch`, `torchrun`).
 """
 
 from __future__ import annotations
