@@ -80,8 +80,8 @@ class Tracker:
             elif path.exists() and path.stat().st_size > resume[name]:
                 with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
                     f.truncate(resume[name])
-        if resume is not None:  # the bar and the summary carry the held-out values logged before the checkpoint
-            for line in (self.dir / "metrics.jsonl").read_text().splitlines():
+        if resume is not None and (self.dir / "metrics.jsonl").exists():  # the bar and the summary carry the
+            for line in (self.dir / "metrics.jsonl").read_text().splitlines():  # held-out values logged before
                 self._remember(json.loads(line))
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.samples_file = open(self.dir / "samples.jsonl", "a")

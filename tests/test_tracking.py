@@ -184,6 +184,10 @@ def test_summary_of_a_stopped_and_resumed_run(tmp_path, capsys):
     t.close()
     assert capsys.readouterr().out.splitlines()[-1].startswith(
         "done: 4 steps (resumed at step 1) in 0s; final eval/accuracy 0.25 (best 0.25 @ step 0)")
+    # `--resume <checkpoint dir>` into another output_dir: no metrics.jsonl there yet
+    t = Tracker(_Args(), tmp_path / "other", "run", enabled=True, total=4, resume={**state, "step": 1})
+    assert t.bar.postfix == "eval/accuracy=-"
+    t.close()
 
 
 def test_timer_accumulates_per_phase():
