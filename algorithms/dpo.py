@@ -39,8 +39,8 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +97,12 @@ class Args:
     """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
     reward_fn: str = "auto"
     """grader for held-out accuracy and self-generated pairs: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "cleanrlhf"
-    """wandb project name"""
+    report_to: Literal["none", "wandb", "trackio"] = "none"
+    """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
+    project: str = "cleanrlhf"
+    """wandb / trackio project name"""
+    verbose: bool = False
+    """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend for self-generated pairs and evaluation: `vllm` (colocated) or `hf`"""
     gradient_checkpointing: bool = False
@@ -328,8 +330,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
-                      resume=ckpt.tracker_state)
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
+                      args.project, resume=ckpt.tracker_state)
     if args.eval_num_prompts and not graded:
         tracker.write(f"no {args.answer_key!r} column in {args.eval_split!r}: no task accuracy; held-out pairs are "
                       "evaluated (eval/rewards/accuracies)")
@@ -571,7 +573,7 @@ def main(args: Args) -> str:
                        "episode": step * args.batch_size, "optim/grad_norm": grad_norm,
                        "optim/nonfinite_skipped": guard.skipped, **timer.pop()}
             tracker.log(metrics, step)
-            tracker.progress(0, loss=metrics["loss/dpo"], acc=metrics["rewards/accuracies"])
+            tracker.progress(0, loss=metrics["loss/dpo"])
             window.zero_()
         tracker.progress(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
@@ -594,7 +596,6 @@ def main(args: Args) -> str:
     final = ""
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        tracker.write(f"saved {final}")
     ckpt.finish()
     tracker.close()
     return final

@@ -82,10 +82,12 @@ class Args:
     """if set, score completions with this reward model (HF sequence classification) instead of reward_fn"""
     critic_model_path: str = ""
     """initialise the critic from this checkpoint (default: the reward model if given, else the policy + a new head)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "cleanrlhf"
-    """wandb project name"""
+    report_to: Literal["none", "wandb", "trackio"] = "none"
+    """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
+    project: str = "cleanrlhf"
+    """wandb / trackio project name"""
+    verbose: bool = False
+    """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -362,8 +364,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
-                      resume=ckpt.tracker_state)
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
+                      args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
     if args.kl_placement == "loss" and args.reward_model_path:
@@ -588,7 +590,7 @@ def main(args: Args) -> str:
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
-        tracker.progress(1, score=metrics["objective/scores"], acc=metrics.get("eval/accuracy", float("nan")))
+        tracker.progress(1, reward=metrics["objective/scores"])  # and the last held-out accuracy
         if args.sample_every and step % args.sample_every == 0:
             tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i].item(),
                                   "finish_reason": comps[i].finish_reason}
@@ -616,7 +618,6 @@ def main(args: Args) -> str:
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
-        tracker.write(f"saved {final} and the critic in {args.output_dir}/critic")
     ckpt.finish()
     tracker.close()
     return final

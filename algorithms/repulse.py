@@ -97,10 +97,12 @@ class Args:
     """`auto` (`toy` for the toy dataset, else by dataset), `toy`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     reward_model_path: str = ""
     """score prompt + completion with this reward model (rm.py checkpoint or HF sequence classifier) instead"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "cleanrlhf"
-    """wandb project name"""
+    report_to: Literal["none", "wandb", "trackio"] = "none"
+    """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
+    project: str = "cleanrlhf"
+    """wandb / trackio project name"""
+    verbose: bool = False
+    """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["hf", "vllm"] = "hf"
     """backend sampling p_theta: `hf` (model.generate) or `vllm`; q_xi is always sampled with `hf` (one engine/rank)"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -380,8 +382,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
-                      resume=ckpt.tracker_state)
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
+                      args.project, resume=ckpt.tracker_state)
     tracker.write(f"{len(train_data.rows)} train prompts, {len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev "
                   f"prompts, {args.num_steps} steps "
                   f"of {args.samples_per_step} samples ({'p and q' if sample_q else 'p only'})")
@@ -616,7 +618,7 @@ def main(args: Args) -> str:
                                                                      first=first)))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
-        tracker.progress(1, score=metrics["objective/scores"], log_p_bad=metrics.get("exact/log_p_bad", float("nan")))
+        tracker.progress(1, reward=metrics["objective/scores"], log_p_bad=metrics.get("exact/log_p_bad"))
         if args.sample_every and step % args.sample_every == 0:
             rows = [{"model": "p", "completion": decode(comps_p[i].token_ids), "reward": r_p[i].item()}
                     for i in range(0, len(comps_p), max(1, N // 4))]
@@ -645,7 +647,6 @@ def main(args: Args) -> str:
     final = ""
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        tracker.write(f"saved {final}")
     ckpt.finish()
     tracker.close()
     return final

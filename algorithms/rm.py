@@ -28,6 +28,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -77,10 +78,12 @@ class Args:
     """pairs whose prompt is longer than this many tokens are skipped (and counted)"""
     max_seq_length: int = 512
     """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "cleanrlhf"
-    """wandb project name"""
+    report_to: Literal["none", "wandb", "trackio"] = "none"
+    """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
+    project: str = "cleanrlhf"
+    """wandb / trackio project name"""
+    verbose: bool = False
+    """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
 
@@ -210,8 +213,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
-                      resume=ckpt.tracker_state)
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
+                      args.project, resume=ckpt.tracker_state)
     tracker.write(f"{len(train)} training pairs ({train.num_identical} identical chosen/rejected and "
                   f"{train.num_too_long} over-long skipped), {len(held_out)} held-out pairs, {len(dev)} dev pairs, "
                   f"{args.num_steps} steps")
@@ -340,7 +343,7 @@ def main(args: Args) -> str:
                        "episode": step * args.batch_size, "optim/grad_norm": grad_norm,
                        "optim/nonfinite_skipped": guard.skipped, **timer.pop()}
             tracker.log(metrics, step)
-            tracker.progress(0, loss=metrics["loss/rm"], acc=metrics["rm/accuracy"])
+            tracker.progress(0, loss=metrics["loss/rm"])
             window.zero_()
         tracker.progress(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:

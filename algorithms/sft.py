@@ -71,10 +71,12 @@ class Args:
     """examples whose prompt+response exceed this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "cleanrlhf"
-    """wandb project name"""
+    report_to: Literal["none", "wandb", "trackio"] = "none"
+    """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
+    project: str = "cleanrlhf"
+    """wandb / trackio project name"""
+    verbose: bool = False
+    """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["hf", "vllm"] = "hf"
     """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
     gradient_checkpointing: bool = False
@@ -210,8 +212,8 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.track, args.wandb_project,
-                      resume=ckpt.tracker_state)
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
+                      args.project, resume=ckpt.tracker_state)
     tracker.write(f"{len(examples)} training examples ({dropped} over-long dropped), {len(eval_data.rows)} eval "
                   f"prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps")
 
@@ -299,7 +301,6 @@ def main(args: Args) -> str:
         run_eval(args.num_steps)
 
     final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info)
-    tracker.write(f"saved {final}")
     ckpt.finish()
     tracker.close()
     return str(final)

@@ -42,8 +42,8 @@ import torch
 from shared.distributed import DistInfo, full_named_parameters, unwrap
 
 # flags that may change between a run and its resumption (they do not change what is trained)
-OPERATIONAL_FLAGS = {"resume", "stop_after_steps", "save_every", "keep_checkpoints", "track", "wandb_project",
-                     "max_nonfinite_steps"}
+OPERATIONAL_FLAGS = {"resume", "stop_after_steps", "save_every", "keep_checkpoints", "report_to", "project",
+                     "verbose", "max_nonfinite_steps"}
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -304,8 +304,8 @@ class Checkpointer:
     def stop(self, tracker) -> str:
         """End an interrupted run after its checkpoint: exit 128 + signal after SIGTERM/SIGINT; return "" after
         --stop_after_steps."""
-        tracker.write(f"stopped; rerun with the same flags (--resume auto) to continue from {self.root}")
-        tracker.close()
+        tracker.write(f"rerun with the same flags (--resume auto) to continue from {self.root}")
+        tracker.close("stopped")
         self._uninstall_signal_handlers()
         if self.signum:
             raise SystemExit(128 + self.signum)

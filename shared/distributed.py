@@ -200,10 +200,13 @@ def prepare(model: torch.nn.Module, optimizer, scheduler, info: DistInfo, micro_
     """
     import deepspeed
 
+    from shared.console import muted
+
     cfg = deepspeed_config(info, micro_batch_size, grad_accum, max_grad_norm, dtype)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False
-    )
+    with muted():  # DeepSpeed prints its op builds (CPU: "deepspeed_shm_comm_op built successfully")
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg, dist_init_required=False
+        )
     return engine, optimizer, scheduler
 
 
@@ -215,8 +218,11 @@ def prepare_frozen(model: torch.nn.Module, info: DistInfo, dtype: torch.dtype):
         return model.to(info.device)
     import deepspeed
 
+    from shared.console import muted
+
     cfg = deepspeed_config(info, 1, 1, 0.0, dtype, train=False)
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, dist_init_required=False)
+    with muted():
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, dist_init_required=False)
     engine.eval()
     return engine
 
@@ -500,12 +506,15 @@ def parse_cli(args_cls, argv: list[str] | None = None):
 def run_cli(main, args_cls) -> None:
     """`main(parse_cli(Args))` after `check_args`, with a rejected command line (parse_cli), configuration and data
     errors (ValueError, e.g. DataError, a bad flag, a missing model) and a diverged run printed as one line
-    `error: ...` (exit status 2) instead of a traceback or tyro's error box. Set CLEANRLHF_TRACEBACK=1 to see the
-    traceback."""
+    `error: ...` (exit status 2) instead of a traceback or tyro's error box. Library INFO/WARNING output is hidden
+    unless `--verbose` (shared/console.py). Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
     import sys
+
+    from shared.console import quiet_libraries
 
     try:
         args = parse_cli(args_cls)
+        quiet_libraries(getattr(args, "verbose", False))
         check_args(args)
         main(args)
     except (CommandLineError, ValueError, NonFiniteError) as e:

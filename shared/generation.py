@@ -37,6 +37,8 @@ from typing import Iterable
 
 import torch
 
+from shared.console import muted
+
 
 @dataclass
 class Completion:
@@ -153,7 +155,8 @@ class VLLMGenerator:
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         if world_size > 1:  # one engine per rank, inside the already-running torch.distributed job
             kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
-        self.llm = LLM(**kwargs)
+        with muted():  # engine start: C++ warnings and weight-loading bars that bypass vLLM's logger
+            self.llm = LLM(**kwargs)
         torch.set_num_threads(threads)  # vLLM's CPU worker lowers torch threads for serving; training needs them
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])

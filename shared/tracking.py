@@ -1,21 +1,36 @@
-"""Metrics: a JSONL file always (`<output_dir>/metrics.jsonl`), Weights & Biases when `track` is set,
-sample completions in `<output_dir>/samples.jsonl` (and a wandb table), and a progress bar.
+"""Metrics: a JSONL file always (`<output_dir>/metrics.jsonl`), Weights & Biases or trackio with `--report_to`,
+sample completions in `<output_dir>/samples.jsonl` (and a wandb/trackio table), one progress bar and an
+end-of-run summary line.
+
+`--report_to wandb|trackio` logs the same metric names as metrics.jsonl (whose rows add `step` and `time`: the
+backends keep their own step and wall-clock fields), under `--project`. trackio is local-first: it writes a SQLite
+file under `TRACKIO_DIR` (default `~/.cache/huggingface/trackio`); see it with `trackio show --project <project>`.
 
 Only the main process writes; other ranks get a tracker whose methods do nothing (no rank checks at
 call sites, as SFFD's no-op writer). Plot any run with `python scripts/plot.py <output_dir>`.
 
+The progress bar shows the step, the values the script passes to `progress` (reward or loss) and the last
+held-out value of `eval_key` (the key of the script's `--best_metric`, default `eval/accuracy`), carried from the
+last evaluation (`-` before the first), with elapsed and remaining time. `close()` prints one summary line:
+steps, time, final and best held-out value, and the files written.
+
 A fresh run starts both JSONL files empty. A resumed run (`resume=` the checkpoint's `state_dict()`) cuts
-them back to their length at the checkpoint and appends, and continues the same wandb run, so the files of
-an interrupted-and-resumed run equal those of a straight run (apart from the wall-clock `time` fields).
+them back to their length at the checkpoint and appends, and continues the same wandb or trackio run, so the
+files of an interrupted-and-resumed run equal those of a straight run (apart from the wall-clock `time` fields).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
+
+from shared.console import muted
+
+REPORT_TO = ("none", "wandb", "trackio")
 
 
 def _clean(v):
@@ -26,18 +41,38 @@ def _clean(v):
     return v
 
 
+def _fmt(v) -> str:
+    v = _clean(v)
+    return "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def duration(seconds: float) -> str:
+    """7m32s, 1h05m, 45s."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class Tracker:
-    def __init__(self, args, output_dir: str | Path, run_name: str, enabled: bool, total: int, track: bool = False,
-                 wandb_project: str = "cleanrlhf", wandb_entity: str | None = None, resume: dict | None = None):
+    def __init__(self, args, output_dir: str | Path, run_name: str, enabled: bool, total: int, report_to: str = "none",
+                 project: str = "cleanrlhf", resume: dict | None = None, eval_key: str | None = None):
         self.enabled = enabled
-        self.wandb = None
+        self.backend = None  # the wandb or trackio module: the same init/log/Table/finish calls
         self.bar = None
         if not enabled:
             return
+        if report_to not in REPORT_TO:
+            raise ValueError(f"report_to: expected one of {', '.join(REPORT_TO)}, got {report_to!r}")
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(args)
         (self.dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        self.eval_key = eval_key or (config.get("best_metric") or "eval/accuracy").partition(":")[0]
+        self.last_eval: tuple | None = None  # (value, step) of the last held-out evaluation
+        self.best: tuple | None = None  # (value, step) of output_dir/best, from BestModel's best/* metrics
         for name in ("metrics", "samples"):
             path = self.dir / f"{name}.jsonl"
             if resume is None:
@@ -45,28 +80,59 @@ class Tracker:
             elif path.exists() and path.stat().st_size > resume[name]:
                 with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
                     f.truncate(resume[name])
+        if resume is not None and (self.dir / "metrics.jsonl").exists():  # the bar and the summary carry the
+            for line in (self.dir / "metrics.jsonl").read_text().splitlines():  # held-out values logged before
+                self._remember(json.loads(line))
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.samples_file = open(self.dir / "samples.jsonl", "a")
-        self.wandb_id = None
-        if track:
-            import wandb
+        self.report_to, self.run_id = report_to, None
+        if report_to != "none":
+            try:
+                self.backend = importlib.import_module(report_to)
+            except ImportError as e:
+                raise ValueError(f"report_to: {report_to} is not installed ({e}); see requirements.txt") from e
+            run_id = (resume or {}).get(f"{report_to}_id")  # continue the interrupted run
+            if report_to == "wandb":  # quiet unless --verbose through WANDB_SILENT: not muted, it may ask for a login
+                self.backend.init(project=project, name=run_name, config=config, save_code=True, id=run_id,
+                                  resume="allow" if run_id else None)
+                self.run_id = self.backend.run.id
+                where = self.backend.run.url or self.backend.run.dir
+            else:  # trackio identifies a run by its name; no CPU/GPU system metrics: the same keys as JSONL
+                with muted():  # its banner: the line below says where the run is
+                    self.backend.init(project=project, name=run_id or run_name, config=config,
+                                      resume="allow" if run_id else "never", auto_log_cpu=False, auto_log_gpu=False)
+                self.run_id = run_id or run_name
+                from trackio.utils import TRACKIO_DIR
 
-            self.wandb = wandb
-            wandb_id = resume.get("wandb_id") if resume else None
-            wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config, save_code=True,
-                       id=wandb_id, resume="allow" if wandb_id else None)
-            self.wandb_id = wandb.run.id
+                where = f"{TRACKIO_DIR} (trackio show --project {project})"
+            print(f"{report_to}: project {project}, run {self.run_id}: {where}", flush=True)
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=resume.get("step", 0) if resume else 0, desc=run_name,
-                        dynamic_ncols=True)
+        self.initial = resume.get("step", 0) if resume else 0
+        self.postfix: dict = {}
+        self.bar = tqdm(total=total, initial=self.initial, desc=run_name, dynamic_ncols=True, postfix=self._postfix(),
+                        bar_format="{desc}: step {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
         self.start = time.time()
 
+
+    def _remember(self, row: dict) -> None:
+        if row.get(self.eval_key) is not None:
+            self.last_eval = (row[self.eval_key], row["step"])
+        if row.get(f"best/{self.eval_key}") is not None and row.get("best/step") is not None:
+            self.best = (row[f"best/{self.eval_key}"], row["best/step"])
+
+    def _postfix(self) -> str:
+        shown = {**self.postfix, self.eval_key: self.last_eval[0] if self.last_eval else None}
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+
     def state_dict(self) -> dict:
-        """Lengths of the JSONL files and the wandb run id, for resuming (shared/checkpoint.py)."""
+        """Lengths of the JSONL files and the wandb/trackio run id, for resuming (shared/checkpoint.py)."""
         if not self.enabled:
             return {}
-        return {"metrics": self.metrics_file.tell(), "samples": self.samples_file.tell(), "wandb_id": self.wandb_id}
+        state = {"metrics": self.metrics_file.tell(), "samples": self.samples_file.tell()}
+        if self.backend is not None:
+            state[f"{self.report_to}_id"] = self.run_id
+        return state
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -75,18 +141,27 @@ class Tracker:
         row.update({k: _clean(v) for k, v in metrics.items()})
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
-        if self.wandb:
-            self.wandb.log(row, step=step)
+        self._remember(row)
+        if self.bar is not None:  # shown at the bar's next redraw
+            self.bar.set_postfix_str(self._postfix(), refresh=False)
+            if step <= self.initial:  # set-up (models, engine, step-0 evaluation) ends: keep it out of tqdm's step
+                self.bar.last_print_t = time.time()  # rate (timed from last_print_t), or the first ETAs are hours long
+        if self.backend:
+            self.backend.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
 
     def progress(self, n: int, **postfix) -> None:
+        """Advance the bar by n steps; `postfix` (e.g. reward=..., loss=...) stays shown until replaced (None: not
+        shown)."""
         if self.bar is not None:
-            self.bar.update(n)
-            if postfix:
-                self.bar.set_postfix({k: f"{_clean(v):.3g}" if isinstance(_clean(v), float) else v
-                                      for k, v in postfix.items()}, refresh=False)
+            self.postfix.update({k: v for k, v in postfix.items() if v is not None})
+            self.bar.set_postfix_str(self._postfix(), refresh=False)
+            if n:
+                self.bar.update(n)
+            else:
+                self.bar.refresh()
 
     def log_samples(self, rows: list[dict], step: int) -> None:
-        """rows: dicts such as {"prompt", "completion", "reward"}; printed, saved to samples.jsonl and wandb."""
+        """rows: dicts such as {"prompt", "completion", "reward"}; printed, saved to samples.jsonl and wandb/trackio."""
         if not self.enabled or not rows:
             return
         for r in rows:
@@ -95,23 +170,45 @@ class Tracker:
         head = rows[0]
         if self.bar is not None:
             self.bar.write(f"[step {step}] sample: " + " | ".join(f"{k}={v!r}" for k, v in head.items()))
-        if self.wandb:
+        if self.backend:
             cols = list(head)
-            self.wandb.log({"samples": self.wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])},
-                           step=step)
+            self.backend.log({"samples": self.backend.Table(columns=cols, data=[[r.get(c) for c in cols]
+                                                                                for r in rows])}, step=step)
 
     def write(self, text: str) -> None:
         if self.enabled:
             (self.bar.write if self.bar is not None else print)(text)
 
-    def close(self) -> None:
+    def summary(self, status: str = "done") -> str:
+        """`done: 200 steps in 7m32s; final eval/accuracy 0.81 (best 0.83 @ step 175); wrote runs/grpo/metrics.jsonl,
+        samples.jsonl, final/, best/` (this invocation's time; `status` is `stopped` for an interrupted run)."""
+        steps = f"{self.bar.n} steps" + (f" (resumed at step {self.initial})" if self.initial else "")
+        parts = [f"{status}: {steps} in {duration(time.time() - self.start)}"]
+        if self.last_eval is not None:
+            value, step = self.last_eval
+            text = f"{'final' if status == 'done' else 'last'} {self.eval_key} {_fmt(value)}"
+            text += f" @ step {step}" if status != "done" else ""
+            if self.best is not None:
+                text += f" (best {_fmt(self.best[0])} @ step {self.best[1]})"
+            parts.append(text)
+        wrote = [str(self.dir / "metrics.jsonl")]
+        wrote += ["samples.jsonl"] if self.samples_file.tell() else []
+        wrote += [f"{d}/" for d in ("final", "critic", "best") if (self.dir / d).is_dir()]
+        wrote += ["checkpoints/"] if any((self.dir / "checkpoints").glob("step_*")) else []
+        parts.append("wrote " + ", ".join(wrote))
+        return "; ".join(parts)
+
+    def close(self, status: str = "done") -> None:
+        """Close the bar and files, print the summary line, finish the wandb/trackio run."""
         if not self.enabled:
             return
         self.bar.close()
+        print(self.summary(status), flush=True)
         self.metrics_file.close()
         self.samples_file.close()
-        if self.wandb:
-            self.wandb.finish()
+        if self.backend:
+            with muted():
+                self.backend.finish()
 
 
 class Timer:

@@ -31,3 +31,24 @@ def tiny_path():
     from shared.tiny import builtin_tiny
 
     return str(builtin_tiny())
+
+
+@pytest.fixture(autouse=True)
+def _undo_quiet_libraries():
+    """A test that calls run_cli in-process quiets the libraries for the whole process (shared/console.py: environment
+    variables, logger levels): undo it afterwards, so later tests and the subprocesses they start see the defaults."""
+    import logging
+
+    from shared import console
+
+    env = dict(os.environ)
+    loggers = {name: (logging.getLogger(name).level, list(logging.getLogger(name).filters))
+               for name in console.LIBRARY_LOGGERS}
+    yield
+    if not console._verbose:
+        os.environ.clear()
+        os.environ.update(env)
+        for name, (level, filters) in loggers.items():
+            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).filters[:] = filters
+        console._verbose = True

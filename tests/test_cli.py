@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__")
 SHARED_VOCABULARY = ["model_name_or_path", "dataset", "output_dir", "seed", "total_episodes", "learning_rate",
-                     "track", "generator",
+                     "report_to", "project", "verbose", "generator",
                      # reliability flags (shared/checkpoint.py), the same in every script
                      "save_every", "keep_checkpoints", "resume", "stop_after_steps", "max_nonfinite_steps",
                      "best_metric"]
@@ -87,6 +87,8 @@ CHOICES = {
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
              "unitless_fallback": ("terminal", "zeros")},
 }
+REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every script
+CHOICES = {script: {**choices, **REPORT_TO} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
 
 
@@ -129,7 +131,7 @@ def test_a_rejected_command_line_is_one_line_naming_the_flag(script, tmp_path, m
                                         "(expected FLOAT)\n"),
              (["--seed"], "error: --seed: expected INT after it\n"),
              (["stray"], "error: unexpected argument 'stray'; see --help\n"),
-             (["--track", "yes"], "error: unexpected argument 'yes'; see --help\n")]
+             (["--verbose", "yes"], "error: unexpected argument 'yes'; see --help\n")]
     for argv, expected in cases:
         code, err = run_cli_in_process(script, [*argv, "--output_dir", "run"], monkeypatch, capsys)
         assert (code, err) == (2, expected), argv

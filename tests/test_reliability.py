@@ -169,7 +169,7 @@ class _Args:
     stop_after_steps: int = 0
     num_steps: int = 10
     learning_rate: float = 0.1
-    track: bool = False
+    report_to: str = "none"
 
 
 def _save(args, step, info, tracker=None, **state):
@@ -189,7 +189,8 @@ def test_resume_flag_semantics_and_flag_check(tmp_path):
     (tmp_path / "checkpoints" / "step_00000006.tmp").mkdir()  # an interrupted save is never picked
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4]  # keep_checkpoints=1
     assert Checkpointer(args, info).start_step == 4
-    assert Checkpointer(_Args(output_dir=str(tmp_path), resume="yes", save_every=7, track=False), info).start_step == 4
+    resumed = _Args(output_dir=str(tmp_path), resume="yes", save_every=7, report_to="wandb")  # operational flags
+    assert Checkpointer(resumed, info).start_step == 4
     with pytest.raises(ValueError, match=r"--learning_rate 0.1 \(now 0.3\)"):
         Checkpointer(_Args(output_dir=str(tmp_path), learning_rate=0.3), info)
     with pytest.raises(ValueError, match="already holds a run"):

@@ -1,11 +1,16 @@
-"""Tracking plumbing: JSONL metrics, sample tables, wandb (offline), the no-op tracker of non-main ranks, plotting."""
+"""Tracking plumbing: JSONL metrics, sample tables, wandb (offline) and trackio (local) with the same metric names,
+the progress bar and the summary line, the no-op tracker of non-main ranks, plotting."""
 
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from shared.tracking import Timer, Tracker
 
@@ -37,15 +42,152 @@ def test_non_main_ranks_write_nothing(tmp_path):
     assert not (tmp_path / "rank1").exists()
 
 
-def test_wandb_offline(tmp_path, monkeypatch):
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _log_a_run(t: Tracker) -> None:
+    t.log({"objective/scores": 0.5, "eval/accuracy": 0.25, "best/eval/accuracy": 0.25, "best/step": 0}, step=0)
+    t.log({"objective/scores": 0.75, "loss/policy_avg": math.nan}, step=1)
+    t.log_samples([{"prompt": "p", "completion": "c", "reward": 0.0}], step=1)
+
+
+def test_wandb_offline_logs_the_jsonl_metric_names(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    t = Tracker(_Args(), tmp_path / "run", "run", enabled=True, total=1, track=True, wandb_project="test")
-    t.log({"a": 2.0}, step=1)
-    t.log_samples([{"prompt": "p", "completion": "c", "reward": 0.0}], step=1)
+    t = Tracker(_Args(), tmp_path / "run", "run", enabled=True, total=1, report_to="wandb", project="test")
+    _log_a_run(t)
+    assert t.state_dict()["wandb_id"] == t.run_id
     t.close()
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = (run / f"run-{t.run_id}.wandb").read_bytes()  # protobuf records: the metric names appear verbatim
+    for key in {k for row in _rows(tmp_path / "run" / "metrics.jsonl") for k in row} - {"step", "time"}:
+        assert key.encode() in history, key
+
+
+TRACKIO_RUN = """
+import json, socket, sys
+from dataclasses import dataclass
+
+attempts = []
+def refuse(self, address, *a, **k):  # local-first: any connection attempt is recorded and refused
+    attempts.append(str(address))
+    raise OSError("no network in this test")
+socket.socket.connect = refuse
+
+from shared.tracking import Tracker
+sys.path.insert(0, "tests")
+from test_tracking import _Args, _log_a_run
+
+out = sys.argv[1]
+t = Tracker(_Args(), out, "run-1", enabled=True, total=2, report_to="trackio", project="proj")
+_log_a_run(t)
+state = t.state_dict()
+t.close("stopped")
+t = Tracker(_Args(), out, "run-2", enabled=True, total=2, report_to="trackio", project="proj",
+            resume={**state, "step": 1})  # a resumed run continues the same trackio run
+t.log({"objective/scores": 1.0}, step=2)
+t.close()
+from trackio.sqlite_storage import SQLiteStorage
+
+print(json.dumps({"runs": SQLiteStorage.get_runs("proj"), "logs": SQLiteStorage.get_logs("proj", "run-1"),
+                  "attempts": attempts}, default=str))
+"""
+
+
+def test_trackio_logs_the_jsonl_metric_names_locally_and_resumes(tmp_path):
+    """--report_to trackio: stored under TRACKIO_DIR, no network; the same names as metrics.jsonl (trackio adds its
+    `step` and `timestamp`, and the `samples` table); a resumed run continues the same trackio run."""
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", TRACKIO_RUN, str(tmp_path / "run")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["attempts"] == [] and got["runs"] == ["run-1"]
+    assert list((tmp_path / "trackio").glob("proj.db"))
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in got["logs"] if "objective/scores" in r] == [r["step"] for r in rows] == [0, 1, 2]
+    trackio_keys = {k for row in got["logs"] for k in row} - {"step", "timestamp", "samples"}
+    assert trackio_keys == {k for row in rows for k in row} - {"step", "time"}
+    assert "trackio: project proj, run run-1" in proc.stdout
+
+
+def test_unknown_report_to_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="report_to: expected one of none, wandb, trackio"):
+        Tracker(_Args(), tmp_path, "run", enabled=True, total=1, report_to="tensorboard")
+
+
+def test_progress_bar_carries_the_last_held_out_value(tmp_path):
+    """The bar shows the step, the script's values and the last evaluation's value: `-` before the first, carried
+    between evaluations, never nan."""
+    t = Tracker(_Args(), tmp_path, "run", enabled=True, total=3)
+    assert t.bar.postfix == "eval/accuracy=-"
+    t.log({"objective/scores": 0.5}, 1)
+    t.progress(1, reward=0.5)
+    assert t.bar.postfix == "reward=0.5, eval/accuracy=-"
+    t.log({"objective/scores": 0.75, "eval/accuracy": 0.25}, 2)
+    t.progress(1, reward=0.75)
+    t.log({"objective/scores": math.nan}, 3)
+    t.progress(1, reward=math.nan)
+    assert t.bar.postfix == "reward=-, eval/accuracy=0.25"
+    assert "step 3/3" in str(t.bar)
+    t.close()
+    # the held-out value shown is the key of --best_metric
+    t = Tracker({"best_metric": "eval/p_bad:min"}, tmp_path, "run", enabled=True, total=3)
+    t.log({"eval/p_bad": 0.125}, 1)
+    t.progress(1, reward=1.0, log_p_bad=None)
+    assert t.bar.postfix == "reward=1, eval/p_bad=0.125"
+    t.close()
+
+
+def test_remaining_time_leaves_the_set_up_out(tmp_path):
+    """A slow start (models, engine, the step-0 evaluation: 1 s here) does not count as time of the first step, so
+    the remaining-time estimate after it follows the step time (0.1 s), not the start (was: hours on a real run)."""
+    t = Tracker(_Args(), tmp_path, "run", enabled=True, total=10)
+    time.sleep(1.0)
+    t.log({"eval/accuracy": 0.5}, 0)  # the last set-up line, logged at step 0
+    for step in (1, 2):
+        time.sleep(0.1)
+        t.log({"objective/scores": 0.5}, step)
+        t.progress(1, reward=0.5)
+    assert t.bar.format_dict["rate"] > 4  # steps per second; ~0.9 if the set-up counted
+    t.close()
+
+
+def test_summary_line_names_steps_time_final_and_best_and_the_files(tmp_path, capsys):
+    t = Tracker(_Args(), tmp_path, "run", enabled=True, total=2)
+    _log_a_run(t)
+    t.log({"eval/accuracy": 0.125, "best/eval/accuracy": 0.25, "best/step": 0}, step=2)
+    t.progress(2)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "best").mkdir()
+    t.close()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"done: 2 steps in 0s; final eval/accuracy 0.125 (best 0.25 @ step 0); wrote {tmp_path}/metrics.jsonl, "
+        "samples.jsonl, final/, best/")
+
+
+def test_summary_of_a_stopped_and_resumed_run(tmp_path, capsys):
+    t = Tracker(_Args(), tmp_path, "run", enabled=True, total=4)
+    _log_a_run(t)
+    t.progress(1)
+    state = t.state_dict()
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    t.close("stopped")
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stopped: 1 steps in 0s; last eval/accuracy 0.25 @ step 0 (best 0.25 @ step 0); wrote "
+        f"{tmp_path}/metrics.jsonl, samples.jsonl, checkpoints/")
+    t = Tracker(_Args(), tmp_path, "run", enabled=True, total=4, resume={**state, "step": 1})
+    assert t.bar.postfix == "eval/accuracy=0.25"  # carried over from the metrics logged before the checkpoint
+    t.progress(3)
+    t.close()
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "done: 4 steps (resumed at step 1) in 0s; final eval/accuracy 0.25 (best 0.25 @ step 0)")
+    # `--resume <checkpoint dir>` into another output_dir: no metrics.jsonl there yet
+    t = Tracker(_Args(), tmp_path / "other", "run", enabled=True, total=4, resume={**state, "step": 1})
+    assert t.bar.postfix == "eval/accuracy=-"
+    t.close()
 
 
 def test_timer_accumulates_per_phase():
