@@ -12,7 +12,8 @@ checkpoint (rerun the same command to continue).
 
 Reported per run, from its metrics.jsonl: the held-out metric at step 0 and at the end (`eval/accuracy`: grader
 accuracy for sft/grpo/dpo, pairwise accuracy for rm; dpo also `eval/rewards/accuracies`), the step that the dev
-slice selected for output_dir/best and the held-out value at that step, wall time, peak RSS. Over seeds: mean,
+slice selected for output_dir/best and the held-out value at that step, the process's wall time, peak RSS.
+Rerunning the same command after all runs finished only re-aggregates their stored results. Over seeds: mean,
 min, max. Writes docs/bench/headline/<device>_<time>.json, rendered into README.md and docs/*.md by
 scripts/docs_tables.py.
 """
@@ -52,7 +53,7 @@ def summarize_run(rows: list[dict], keys: list[str]) -> dict:
         "at_best": {k: at_best.get(k) for k in keys} if at_best else None,
         "dev_at_best": {k.replace("eval/", "dev/"): at_best.get(k.replace("eval/", "dev/")) for k in keys}
         if at_best else None,
-        "minutes": rows[-1]["time"] / 60 if "time" in rows[-1] else None,
+        "tracker_minutes": rows[-1]["time"] / 60 if "time" in rows[-1] else None,  # from the tracker's start
     }
 
 
@@ -77,7 +78,7 @@ def run_one(a, name: str, seed: int) -> dict | None:
     cache.write_text(json.dumps(result, indent=1))
     k = METRICS[name][0]
     print(f"[bench] {name} seed {seed}: {k} {result['start'][k]:.3f} -> {result['final'][k]:.3f} "
-          f"({result['minutes']:.1f} min)", flush=True)
+          f"({result['wall_s_this_invocation'] / 60:.1f} min)", flush=True)
     return result
 
 
@@ -104,7 +105,9 @@ def main() -> None:
             "final": {k: spread([r["final"][k] for r in runs.values()]) for k in keys},
             "at_best": {k: spread([r["at_best"][k] for r in runs.values()]) for k in keys}
             if all(r["at_best"] for r in runs.values()) else None,
-            "minutes": spread([r["minutes"] for r in runs.values()]),
+            # wall time of the whole process: start-up, evaluations and saving included (and, for the first RL
+            # seed in a fresh cache, building the warm start it loads)
+            "minutes": spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
             "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
             "seeds": runs,
         }

@@ -125,8 +125,11 @@ def headline(d: dict) -> str:
                      f"{_spread3(r['final'][k])} | {best} | {r['minutes']['mean']:.1f} | "
                      f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB |")
     seeds = sorted({s for r in d["results"].values() for s in r["seeds"]})
-    lines += ["", f"Seeds {', '.join(seeds)}; built-in task, tiny model, CPU. `{d['command']}`, {d['env']['device']}, "
-                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    load = max(x["loadavg_at_end"][0] for r in d["results"].values() for x in r["seeds"].values())
+    lines += ["", f"Seeds {', '.join(seeds)}; minutes: the whole process, mean over seeds (start-up, evaluations and "
+                  f"saving included; grpo's first seed also built the SFT warm start in the fresh cache); peak RSS: "
+                  f"the largest over seeds; 1-minute load average at the end of a run at most {load:.1f}. "
+                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
     return "\n".join(lines)
 
 
@@ -141,7 +144,7 @@ def headline_runs(d: dict, name: str) -> str:
         vals = " | ".join(f"{x['start'][k]:.3f} -> {x['final'][k]:.3f}" for k in keys)
         at_best = f"{x['at_best'][keys[0]]:.3f}" if x.get("at_best") else "-"
         lines.append(f"| {seed} | {vals} | {x['best_step'] if x['best_step'] is not None else '-'} | {at_best} | "
-                     f"{x['minutes']:.1f} |")
+                     f"{x['wall_s_this_invocation'] / 60:.1f} |")
     means = " | ".join(f"{r['start'][k]['mean']:.3f} -> {_spread3(r['final'][k])}" for k in keys)
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")

@@ -16,7 +16,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--total_episodes", "64", "--local_num_prompts", "4", "--num_generations", "4", "--local_micro_batch_size",
+SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
+         "--total_episodes", "64", "--local_num_prompts", "4", "--num_generations", "4", "--local_micro_batch_size",
          "8", "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "1", "--sample_every", "1"]
 
 
@@ -107,7 +108,9 @@ def test_grpo_two_processes_deepspeed(tmp_path, stage):
     assert last["check/ranks_shared_prompts"] == 0.0
 
 
-PPO_SMALL = ["--model_name_or_path", "builtin:tiny", "--total_episodes", "64", "--local_num_prompts", "4",
+PPO_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
+              # a small dev slice (selects best/) keeps the runs short
+         "--model_name_or_path", "builtin:tiny", "--total_episodes", "64", "--local_num_prompts", "4",
              "--num_samples_per_prompt", "4", "--local_micro_batch_size", "8", "--max_new_tokens", "8",
              "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "1", "--sample_every", "1"]
 
@@ -262,7 +265,9 @@ def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
     assert all(math.isfinite(r["eval/reward"]) for r in metrics(tmp_path) if "eval/accuracy" in r)
 
 
-DRCA_SMALL = ["--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
+DRCA_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
+               # a small dev slice (selects best/) keeps the runs short
+         "--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
               "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "8",
               "--eval_num_samples", "2", "--eval_every", "2", "--sample_every", "1"]
 
@@ -314,7 +319,9 @@ def test_drca_two_processes_zero2(trained_rm, tmp_path):
                                    for r in steps)
 
 
-DPO_SMALL = ["--total_episodes", "256", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
+DPO_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
+              # a small dev slice (selects best/) keeps the runs short
+         "--total_episodes", "256", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
              "--eval_num_samples", "2", "--eval_num_pairs", "32", "--eval_every", "4"]
 
 

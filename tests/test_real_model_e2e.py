@@ -20,7 +20,7 @@ from tests.test_e2e import metrics, run
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
-BASE = ["--model_name_or_path", "builtin:smollm2-135m", "--chat_template"]
+BASE = ["--model_name_or_path", "builtin:smollm2-135m", "--chat_template", "--dev_num_prompts", "4"]
 SMOL = [*BASE, "--learning_rate", "1e-5", "--max_new_tokens", "16"]
 RL = ["--local_num_prompts", "2", "--local_micro_batch_size", "4", "--num_minibatches", "1", "--eval_num_prompts",
       "4", "--eval_num_samples", "1", "--eval_every", "0", "--sample_every", "1"]
@@ -103,7 +103,8 @@ def vineppo_run(runs):
 def dpo_run(runs):
     out = runs / "dpo"
     script("dpo", out, *SMOL, "--total_episodes", "16", "--local_micro_batch_size", "8", "--eval_num_pairs", "8",
-           "--eval_num_prompts", "4", "--eval_num_samples", "1", "--eval_every", "0", "--num_sample_completions", "2")
+           "--eval_num_prompts", "4", "--eval_num_samples", "1", "--eval_every", "0", "--num_sample_completions", "2",
+           "--generator", "hf")  # vLLM on this model: the grpo, ppo and vineppo runs
     return out
 
 
