@@ -10,7 +10,7 @@ Only the main process writes; other ranks get a tracker whose methods do nothing
 call sites, as SFFD's no-op writer). Plot any run with `python scripts/plot.py <output_dir>`.
 
 The progress bar shows the step, the values the script passes to `progress` (reward or loss) and the last
-held-out value of `eval_key` (the key of the script's `--best_metric`, default `eval/accuracy`), carried from the
+held-out value of `eval_key` (`--best_metric`'s key, its `eval/` twin for a `dev/` metric), carried from the
 last evaluation (`-` before the first), with elapsed and remaining time. `close()` prints one summary line:
 steps, time, final and best held-out value, and the files written.
 
@@ -70,7 +70,11 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(args)
         (self.dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
-        self.eval_key = eval_key or (config.get("best_metric") or "eval/accuracy").partition(":")[0]
+        # the bar and summary show the reported held-out value (eval/...); best/ is selected on --best_metric's key,
+        # usually its dev/ twin on the dev slice
+        self.best_key = (config.get("best_metric") or "eval/accuracy").partition(":")[0]
+        self.eval_key = eval_key or (self.best_key.replace("dev/", "eval/", 1) if self.best_key.startswith("dev/")
+                                     else self.best_key)
         self.last_eval: tuple | None = None  # (value, step) of the last held-out evaluation
         self.best: tuple | None = None  # (value, step) of output_dir/best, from BestModel's best/* metrics
         for name in ("metrics", "samples"):
@@ -118,8 +122,8 @@ class Tracker:
     def _remember(self, row: dict) -> None:
         if row.get(self.eval_key) is not None:
             self.last_eval = (row[self.eval_key], row["step"])
-        if row.get(f"best/{self.eval_key}") is not None and row.get("best/step") is not None:
-            self.best = (row[f"best/{self.eval_key}"], row["best/step"])
+        if row.get(f"best/{self.best_key}") is not None and row.get("best/step") is not None:
+            self.best = (row[f"best/{self.best_key}"], row["best/step"])
 
     def _postfix(self) -> str:
         shown = {**self.postfix, self.eval_key: self.last_eval[0] if self.last_eval else None}
@@ -189,7 +193,8 @@ class Tracker:
             text = f"{'final' if status == 'done' else 'last'} {self.eval_key} {_fmt(value)}"
             text += f" @ step {step}" if status != "done" else ""
             if self.best is not None:
-                text += f" (best {_fmt(self.best[0])} @ step {self.best[1]})"
+                named = "" if self.best_key == self.eval_key else f"{self.best_key} "
+                text += f" (best {named}{_fmt(self.best[0])} @ step {self.best[1]})"
             parts.append(text)
         wrote = [str(self.dir / "metrics.jsonl")]
         wrote += ["samples.jsonl"] if self.samples_file.tell() else []

@@ -212,3 +212,18 @@ def test_plot_script_writes_a_png(tmp_path):
     assert out.returncode == 0, out.stderr
     png = run / "curves.png"
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_with_a_dev_best_metric_the_bar_shows_the_held_out_value_and_the_summary_the_dev_selection(tmp_path, capsys):
+    """--best_metric dev/accuracy (the default): the bar and the final value are the reported eval/accuracy; the best
+    checkpoint is named with the dev/ metric that selected it."""
+    from shared.tracking import Tracker
+
+    t = Tracker({"best_metric": "dev/accuracy"}, tmp_path, "run", enabled=True, total=2)
+    t.log({"eval/accuracy": 0.5, "dev/accuracy": 0.75, "best/dev/accuracy": 0.75, "best/step": 0}, step=0)
+    t.progress(2)
+    assert "eval/accuracy=0.5" in t._postfix() and "dev/" not in t._postfix()
+    t.close()
+    out = capsys.readouterr().out
+    assert "final eval/accuracy 0.5 (best dev/accuracy 0.75 @ step 0)" in out
+
