@@ -141,7 +141,11 @@ def _built_by(name: str, script: str, base: Path) -> Path:
                        "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1",
                        "--save_every", "0", "--best_metric", "", "--dev_num_prompts", "0"]  # only the final model,
                 # trained on the whole train split (no dev slice: nothing selects a best checkpoint here)
-                subprocess.run(cmd, check=True, env=_clean_env(), cwd=PROJECT_ROOT)
+                # its console stays out of the caller's (one progress bar per run); shown only if it fails
+                proc = subprocess.run(cmd, env=_clean_env(), cwd=PROJECT_ROOT, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+                    raise RuntimeError(f"building {final} with algorithms/{script} failed (exit {proc.returncode})")
                 # the scripts write their final checkpoint under output_dir/final
                 for item in (tmp / "final").iterdir():
                     shutil.move(str(item), tmp / item.name)
