@@ -115,7 +115,8 @@ def dev_split(rows: list[dict], num_dev: int, part: str, name: str, key=None) ->
     prompts, with all their rows (`key(row)` names a row's prompt; default: every row its own), chosen by a shuffle
     that depends only on the number of rows (every run, seed and rank agrees). `part` "dev" returns the slice,
     "train" the rest. A split of fewer than MIN_HOLDOUT_ROWS prompts keeps no dev slice. The reported held-out
-    split is never used for selection (selecting on it would overstate its accuracy)."""
+    split is never used for selection (selecting on it would overstate its accuracy). The scripts say the slice's
+    size in their data line at start."""
     groups = _groups(rows, key) if key else [[i] for i in range(len(rows))]
     n = len(groups)
     k = 0 if n < MIN_HOLDOUT_ROWS or num_dev <= 0 else min(num_dev, max(1, int(HOLDOUT_FRACTION * n)))
@@ -123,8 +124,6 @@ def dev_split(rows: list[dict], num_dev: int, part: str, name: str, key=None) ->
         return rows if part == "train" else Rows([], [])
     random.Random(f"dev:{n}").shuffle(groups)
     dev = {i for g in groups[:k] for i in g}
-    _notice(f"dev:{name}", f"{name}: {k} of its {n} training prompts ({len(dev)} rows) are the dev slice that "
-                           "selects output_dir/best (not trained on); the held-out split is only reported")
     keep = [i for i in range(len(rows)) if (i in dev) == (part == "dev")]
     numbers = row_numbers(rows)
     return Rows([rows[i] for i in keep], numbers=[numbers[i] for i in keep])

@@ -116,7 +116,7 @@ def test_a_default_run_prints_our_lines_one_progress_bar_and_a_summary(tmp_path)
     assert stderr.count("\n") == 1  # the bar's own line, redrawn in place (\r)
     lines = stdout.split("\n")[:-1]
     assert len(lines) <= 6, stdout  # trackio's line, the data line, step 0's accuracy, first -> last, the summary
-    summary = (rf"done: 2 steps in \S+; final eval/accuracy [0-9.]+ \(best [0-9.]+ @ step \d\); "
+    summary = (rf"done: 2 steps in \S+; final eval/accuracy [0-9.]+ \(best dev/accuracy [0-9.]+ @ step \d\); "
                rf"wrote {re.escape(str(out_dir))}/metrics.jsonl, final/, best/")
     assert re.fullmatch(summary, lines[-1]), lines[-1]
     read = subprocess.run([sys.executable, "-c", READ_TRACKIO], env=clean_env(TRACKIO_DIR=str(tmp_path / "trackio")),
