@@ -549,7 +549,8 @@ def test_a_reward_function_raising_mid_run_saves_a_checkpoint_and_the_run_resume
             (fn_dir / "boom").write_text(str(boom))
         monkeypatch.setattr(sys, "argv", [
             "grpo.py", "--output_dir", str(out), "--reward_fn", f"{fn_dir / 'flaky.py'}:flaky", *RL_TINY,
-            "--total_episodes", "64", "--eval_every", "2" if where == "eval" else "0", "--save_every", "0"])
+            "--total_episodes", "64", "--eval_every", "2" if where == "eval" else "0", "--save_every", "0",
+            "--dev_num_prompts", "0"])  # the failing call is counted: no dev evaluation calls in between
         try:
             run_cli(grpo.main, grpo.Args)
         except SystemExit as e:
