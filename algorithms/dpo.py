@@ -423,7 +423,8 @@ def main(args: Args) -> str:
         torch.save((train, setup), pairs_file.with_suffix(".tmp"))
         pairs_file.with_suffix(".tmp").rename(pairs_file)
     sampler = data_utils.PromptSampler(len(train), args.seed)
-    tracker.write(f"{args.num_steps} steps of {args.batch_size} pairs ({args.total_episodes / len(train):.2f} epochs)")
+    tracker.write(f"{args.num_steps} steps of {args.batch_size} pairs ({args.total_episodes / len(train):.2f} epochs); "
+                  f"dev slice: {len(dev_data.rows)} prompts, {len(dev_pairs)} pairs")
 
     def pair_batch(d: data_utils.PreferenceData, idx: list[int]):
         """[chosen; rejected] of the pairs idx as one right-padded batch of 2B sequences."""
@@ -529,11 +530,10 @@ def main(args: Args) -> str:
             metrics.update(pair_metrics(dev_pairs, dev_ref, "dev/"))
         if eval_data is not None or (dev_data.rows and reward_fn is not None):
             generator.sync_weights(full_named_parameters(policy, info))
-        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
-            if data is not None and data.rows and reward_fn is not None:
-                metrics.update(evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
-                                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 7,
-                                                 prefix=prefix))
+        if reward_fn is not None:
+            metrics.update(evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
+                                             args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
+                                             seed=args.seed + 7))
         if eval_data is not None:
             outs = generator.generate(eval_data.prompt_ids[: args.num_sample_completions], n=1, temperature=1.0, top_p=1.0,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed + step)

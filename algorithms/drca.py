@@ -563,13 +563,10 @@ def main(args: Args) -> str:
 
     def evaluate(step: int) -> dict:
         """Grader accuracy / pass@k and the mean normalised RM score of the same samples, on eval and dev."""
-        metrics = {}
-        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
-            if data.rows:
-                metrics |= evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
-                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
-                                             reward_model=reward_model, pad_id=tokenizer.pad_token_id,
-                                             micro_batch_size=mb, prefix=prefix)
+        metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
+                                    args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
+                                    seed=args.seed + 1_000_003, reward_model=reward_model,
+                                    pad_id=tokenizer.pad_token_id, micro_batch_size=mb)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, first evaluation

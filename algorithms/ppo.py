@@ -412,13 +412,10 @@ def main(args: Args) -> str:
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
-        metrics = {}
-        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
-            if data.rows:
-                metrics |= evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
-                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
-                                             reward_model=reward_model, pad_id=tokenizer.pad_token_id,
-                                             micro_batch_size=args.local_micro_batch_size, prefix=prefix)
+        metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
+                                    args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
+                                    seed=args.seed + 1_000_003, reward_model=reward_model,
+                                    pad_id=tokenizer.pad_token_id, micro_batch_size=args.local_micro_batch_size)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, algorithm state

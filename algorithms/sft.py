@@ -243,12 +243,9 @@ def main(args: Args) -> str:
 
     def run_eval(step: int) -> None:
         generator.sync_weights(full_named_parameters(model, info))
-        metrics = {}
-        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
-            if data.rows:
-                metrics |= evaluate_accuracy(generator, data, reward_fn, completion_decoder(tokenizer, args.stop), info,
-                                             1, args.eval_temperature, args.max_new_tokens, seed=args.seed + 7,
-                                             prefix=prefix)
+        metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn,
+                                    completion_decoder(tokenizer, args.stop), info, 1, args.eval_temperature,
+                                    args.max_new_tokens, seed=args.seed + 7)
         metrics.update(best.update(metrics, step, model))  # keeps the best model (on dev) in output_dir/best
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] held-out accuracy {metrics['eval/accuracy']:.3f}")

@@ -346,12 +346,9 @@ def main(args: Args) -> str:
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def evaluate(step: int) -> dict:  # grader accuracy and pass@k on eval and dev (shared/evaluation.py)
-        metrics = {}
-        for data, prefix in ((eval_data, "eval"), (dev_data, "dev")):
-            if data.rows:
-                metrics |= evaluate_accuracy(generator, data, reward_fn, decode, info, args.eval_num_samples,
-                                             args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003,
-                                             prefix=prefix)
+        metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
+                                    args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
+                                    seed=args.seed + 1_000_003)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG (VinePPO has no more state)

@@ -18,13 +18,25 @@ import torch
 from shared.rewards import compute_rewards
 
 
-def evaluate_accuracy(generator, eval_data, reward_fn, decode, info, num_samples: int, temperature: float,
+def evaluate_accuracy(generator, sets: dict, reward_fn, decode, info, num_samples: int, temperature: float,
                       max_new_tokens: int, seed: int, reward_model=None, pad_id: int = 0,
-                      micro_batch_size: int = 64, prefix: str = "eval") -> dict:
-    """{"eval/accuracy": mean correctness over num_samples per prompt, "eval/pass@k": any correct} (with a grader),
-    plus "eval/reward" (mean reward-model score of the same completions) when `reward_model` is given. `prefix`
-    names the set: "eval" (the reported held-out split) or "dev" (the slice of the training split that selects
-    output_dir/best)."""
+                      micro_batch_size: int = 64) -> dict:
+    """`evaluate_set` on every non-empty set of `sets`, {prefix: PromptData}: {"eval": the reported held-out split,
+    "dev": the slice of the training split that selects output_dir/best}. Empty or None sets are skipped (the same
+    on every rank: set sizes do not depend on the rank)."""
+    out = {}
+    for prefix, data in sets.items():
+        if data is not None and data.rows:
+            out |= evaluate_set(generator, data, reward_fn, decode, info, num_samples, temperature, max_new_tokens,
+                                seed, reward_model, pad_id, micro_batch_size, prefix)
+    return out
+
+
+def evaluate_set(generator, eval_data, reward_fn, decode, info, num_samples: int, temperature: float,
+                 max_new_tokens: int, seed: int, reward_model=None, pad_id: int = 0, micro_batch_size: int = 64,
+                 prefix: str = "eval") -> dict:
+    """{"<prefix>/accuracy": mean correctness over num_samples per prompt, "<prefix>/pass@k": any correct} (with a
+    grader), plus "<prefix>/reward" (mean reward-model score of the same completions) when `reward_model` is given."""
     if reward_fn is None and reward_model is None:
         raise ValueError("evaluate_accuracy: needs a grader (reward_fn) or a reward_model")
     per_rank = math.ceil(len(eval_data.rows) / info.world_size)
