@@ -349,7 +349,8 @@ class BestModel:
     (`dev/p_bad:min`). Empty: disabled. The scripts select on `dev/*`, the dev slice of the training split, so the
     reported `eval/*` numbers are not inflated by selection; selecting on `eval/*` is allowed but said (`tracker`).
     `has_dev` False (no dev slice: a tiny training split, or dev_num_* 0) with a `dev/` metric: nothing is kept,
-    said. Every rank must call `update` (saving gathers ZeRO-3 shards)."""
+    said. The prefix is checked at start-up (`parse`), the name at the first evaluation that logs that set (step 0,
+    before any training): a name the run does not log is an error listing those it does. Every rank must call `update` (saving gathers ZeRO-3 shards)."""
 
     def __init__(self, metric: str, output_dir: str | Path, info: DistInfo, tokenizer=None, tracker=None,
                  has_dev: bool = True):
@@ -371,12 +372,21 @@ class BestModel:
         key, _, mode = metric.partition(":")
         if mode not in ("", "min", "max"):
             raise ValueError(f"best_metric: expected `name`, `name:min` or `name:max`, got {metric!r}")
+        if key and key.split("/")[0] not in ("dev", "eval"):
+            raise ValueError(f"best_metric: expected a held-out metric, dev/<name> or eval/<name>, got {metric!r}")
         return key, -1.0 if mode == "min" else 1.0
 
     def update(self, metrics: dict, step: int, model, extra_config: dict | None = None) -> dict:
         """Save `model` if metrics[key] improved; returns {"best/<key>", "best/step"} to log (empty if no metric)."""
-        v = metrics.get(self.key) if self.key else None
-        if v is None or v != v:  # absent or NaN
+        if not self.key:
+            return {}
+        prefix = self.key.split("/")[0] + "/"
+        logged = sorted(k for k in metrics if k.startswith(prefix))
+        if self.key not in metrics and logged:  # this set was evaluated, without that metric: a misspelt name
+            raise ValueError(f"best_metric: {self.key!r} is not among this run's metrics on that set: "
+                             f"{', '.join(logged)}")
+        v = metrics.get(self.key)
+        if v is None or v != v:  # absent (set not evaluated this time) or NaN
             return {}
         if self.value is None or self.sign * v > self.sign * self.value:
             self.value, self.step = float(v), step

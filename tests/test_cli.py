@@ -263,3 +263,7 @@ def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, 
     assert (code, err) == (2, "error: best_metric: expected `name`, `name:min` or `name:max`, got "
                               "'eval/accuracy:highest'\n")
     assert list(tmp_path.iterdir()) == []
+    code, err = run_cli_in_process(script, ["--best_metric", "dve/accuracy", "--output_dir", "run"], monkeypatch, capsys)
+    assert (code, err) == (2, "error: best_metric: expected a held-out metric, dev/<name> or eval/<name>, got "
+                              "'dve/accuracy'\n")
+    assert list(tmp_path.iterdir()) == []

@@ -228,6 +228,18 @@ def test_best_model_warns_when_it_selects_on_the_reported_set_or_has_no_dev_slic
     assert said.lines == []
 
 
+def test_a_misspelt_best_metric_name_fails_at_the_first_evaluation_of_its_set(tmp_path):
+    """The prefix is checked at start-up (test_cli); the name when its set is first evaluated (step 0, before any
+    training), naming what the run does log. A set not evaluated this time (no dev slice) is no error."""
+    info = init_distributed()
+    best = BestModel("dev/acuracy", tmp_path, info)
+    assert best.update({"eval/accuracy": 0.5}, 0, None) == {}  # the dev set was not evaluated: nothing to check
+    with pytest.raises(ValueError, match=r"^best_metric: 'dev/acuracy' is not among this run's metrics on that set: "
+                                         r"dev/accuracy, dev/pass@4$"):
+        best.update({"eval/accuracy": 0.5, "dev/pass@4": 0.75, "dev/accuracy": 0.5}, 0, None)
+    assert not (tmp_path / "best").exists()
+
+
 def test_restore_brings_back_rng_state_and_objects(tmp_path):
     info = init_distributed()
     args = _Args(output_dir=str(tmp_path))
