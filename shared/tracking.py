@@ -17,6 +17,9 @@ steps, time, final and best held-out value, and the files written.
 A fresh run starts both JSONL files empty. A resumed run (`resume=` the checkpoint's `state_dict()`) cuts
 them back to their length at the checkpoint and appends, and continues the same wandb or trackio run, so the
 files of an interrupted-and-resumed run equal those of a straight run (apart from the wall-clock `time` fields).
+What the interrupted run had already sent to wandb/trackio after its checkpoint (read from the JSONL lines cut
+off) is not sent again: those backends keep one value per step and metric (wandb drops steps below its last;
+trackio would store a second row), the interrupted run's; a resumed run recomputes the same values (exact resume).
 """
 
 from __future__ import annotations
@@ -77,12 +80,22 @@ class Tracker:
                                      else self.best_key)
         self.last_eval: tuple | None = None  # (value, step) of the last held-out evaluation
         self.best: tuple | None = None  # (value, step) of output_dir/best, from BestModel's best/* metrics
+        # (step, key) pairs the interrupted run already sent to wandb/trackio after its checkpoint: not sent again
+        self.sent: dict[int, set] = {}
         for name in ("metrics", "samples"):
             path = self.dir / f"{name}.jsonl"
             if resume is None:
                 path.write_text("")
             elif path.exists() and path.stat().st_size > resume[name]:
                 with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
+                    f.seek(resume[name])
+                    for line in f.read().decode(errors="replace").splitlines():
+                        try:
+                            row = json.loads(line)
+                        except ValueError:  # a line cut by the interruption
+                            continue
+                        keys = set(row) - {"step", "time"} if name == "metrics" else {"samples"}
+                        self.sent.setdefault(row.get("step"), set()).update(keys)
                     f.truncate(resume[name])
         if resume is not None and (self.dir / "metrics.jsonl").exists():  # the bar and the summary carry the
             for line in (self.dir / "metrics.jsonl").read_text().splitlines():  # held-out values logged before
@@ -151,7 +164,9 @@ class Tracker:
             if step <= self.initial:  # set-up (models, engine, step-0 evaluation) ends: keep it out of tqdm's step
                 self.bar.last_print_t = time.time()  # rate (timed from last_print_t), or the first ETAs are hours long
         if self.backend:
-            self.backend.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
+            fresh = {k: v for k, v in row.items() if k not in ("step", "time") and k not in self.sent.get(step, ())}
+            if fresh:
+                self.backend.log(fresh, step=step)
 
     def progress(self, n: int, **postfix) -> None:
         """Advance the bar by n steps; `postfix` (e.g. reward=..., loss=...) stays shown until replaced (None: not
@@ -174,7 +189,7 @@ class Tracker:
         head = rows[0]
         if self.bar is not None:
             self.bar.write(f"[step {step}] sample: " + " | ".join(f"{k}={v!r}" for k, v in head.items()))
-        if self.backend:
+        if self.backend and "samples" not in self.sent.get(step, ()):
             cols = list(head)
             self.backend.log({"samples": self.backend.Table(columns=cols, data=[[r.get(c) for c in cols]
                                                                                 for r in rows])}, step=step)

@@ -83,11 +83,16 @@ from test_tracking import _Args, _log_a_run
 out = sys.argv[1]
 t = Tracker(_Args(), out, "run-1", enabled=True, total=2, report_to="trackio", project="proj")
 _log_a_run(t)
-state = t.state_dict()
+state = t.state_dict()  # the checkpoint of step 1
+t.log({"objective/scores": 1.0}, step=2)  # logged after the checkpoint, then interrupted
+t.log_samples([{"prompt": "p", "completion": "c"}], step=2)
 t.close("stopped")
 t = Tracker(_Args(), out, "run-2", enabled=True, total=2, report_to="trackio", project="proj",
             resume={**state, "step": 1})  # a resumed run continues the same trackio run
-t.log({"objective/scores": 1.0}, step=2)
+t.log({"objective/scores": 1.0}, step=2)  # step 2 again: already in trackio, not stored twice
+t.log({"eval/accuracy": 0.5}, step=2)  # a metric the interrupted run had not reached at step 2: sent
+t.log_samples([{"prompt": "p", "completion": "c"}], step=2)
+t.log({"objective/scores": 2.0}, step=3)
 t.close()
 from trackio.sqlite_storage import SQLiteStorage
 
@@ -107,7 +112,10 @@ def test_trackio_logs_the_jsonl_metric_names_locally_and_resumes(tmp_path):
     assert got["attempts"] == [] and got["runs"] == ["run-1"]
     assert list((tmp_path / "trackio").glob("proj.db"))
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in got["logs"] if "objective/scores" in r] == [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows if "objective/scores" in r] == [0, 1, 2, 3]  # the JSONL cut back and continued
+    assert [r["step"] for r in got["logs"] if "objective/scores" in r] == [0, 1, 2, 3]  # no step twice in trackio
+    assert [r["step"] for r in got["logs"] if "eval/accuracy" in r] == [0, 2]
+    assert [r["step"] for r in got["logs"] if "samples" in r] == [1, 2]
     trackio_keys = {k for row in got["logs"] for k in row} - {"step", "timestamp", "samples"}
     assert trackio_keys == {k for row in rows for k in row} - {"step", "time"}
     assert "trackio: project proj, run run-1" in proc.stdout
