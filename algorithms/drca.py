@@ -234,13 +234,25 @@ def think_prefix_length(pieces: list[str]) -> int:
     return len(pieces)
 
 
-def char_offsets(decode, ids: list[int]) -> list[int]:
+def char_offsets(decode, ids: list[int], context: int = 8) -> list[int]:
     """offsets[i] = len(decode(ids[:i])), i = 0..n: token i covers characters [offsets[i], offsets[i+1]).
     Prefix decoding (not per-token decoding) keeps multi-byte characters split over tokens intact; a prefix
-    ending inside a character decodes to a trailing U+FFFD, which is not counted."""
+    ending inside a character decodes to a trailing U+FFFD, which is not counted.
+
+    Linear time: the characters token i adds are len(decode(ids[i-c:i+1])) - len(decode(ids[i-c:i])), decoded
+    with `context` tokens before it (as vLLM's incremental detokenizer), so split characters, leading-space and
+    clean-up rules see the same neighbourhood as in the full prefix. If the total disagrees with the full decode
+    (a tokenizer whose decoding depends on more context), the exact quadratic prefix decoding is used."""
+    clean = lambda t: len(t.rstrip("\ufffd"))  # noqa: E731
     offsets = [0]
-    for i in range(1, len(ids) + 1):
-        offsets.append(max(offsets[-1], len(decode(ids[:i]).rstrip("\ufffd"))))
+    for i in range(len(ids)):
+        lo = max(0, i - context)
+        added = clean(decode(ids[lo:i + 1])) - clean(decode(ids[lo:i])) if i > lo else clean(decode(ids[:1]))
+        offsets.append(max(offsets[-1], offsets[-1] + added))
+    if offsets[-1] != clean(decode(ids)):
+        offsets = [0] + [0] * len(ids)
+        for i in range(1, len(ids) + 1):
+            offsets[i] = max(offsets[i - 1], clean(decode(ids[:i])))
     return offsets
 
 
