@@ -72,7 +72,7 @@ class Args:
     ref_model_name_or_path: str = ""
     """frozen reference policy (default: the starting policy itself)"""
     dataset: str = "builtin"
-    """`builtin` (built-in task + preference pairs), a local .jsonl/.json/.parquet file, or a hub dataset"""
+    """`builtin` (built-in task + preference pairs; `builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"

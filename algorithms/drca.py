@@ -76,7 +76,7 @@ class Args:
     critic_model_path: str = ""
     """initialise the critic from this checkpoint (default: the reward model, as the reference)"""
     dataset: str = "builtin"
-    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"
@@ -476,7 +476,7 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
     if args.unit_pattern == "auto":
-        args.unit_pattern = "lines" if args.dataset == "builtin" else "labels"
+        args.unit_pattern = "lines" if args.dataset.startswith("builtin") else "labels"
     pattern = UNIT_PATTERNS.get(args.unit_pattern, args.unit_pattern)
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)

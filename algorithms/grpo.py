@@ -63,7 +63,7 @@ class Args:
     model_name_or_path: str = "builtin:tiny-sft"
     """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
     dataset: str = "builtin"
-    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"

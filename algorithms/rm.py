@@ -55,7 +55,7 @@ class Args:
     model_name_or_path: str = "builtin:tiny-sft"
     """backbone: hub name or local path (causal LM or sequence classifier); `builtin:tiny-sft` is the built-in warm start"""
     dataset: str = "builtin"
-    """`builtin` (built-in preference pairs), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    """`builtin` (built-in preference pairs; `builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"

@@ -48,7 +48,7 @@ class Args:
     model_name_or_path: str = "builtin:tiny"
     """hub name or local path of the model; `builtin:tiny` is the random-init built-in tiny Llama"""
     dataset: str = "builtin"
-    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"

@@ -54,7 +54,7 @@ class Args:
     model_name_or_path: str = "builtin:tiny-sft"
     """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
     dataset: str = "builtin"
-    """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"
@@ -320,7 +320,7 @@ def main(args: Args) -> str:
     splitter_name = args.step_splitter
     if splitter_name == "auto":
         lowered = args.dataset.lower()
-        splitter_name = "lines" if args.dataset == "builtin" else "gsm8k" if "gsm8k" in lowered else "math"
+        splitter_name = "lines" if args.dataset.startswith("builtin") else "gsm8k" if "gsm8k" in lowered else "math"
     split_steps = get_splitter(splitter_name)
 
     # models and optimizer: policy and frozen reference (no critic)

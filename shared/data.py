@@ -1,7 +1,8 @@
 """Datasets, prompt formatting, tokenization and batching.
 
 Sources (`dataset` argument):
-  - "builtin": the built-in running-sums task (shared/task.py), splits "train" / "test";
+  - "builtin": the built-in running-sums task (shared/task.py), splits "train" / "test"; "builtin:sums-N" the
+    same task with N terms (N = 3..12; "builtin" is "builtin:sums-4");
   - a local file: *.jsonl, *.json (a list of objects, or JSON lines) or *.parquet. Split `s` reads the sibling
     file `<stem>.<s><suffix>` when it exists; a file with no such siblings at all is split by `holdout_split`
     (a fixed 10% held out for evaluation, disjoint from training; said at start; under 10 rows, all of it is
@@ -156,8 +157,8 @@ def _notice(key: str, message: str) -> None:
 
 def load_rows(dataset: str, split: str) -> list[dict]:
     """Raw rows of one split of a dataset (see module docstring for the accepted sources)."""
-    if dataset == "builtin":
-        return builtin_task.builtin_split(split)
+    if builtin_task.is_builtin(dataset):
+        return builtin_task.builtin_split(split, builtin_task.num_terms(dataset))
     path = Path(dataset)
     if path.suffix in (".jsonl", ".json", ".parquet"):
         # a local file holds one split; `split` may pick a sibling file "<stem>.<split><suffix>" if it exists
@@ -326,7 +327,8 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
     (`num_identical`), as are rows over max_prompt_length / max_seq_length (`num_too_long`). If no row is
     left, that is an error."""
     where = f"dataset {dataset!r} split {split!r}"
-    raw = builtin_task.builtin_preferences(split) if dataset == "builtin" else load_rows(dataset, split)
+    raw = (builtin_task.builtin_preferences(split, builtin_task.num_terms(dataset)) if builtin_task.is_builtin(dataset)
+           else load_rows(dataset, split))
     if not raw:
         raise DataError(f"{where}: no rows")
     if num_dev or part == "dev":  # the dev slice (or the rest): as in load_prompts

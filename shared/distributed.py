@@ -388,7 +388,7 @@ def check_args(args) -> None:
     """Start-up checks of every script's flags, before anything is written: each fixed-choice (`Literal`) flag
     holds one of its choices (tyro checks them on the command line; this guards `Args(...)` built in code), each
     numeric flag within its range (ARG_RANGES, a one-line error naming it and the range), `best_metric` of the form
-    `name[:min|:max]`, and `output_dir` a directory that can be created (`--resume` is checked by
+    `name[:min|:max]`, a built-in dataset name (`builtin:sums-N`), and `output_dir` a directory that can be created (`--resume` is checked by
     shared/checkpoint.py's Checkpointer, also before anything is written). Runtime-computed fields (hidden from
     --help) are skipped."""
     import dataclasses
@@ -414,6 +414,11 @@ def check_args(args) -> None:
         from shared.checkpoint import BestModel
 
         BestModel.parse(args.best_metric)  # BestModel itself is built after output_dir is written
+    dataset = getattr(args, "dataset", None)
+    if isinstance(dataset, str) and dataset.startswith("builtin:"):
+        from shared.task import num_terms
+
+        num_terms(dataset)  # `builtin:sums-N` with N in range
     out = getattr(args, "output_dir", None)
     if out:
         path = Path(out).expanduser()

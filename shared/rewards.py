@@ -68,7 +68,7 @@ def load_reward_fn(spec: str, dataset: str = "builtin") -> RewardFn:
     """Resolve `spec` (see module docstring); "auto" picks by dataset name."""
     if spec == "auto":
         lowered = dataset.lower()
-        spec = "builtin" if dataset == "builtin" else "gsm8k" if "gsm8k" in lowered else "math" if "math" in lowered else ""
+        spec = "builtin" if dataset.startswith("builtin") else "gsm8k" if "gsm8k" in lowered else "math" if "math" in lowered else ""
         if not spec:
             raise ValueError(f"reward_fn: cannot infer a grader for dataset {dataset!r}; pass --reward_fn")
     if spec in BUILTIN:

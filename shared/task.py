@@ -15,16 +15,41 @@ the correct response and `rejected` the same chain with one arithmetic slip at l
 lines are computed correctly from the wrong value, so the final answer is wrong too), e.g. "7\n13\n14" for
 "3+4+5+1=". `rejected_step` is k, the unit a unit-level reward model should blame. Three pairs per problem
 (28,500 train, 1,500 test), in a fixed shuffled order; deterministic.
+
+`builtin:sums-N` (N = 3..12) is the same task with N terms, so a response has N-1 steps: more chances to slip
+mid-chain and more credit to assign (VinePPO vs PPO, docs/vineppo.md). `builtin` is `builtin:sums-4`, row for row.
+Responses grow to about 3(N-1) characters: pass `--max_new_tokens` accordingly (16 fits N = 4 and 5 only).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import re
 
 NUM_TERMS = 4
 TEST_SIZE = 500
 SPLIT_SEED = 1234
+# the task family `builtin:sums-N` (N terms, N-1 steps per response); `builtin` is `builtin:sums-4`
+MIN_TERMS, MAX_TERMS = 3, 12
+SAMPLED_TRAIN_SIZE = 50_000  # train problems when 10^N is too large to enumerate (N >= 6)
+_FAMILY = re.compile(r"builtin:sums-(\d+)")
+
+
+def is_builtin(dataset: str) -> bool:
+    """`builtin` or `builtin:sums-N` (a data error for N outside 3..12 is raised by `num_terms`)."""
+    return dataset == "builtin" or dataset.startswith("builtin:")
+
+
+def num_terms(dataset: str) -> int:
+    """Number of terms of a built-in dataset name: `builtin` -> 4, `builtin:sums-8` -> 8."""
+    if dataset == "builtin":
+        return NUM_TERMS
+    m = _FAMILY.fullmatch(dataset)
+    if not m or not MIN_TERMS <= int(m.group(1)) <= MAX_TERMS:
+        raise ValueError(f"dataset: {dataset!r} is not a built-in task; expected `builtin` or `builtin:sums-N` with "
+                         f"N in {MIN_TERMS}..{MAX_TERMS}")
+    return int(m.group(1))
 
 
 def make_example(digits: tuple[int, ...] | list[int]) -> dict:
@@ -47,26 +72,37 @@ def corrupt(digits, k: int, delta: int) -> list[int]:
     return sums
 
 
-def builtin_split(split: str) -> list[dict]:
-    """Rows with keys prompt / response / answer for split 'train' or 'test'."""
-    return [make_example(p) for p in _split_problems(split)]
+def builtin_split(split: str, terms: int = NUM_TERMS) -> list[dict]:
+    """Rows with keys prompt / response / answer for split 'train' or 'test' of the `terms`-term task."""
+    return [make_example(p) for p in _split_problems(split, terms)]
 
 
-def _split_problems(split: str) -> list[tuple[int, ...]]:
+def _split_problems(split: str, terms: int = NUM_TERMS) -> list[tuple[int, ...]]:
+    """N <= 5: all 10^N digit tuples, shuffled once; the first TEST_SIZE are the test split, the rest train (N = 3:
+    500 train problems). N >= 6: distinct tuples drawn from one seeded stream, the first TEST_SIZE the test split
+    and the next SAMPLED_TRAIN_SIZE the train split. Disjoint and deterministic either way; N = 4 is `builtin`."""
     if split not in ("train", "test"):
         raise ValueError(f"built-in task has splits 'train' and 'test', not {split!r}")
-    problems = list(itertools.product(range(10), repeat=NUM_TERMS))
-    random.Random(SPLIT_SEED).shuffle(problems)
+    if terms <= 5:
+        problems = list(itertools.product(range(10), repeat=terms))
+        random.Random(SPLIT_SEED if terms == NUM_TERMS else f"sums-{terms}:{SPLIT_SEED}").shuffle(problems)
+        return problems[:TEST_SIZE] if split == "test" else problems[TEST_SIZE:]
+    rng, seen, problems = random.Random(f"sums-{terms}:{SPLIT_SEED}"), set(), []
+    while len(problems) < TEST_SIZE + (SAMPLED_TRAIN_SIZE if split == "train" else 0):
+        p = tuple(rng.randrange(10) for _ in range(terms))
+        if p not in seen:
+            seen.add(p)
+            problems.append(p)
     return problems[:TEST_SIZE] if split == "test" else problems[TEST_SIZE:]
 
 
-def builtin_preferences(split: str) -> list[dict]:
+def builtin_preferences(split: str, terms: int = NUM_TERMS) -> list[dict]:
     """Preference rows (prompt, answer, chosen, rejected, rejected_step): one pair per problem and step."""
     rows = []
-    for problem in _split_problems(split):
+    for problem in _split_problems(split, terms):
         ex = make_example(problem)
         rng = random.Random(SPLIT_SEED + int("".join(map(str, problem))))
-        for k in range(NUM_TERMS - 1):
+        for k in range(terms - 1):
             wrong = corrupt(problem, k, rng.choice([-3, -2, -1, 1, 2, 3]))
             rows.append({"prompt": ex["prompt"], "answer": ex["answer"], "chosen": ex["response"],
                          "rejected": "\n".join(str(v) for v in wrong), "rejected_step": k})

@@ -255,6 +255,14 @@ def test_output_dir_that_is_a_file_is_an_error(script, tmp_path, monkeypatch, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
+def test_an_unknown_builtin_task_is_an_error_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli_in_process("grpo", ["--dataset", "builtin:sums-20", "--output_dir", "run"], monkeypatch, capsys)
+    assert (code, err) == (2, "error: dataset: 'builtin:sums-20' is not a built-in task; expected `builtin` or "
+                              "`builtin:sums-N` with N in 3..12\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -6,6 +6,9 @@ import pytest
 
 from shared import data, task
 from shared.data import DataError
+from shared.rewards import load_reward_fn
+
+DEFAULT_TEST_DIGEST = "1f807b51459b"  # sha256 of the default task's test rows (json), first 12 hex digits
 
 
 # ---------------------------------------------------------------- built-in task
@@ -14,6 +17,39 @@ def test_builtin_splits_are_disjoint_and_deterministic():
     assert len(test) == task.TEST_SIZE and len(train) == 10**task.NUM_TERMS - task.TEST_SIZE
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert task.builtin_split("test") == test
+
+
+def test_builtin_sums_n_family_is_disjoint_deterministic_and_keeps_the_default():
+    """#18.1: `builtin:sums-N` has N-1 steps per response; `builtin` is `builtin:sums-4` row for row."""
+    import hashlib
+    import json
+
+    from shared.data import load_rows
+
+    def digest(rows):
+        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+    for split in ("train", "test"):
+        assert load_rows("builtin:sums-4", split) == load_rows("builtin", split) == task.builtin_split(split)
+    # the default task's rows, pinned: its results and cached warm starts depend on them
+    assert digest(task.builtin_split("test"))[:12] == DEFAULT_TEST_DIGEST
+    for n, train_size in ((3, 500), (5, 10**5 - 500), (8, task.SAMPLED_TRAIN_SIZE)):
+        train, test = load_rows(f"builtin:sums-{n}", "train"), load_rows(f"builtin:sums-{n}", "test")
+        assert len(test) == task.TEST_SIZE and len(train) == train_size
+        assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+        assert len({r["prompt"] for r in train}) == len(train)  # distinct problems
+        assert load_rows(f"builtin:sums-{n}", "test") == test  # deterministic
+        ex = test[0]
+        digits = [int(d) for d in ex["prompt"].rstrip("=").split("+")]
+        lines = ex["response"].split("\n")
+        assert len(digits) == n and len(lines) == n - 1 and int(ex["answer"]) == sum(digits) == int(lines[-1])
+        assert task.grade(ex["response"], ex["answer"]) == 1.0
+        pairs = task.builtin_preferences("test", n)
+        assert len(pairs) == (n - 1) * task.TEST_SIZE and {r["rejected_step"] for r in pairs} == set(range(n - 1))
+    for bad in ("builtin:sums-2", "builtin:sums-13", "builtin:sum-8", "builtin:"):
+        with pytest.raises(ValueError, match="not a built-in task"):
+            load_rows(bad, "test")
+    assert load_reward_fn("auto", "builtin:sums-8") is load_reward_fn("auto", "builtin")
 
 
 def test_builtin_example_and_grader():
