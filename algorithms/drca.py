@@ -41,6 +41,7 @@ import torch
 import tyro
 
 from shared import data as data_utils
+from shared import task as builtin_task
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
@@ -205,6 +206,8 @@ class Args:
     """sampling temperature for evaluation"""
     sample_every: int = 25
     """log a table of sample completions with their units and credits every this many steps"""
+    localisation_num_pairs: int = 200
+    """built-in task only: held-out slip pairs (a response with one slipped line) on which each evaluation measures eval/localisation, the share whose lowest-credit unit holds the slip (0: off)"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0
@@ -326,6 +329,17 @@ def counterfactual_response(response: list[int], start: int, end: int, mode: str
     if mode == "mask":
         return response[:start] + blank + response[end:]
     raise ValueError(f"counterfactual: expected truncate or mask, got {mode!r}")
+
+
+def slip_localisation(credits: list[float], spans: list[tuple[int, int]], slip: tuple[int, int]) -> tuple[float, float]:
+    """Does the lowest credit land on the slip? (1.0 if the unit with the lowest credit d_k overlaps the slipped
+    tokens [slip), the first on ties, else 0.0; the share of units overlapping the slip: the score of a unit picked
+    at random). No unit: (0.0, 0.0), a slip that cannot be located."""
+    if not spans:
+        return 0.0, 0.0
+    on_slip = [float(a < slip[1] and slip[0] < b) for a, b in spans]
+    lowest = min(range(len(credits)), key=lambda k: credits[k])
+    return on_slip[lowest], sum(on_slip) / len(on_slip)
 
 
 def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, int]]], credits: list[list[float]],
@@ -500,6 +514,13 @@ def main(args: Args) -> str:
     reward_fn = load_reward_fn(args.reward_fn, args.dataset) if args.reward_fn != "none" else None
     if reward_fn is not None:
         probe_reward_fn(reward_fn, train_data.rows)
+    slips = None  # held-out slip pairs of the built-in task: is the lowest credit on the slipped line?
+    if args.localisation_num_pairs and builtin_task.is_builtin(args.dataset):
+        slips = data_utils.load_preferences(args.dataset, args.eval_split, tokenizer,
+                                            prompt_template=args.prompt_template, use_chat_template=args.chat_template,
+                                            max_prompt_length=args.max_prompt_length,
+                                            max_seq_length=args.max_prompt_length + args.max_new_tokens,
+                                            limit=args.localisation_num_pairs)
     fill_ids = tokenizer.encode(" ", add_special_tokens=False)
     if len(fill_ids) != 1:
         raise ValueError(f"model_name_or_path: the tokenizer encodes ' ' as {fill_ids}, not one token to blank units")
@@ -573,12 +594,56 @@ def main(args: Args) -> str:
                      regex_units(text, pattern, args.max_units_per_sequence, args.code_compat_regex_offsets)]
         return [(skip + s, skip + e) for s, e in spans if e > s]
 
+    def localisation() -> dict:
+        """eval/localisation: the share of held-out slip pairs (the rejected response of a built-in pair: one line
+        off, later lines continued from it) whose lowest-credit unit holds the slipped line, with this run's units,
+        counterfactuals and RM; eval/localisation_chance: what a unit picked at random would score."""
+        per_rank = math.ceil(len(slips) / info.world_size)
+        idx = list(range(info.rank * per_rank, min(len(slips), (info.rank + 1) * per_rank)))
+        prompts, responses = [slips.prompt_ids[i] for i in idx], [slips.rejected_ids[i] for i in idx]
+        entropies = [None] * len(idx)
+        if args.unit_extraction == "entropy":  # the policy's entropies along the response, as in training
+            with torch.no_grad():
+                for s in range(0, per_rank, mb):  # the same number of forwards on every rank (ZeRO-3)
+                    p, r = prompts[s : s + mb], responses[s : s + mb]
+                    if not r:  # this rank has run out: a dummy forward keeps the ranks in step
+                        p, r = slips.prompt_ids[:1], slips.rejected_ids[:1]
+                    ids, attn, _ = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
+                    _, ent = forward_logprobs(policy, ids, attn, args.temperature, True)
+                    for j in range(len(responses[s : s + mb])):
+                        entropies[s + j] = ent[j, len(p[j]) - 1 :].cpu()
+        spans, cf_owner, cf_prompts, cf_responses = [], [], [], []
+        for j in range(len(idx)):
+            spans.append(extract_units(responses[j], entropies[j]))
+            for a, b in spans[j]:
+                cf_owner.append(j)
+                cf_prompts.append(prompts[j])
+                cf_responses.append(counterfactual_response(responses[j], a, b, args.counterfactual, fill_id, eos_id))
+        scores, cf_scores = rm_scores(prompts, responses), rm_scores(cf_prompts, cf_responses)
+        credits = [[] for _ in idx]
+        for j, cf in zip(cf_owner, cf_scores.tolist()):
+            credits[j].append(scores[j].item() - cf)
+        hits = chance = 0.0
+        for j, i in enumerate(idx):
+            text_ids = responses[j][:-1]  # without EOS
+            lines, k = slips.rows[i]["rejected"].split("\n"), slips.rows[i]["rejected_step"]
+            start = sum(len(line) + 1 for line in lines[:k])
+            slip = char_span_to_tokens(char_offsets(decode, text_ids), start, start + len(lines[k]))
+            hit, rate = slip_localisation(credits[j], spans[j], slip)
+            hits, chance = hits + hit, chance + rate
+        stats = info.all_reduce(torch.tensor([hits, chance, len(idx)], dtype=torch.float64))
+        return {"eval/localisation": (stats[0] / stats[2]).item(),
+                "eval/localisation_chance": (stats[1] / stats[2]).item()}
+
     def evaluate(step: int) -> dict:
-        """Grader accuracy / pass@k and the mean normalised RM score of the same samples, on eval and dev."""
+        """Grader accuracy / pass@k and the mean normalised RM score of the same samples, on eval and dev; the
+        localisation of slips by the credits (built-in task)."""
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
                                     seed=args.seed + 1_000_003, reward_model=reward_model,
                                     pad_id=tokenizer.pad_token_id, micro_batch_size=mb)
+        if slips is not None:
+            metrics |= localisation()
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, first evaluation

@@ -5,6 +5,7 @@ import torch
 
 from algorithms import drca, ppo
 from algorithms.drca import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_span_to_tokens, compute_gae,
+                             slip_localisation,
                              counterfactual_response, entropy_units, masked_whiten, regex_units, shaped_rewards,
                              think_prefix_length, unit_token_rewards)
 from shared.distributed import check_args
@@ -273,3 +274,13 @@ def test_validate_names_the_flag():
             drca.validate(args)
     check_args(drca.Args(drca_beta=0.0))
     drca.validate(drca.Args(drca_beta=0.0))  # beta = 0 is allowed: plain PPO
+
+
+def test_slip_localisation_by_hand():
+    """#19.6: the lowest credit on the unit holding the slip is a hit; chance = share of units on the slip."""
+    spans = [(0, 2), (2, 5), (5, 8)]  # three lines; the slip is line 1's tokens [2, 5)
+    assert slip_localisation([0.9, -0.3, 0.1], spans, (2, 5)) == (1.0, 1 / 3)
+    assert slip_localisation([-0.5, -0.3, 0.1], spans, (2, 5)) == (0.0, 1 / 3)
+    assert slip_localisation([0.2, 0.2, 0.2], spans, (0, 2)) == (1.0, 1 / 3)  # ties: the first lowest
+    assert slip_localisation([0.2, 0.1], [(0, 4), (4, 8)], (3, 5)) == (1.0, 1.0)  # the slip spans both units
+    assert slip_localisation([], [], (2, 5)) == (0.0, 0.0)  # no unit: not located

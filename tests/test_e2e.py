@@ -265,9 +265,8 @@ def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
     assert all(math.isfinite(r["eval/reward"]) for r in metrics(tmp_path) if "eval/accuracy" in r)
 
 
-DRCA_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
-               # a small dev slice (selects best/) keeps the runs short
-         "--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
+DRCA_SMALL = ["--dev_num_prompts", "8", "--localisation_num_pairs", "12",  # small dev and slip sets: short runs
+               "--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
               "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "8",
               "--eval_num_samples", "2", "--eval_every", "2", "--sample_every", "1"]
 
@@ -293,6 +292,8 @@ def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extr
     assert steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     evals = [r for r in rows if "eval/reward" in r]
     assert len(evals) == 3 and all("eval/accuracy" in r for r in evals)
+    for r in evals:  # slips of held-out built-in pairs located by the credits (#19.6), against a random unit
+        assert 0 <= r["eval/localisation"] <= 1 and 0 < r["eval/localisation_chance"] <= 1
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all(len(x["units"]) == len(x["credits"]) for x in samples) and any(x["units"] for x in samples)
     assert rows[-1]["check/ranks_identical_weights"] == 1.0
