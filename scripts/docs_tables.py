@@ -153,8 +153,34 @@ def headline_runs(d: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def memory_estimate(d: dict) -> str:
+    """scripts/estimate_memory.py: estimated peak GPU memory of one GRPO process (arithmetic, not measured)."""
+    st = d["settings"]
+    by = {(r["model"], r["micro_batch"], r["lora_r"], r["lean_logprobs"]): r for r in d["rows"]}
+    lora = st["lora_r"]
+    lines = ["| model (parameters) | micro-batch | full fine-tuning, full logits (today) | full fine-tuning, lean "
+             f"log-probs | LoRA r={lora}, lean log-probs | of which logits (full / lean) | of which activations |",
+             "|---|---|---|---|---|---|---|"]
+    for (model, b, r, lean), row in by.items():
+        if r or lean:
+            continue
+        full, lean_row, lora_row = row, by[(model, b, 0, True)], by[(model, b, lora, True)]
+        lines.append(f"| {model} ({row['params'] / 1e9:.2f} B) | {b} | {full['total_gb']:.0f} GB | "
+                     f"{lean_row['total_gb']:.0f} GB | {lora_row['total_gb']:.0f} GB | "
+                     f"{full['terms_gb']['logits']:.0f} / {lean_row['terms_gb']['logits']:.1f} GB | "
+                     f"{full['terms_gb']['activations']:.1f} GB |")
+    lines += ["", f"**Estimates, computed, not measured**: one GPU, sequences of {st['seq_len']} tokens "
+                  f"({st['completion_len']} completion), {st['num_completions']} completions generated at once (KV "
+                  f"cache), gradient checkpointing {'on' if st['gradient_checkpointing'] else 'off'}, bf16 weights "
+                  f"with fp32 master weights and Adam, beta {st['beta']} (no reference copy), a colocated vLLM copy, "
+                  f"lean log-probs in chunks of {st['logits_chunk']:,} tokens. `{d['command'].strip()}` (formulas in "
+                  f"its docstring), {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
-             "headline": headline, "generation": generation, "hf_memory": hf_memory, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
+             "headline": headline, "generation": generation, "hf_memory": hf_memory,
+             "memory_estimate": memory_estimate, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
 
 
 def render_file(path: Path) -> tuple[str, str]:
