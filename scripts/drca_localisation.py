@@ -1,0 +1,66 @@
+"""Benchmark (not a test): do DRCA's credits locate the slip? (issue #19 items 6-7)
+
+    python scripts/drca_localisation.py                      # builtin:tiny-sft + builtin:tiny-rm, both modes (~3 min)
+    python scripts/drca_localisation.py --reward_model_path runs/rm_units/final --counterfactual mask
+
+On the built-in task's held-out slip pairs (the rejected response of a pair: one line off by 1-3, later lines
+continued from it), drca.py's step-0 evaluation logs `eval/localisation`: the share of slipped responses whose
+lowest-credit unit (d_k = R - R~_k, one unit per line) is the slipped line, with the run's unit extraction,
+counterfactual mode and reward model; `eval/localisation_chance` is what a line picked at random would score
+(1/3 on the 4-term task). This script runs drca.py once per counterfactual mode for a single step (only the
+step-0 evaluation is read) on all 1,500 held-out pairs, and writes docs/bench/drca_localisation/<device>_<time>.json
+(rendered into docs/drca.md by scripts/docs_tables.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+ROOT = bc.ROOT
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name_or_path", default="builtin:tiny-sft")
+    p.add_argument("--reward_model_path", default="builtin:tiny-rm")
+    p.add_argument("--dataset", default="builtin")
+    p.add_argument("--counterfactual", nargs="+", default=["truncate", "mask"], choices=["truncate", "mask"])
+    p.add_argument("--num_pairs", type=int, default=1500, help="held-out slip pairs (1,500: all of the 4-term task)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "drca_localisation", help="work directory")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "drca_localisation")
+    a = p.parse_args()
+    rows = []
+    for mode in a.counterfactual:
+        out = a.out / mode
+        argv = ["algorithms/drca.py", "--model_name_or_path", a.model_name_or_path, "--reward_model_path",
+                a.reward_model_path, "--dataset", a.dataset, "--counterfactual", mode,
+                "--localisation_num_pairs", str(a.num_pairs), "--eval_num_prompts", "20", "--eval_num_samples", "1",
+                "--dev_num_prompts", "0", "--best_metric", "", "--total_episodes", "512", "--save_every", "0",
+                "--no_save_model", "--generator", "hf", "--resume", "no", "--output_dir", str(out)]
+        print(f"[localisation] python {' '.join(argv)}", flush=True)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        child = bc.run_child(argv, a.out / f"log_{mode}")
+        first = next(r for r in bc.read_jsonl(out / "metrics.jsonl") if "eval/localisation" in r)
+        rows.append({"counterfactual": mode, "localisation": first["eval/localisation"],
+                     "chance": first["eval/localisation_chance"], "minutes": child["wall_s"] / 60,
+                     "command": "python " + " ".join(argv[:-2])})
+        print(f"[localisation] {mode}: {first['eval/localisation']:.3f} (chance "
+              f"{first['eval/localisation_chance']:.3f})", flush=True)
+    result = {"benchmark": "drca_localisation", "env": bc.environment(),
+              "command": "python scripts/drca_localisation.py " + " ".join(sys.argv[1:]),
+              "settings": {"model": a.model_name_or_path, "reward_model": a.reward_model_path, "dataset": a.dataset,
+                           "num_pairs": a.num_pairs}, "rows": rows}
+    path = bc.write_result("drca_localisation", result, a.results, latest=False)
+    print(f"[localisation] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
