@@ -126,8 +126,10 @@ def headline(d: dict) -> str:
                      f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB |")
     seeds = sorted({s for r in d["results"].values() for s in r["seeds"]})
     load = max(x["loadavg_at_end"][0] for r in d["results"].values() for x in r["seeds"].values())
+    first_rl = next((n for n in d["results"] if n in ("grpo", "dpo")), None)  # builds builtin:tiny-sft first
+    built = f"; {first_rl}'s first seed also built the SFT warm start in the fresh cache" if first_rl else ""
     lines += ["", f"Seeds {', '.join(seeds)}; minutes: the whole process, mean over seeds (start-up, evaluations and "
-                  f"saving included; grpo's first seed also built the SFT warm start in the fresh cache); peak RSS: "
+                  f"saving included{built}); peak RSS: "
                   f"the largest over seeds; 1-minute load average at the end of a run at most {load:.1f}. "
                   f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
     return "\n".join(lines)
