@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -48,10 +49,10 @@ def main() -> None:
                 continue
             out = a.out / f"sums{terms}_seed{seed}"
             argv = sft_argv(terms, seed, out)
-            print(f"[calibrate] python {' '.join(argv)}", flush=True)
+            print(f"[calibrate] python {shlex.join(argv)}", flush=True)
             child = bc.run_child(argv, a.out / f"log_sums{terms}_seed{seed}")
             rows = [r for r in bc.read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r]
-            run = {"terms": terms, "seed": seed, "command": "python " + " ".join(argv[:-2]),
+            run = {"terms": terms, "seed": seed, "command": "python " + shlex.join(argv[:-2]),
                    "start_accuracy": rows[0]["eval/accuracy"], "final_accuracy": rows[-1]["eval/accuracy"],
                    "steps": rows[-1]["step"], "minutes": child["wall_s"] / 60, "peak_rss_mb": child["peak_rss_mb"]}
             cache.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ step-0 evaluation is read) on all 1,500 held-out pairs, and writes docs/bench/dr
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def main() -> None:
                 "--localisation_num_pairs", str(a.num_pairs), "--eval_num_prompts", "20", "--eval_num_samples", "1",
                 "--dev_num_prompts", "0", "--best_metric", "", "--total_episodes", "512", "--save_every", "0",
                 "--no_save_model", "--generator", "hf", "--resume", "no", "--output_dir", str(out)]
-        print(f"[localisation] python {' '.join(argv)}", flush=True)
+        print(f"[localisation] python {shlex.join(argv)}", flush=True)
         if out.exists():
             import shutil
 
@@ -51,11 +52,11 @@ def main() -> None:
         first = next(r for r in bc.read_jsonl(out / "metrics.jsonl") if "eval/localisation" in r)
         rows.append({"counterfactual": mode, "localisation": first["eval/localisation"],
                      "chance": first["eval/localisation_chance"], "minutes": child["wall_s"] / 60,
-                     "command": "python " + " ".join(argv[:-2])})
+                     "command": "python " + shlex.join(argv[:-2])})
         print(f"[localisation] {mode}: {first['eval/localisation']:.3f} (chance "
               f"{first['eval/localisation_chance']:.3f})", flush=True)
     result = {"benchmark": "drca_localisation", "env": bc.environment(),
-              "command": "python scripts/drca_localisation.py " + " ".join(sys.argv[1:]),
+              "command": shlex.join(["python", "scripts/drca_localisation.py", *sys.argv[1:]]),
               "settings": {"model": a.model_name_or_path, "reward_model": a.reward_model_path, "dataset": a.dataset,
                            "num_pairs": a.num_pairs}, "rows": rows}
     path = bc.write_result("drca_localisation", result, a.results, latest=False)
