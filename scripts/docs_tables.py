@@ -180,9 +180,20 @@ def memory_estimate(d: dict) -> str:
     return "\n".join(lines)
 
 
+def drca_localisation(d: dict) -> str:
+    """scripts/drca_localisation.py: the share of held-out slips whose lowest DRCA credit is the slipped line."""
+    st = d["settings"]
+    lines = ["| counterfactual | slips located (`eval/localisation`) | a line picked at random |", "|---|---|---|"]
+    lines += [f"| `{r['counterfactual']}` | {r['localisation']:.3f} | {r['chance']:.3f} |" for r in d["rows"]]
+    lines += ["", f"{st['num_pairs']:,} held-out slip pairs, policy {st['model']}, reward model {st['reward_model']}, "
+                  f"dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit "
+                  f"{d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "generation": generation, "hf_memory": hf_memory,
-             "memory_estimate": memory_estimate, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
+             "memory_estimate": memory_estimate, "drca_localisation": drca_localisation, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
 
 
 def render_file(path: Path) -> tuple[str, str]:
