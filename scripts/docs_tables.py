@@ -191,9 +191,25 @@ def drca_localisation(d: dict) -> str:
     return "\n".join(lines)
 
 
+def sums_calibration(d: dict) -> str:
+    """scripts/calibrate_sums.py: sampled held-out accuracy of builtin:sums-N after the SFT recipe, per N."""
+    lines = ["| task | steps per response | held-out accuracy before SFT | after SFT | minutes |", "|---|---|---|---|---|"]
+    several_seeds = len({r["seed"] for r in d["runs"]}) > 1
+    for r in sorted(d["runs"], key=lambda r: (r["terms"], r["seed"])):
+        name = "builtin" if r["terms"] == 4 else f"builtin:sums-{r['terms']}"
+        seed = f" (seed {r['seed']})" if several_seeds else ""
+        lines.append(f"| `{name}`{seed} | {r['terms'] - 1} | {r['start_accuracy']:.3f} | {r['final_accuracy']:.3f} | "
+                     f"{r['minutes']:.1f} |")
+    lines += ["", f"sft.py's default recipe from `builtin:tiny` on each task, with `--max_new_tokens 3N`; sampled (T = 1, "
+                  f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}, "
+                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "generation": generation, "hf_memory": hf_memory,
-             "memory_estimate": memory_estimate, "drca_localisation": drca_localisation, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
+             "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
+             "sums_calibration": sums_calibration, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
 
 
 def render_file(path: Path) -> tuple[str, str]:
