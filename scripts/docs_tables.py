@@ -394,7 +394,7 @@ def value_prediction(d: dict) -> str:
     k = d["k"]
     critic, mc = d["mae_critic"], d[f"mae_mc_k{k}"]
     lines = ["| estimator | mean absolute error |", "|---|---|",
-             f"| PPO's critic | {critic:.4f} |", f"| VinePPO's estimate, K = {k} rollouts | **{mc:.4f}** |", "",
+             f"| PPO's critic | {critic:.3f} |", f"| VinePPO's estimate, K = {k} rollouts | **{mc:.3f}** |", "",
              f"{d['num_states']} states; ground truth: {d['k_truth']} Monte Carlo rollouts per state (mean value "
              f"{d['mean_truth_value']:.3f}); the MC estimate's error is {100 * (1 - mc / critic):.0f}% below the "
              "critic's. " + _provenance(d, f"python scripts/value_prediction.py --policy {d['policy']} --critic "
