@@ -82,7 +82,8 @@ def graders(d: dict) -> str:
     for name, r in d["results"].items():
         wrong = ", ".join(f"{w['case']} (says {w['got']})" for w in r["wrong"]) or "-"
         lines.append(f"| `{name}` | {r['correct']} / {d['num_cases']} | {wrong} | {r['seconds']:.1f} |")
-    lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}."]
+    lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}. "
+                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
     return "\n".join(lines)
 
 
@@ -289,8 +290,10 @@ def bench_absolute(ds: list[dict]) -> str:
                  + f" | {gen['peak_rss_mb']:.0f} MB (one process) |")
     lines.append(f"| weight sync ({gen['num_parameters'] / 1e6:.2f} M parameters) | "
                  f"{1000 * gen['sync_s']['median']:.1f} ms (median of {gen['sync_s']['n']}) | - | - |")
-    lines += ["", f"Commit `{commit}`; step times over all timed steps of all repeats (the first step of each run "
-                  "dropped); the files are named in the comment above this table."]
+    commands = ", ".join(f"`python scripts/bench_{d['benchmark']}.py --repeats {d['settings']['repeats']}`"
+                         for d in (g, p, v, gen))
+    lines += ["", f"Step times over all timed steps of all repeats (the first step of each run dropped). {commands}; "
+                  f"{g['env']['device']}, commit {commit} (the files are named in the comment above this table)."]
     return "\n".join(lines)
 
 
