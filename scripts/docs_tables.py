@@ -305,7 +305,8 @@ GRPO_PHASES = {"generate": "generate ({batch} completions)", "reward": "reward (
 def bench_grpo_phases(d: dict) -> str:
     """Where a GRPO step's time goes: medians of our scripts' own timers, vLLM and HF backends."""
     st, c = d["settings"], d["contenders"]
-    runs = [(name, c[name]["phases_median_s"]) for name in ("ours", "ours_hf") if c.get(name, {}).get("phases_median_s")]
+    runs = [(name, c[name]["phases_median_s"]) for name in ("ours", "ours_hf")
+            if c.get(name, {}).get("phases_median_s")]
     head = " | ".join(f"{'ours (vLLM)' if n == 'ours' else 'ours (HF)'}: seconds | share" for n, _ in runs)
     lines = [f"| phase | {head} |", "|---" * (1 + 2 * len(runs)) + "|"]
     for key, label in GRPO_PHASES.items():
@@ -385,8 +386,9 @@ def ppo_vs_vineppo(d: dict) -> str:
     wall = sum(r["vineppo_seconds"] / r["ppo_seconds"] for r in rows) / n
     med = d["median_step_ratio"]
     lines.append(f"| mean | {mean('initial_accuracy'):.3f} | {mean('ppo_final_accuracy'):.3f} | "
-                 f"{mean('vineppo_final_accuracy'):.3f} | VinePPO reached it in {d['seeds_where_vineppo_reached_ppo_final']}"
-                 f" of {n} seeds (median step ratio {'-' if med is None else f'{med:.1f}'}) | "
+                 f"{mean('vineppo_final_accuracy'):.3f} | VinePPO reached it in "
+                 f"{d['seeds_where_vineppo_reached_ppo_final']} of {n} seeds (median step ratio "
+                 f"{'-' if med is None else f'{med:.1f}'}) | "
                  f"{mean('ppo_seconds') / 60:.1f} / {mean('vineppo_seconds') / 60:.1f} min (VinePPO {wall:.1f}x) |")
     lines += ["", "Held-out accuracy; wall time: the whole run. "
               + _provenance(d, "python scripts/compare_ppo_vineppo.py --seeds " + " ".join(map(str, d["seeds"])))]
@@ -398,7 +400,9 @@ def value_prediction(d: dict) -> str:
     critic, mc = d["mae_critic"], d[f"mae_mc_k{k}"]
     lines = ["| estimator | mean absolute error |", "|---|---|",
              f"| PPO's critic | {critic:.3f} |", f"| VinePPO's estimate, K = {k} rollouts | **{mc:.3f}** |", "",
-             f"{d['num_states']} states; ground truth: {d['k_truth']} Monte Carlo rollouts per state (mean value "
+             f"{d['num_states']} states"
+             + (f" of {d['num_prompts']} responses" if "num_prompts" in d else "")
+             + f"; ground truth: {d['k_truth']} Monte Carlo rollouts per state (mean value "
              f"{d['mean_truth_value']:.3f}); the MC estimate's error is {100 * (1 - mc / critic):.0f}% below the "
              "critic's. " + _provenance(d, f"python scripts/value_prediction.py --policy {d['policy']} --critic "
                                           f"{d['critic']}")]
@@ -444,10 +448,11 @@ def repulse_toy(d: dict) -> str:
                      f"{m['heldout_mean_reward_mean']:.3f} |")
     first = next(iter(d["methods"].values()))
     t = d.get("target")
+    gap = -t["log_p_bad_gap_nats (reinforce - repulse)"] if t else 0.0
     lines.append("")
     lines.append(f"{len(first['seeds'])} seeds, {first['samples']:,} samples per run, initial exact log P(bad) "
                  f"{minus(first['initial_log_p_bad'])}."
-                 + (f" RePULSe minus REINFORCE, mean final log P(bad): {minus(-t['log_p_bad_gap_nats (reinforce - repulse)'], '+.2f')} "
+                 + (f" RePULSe minus REINFORCE, mean final log P(bad): {minus(gap, '+.2f')} "
                     f"nat; held-out reward {100 * t['relative_reward_difference']:.1f}% lower; target met: "
                     f"{'yes' if t['met'] else 'no'}." if t else "")
                  + " Flags of every run: `" + " ".join(d["common_flags"]) + "`. "
