@@ -153,6 +153,17 @@ def environment(require_gpu: bool = False) -> dict:
     return env
 
 
+def invocation(argv: list[str] | None = None) -> str:
+    """The command line that ran this script, with the script's path relative to the repository (recorded beside
+    every result, so the docs can print the command that regenerates a table)."""
+    import shlex
+
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]).resolve()
+    name = str(script.relative_to(ROOT)) if ROOT in script.parents else argv[0]
+    return "python " + shlex.join([name, *argv[1:]])
+
+
 def child_env(extra: dict | None = None) -> dict:
     """Environment of a contender: this checkout first on PYTHONPATH, the in-process vLLM engine, no tokenizer
     threads, no launcher leftovers, no wandb."""

@@ -41,6 +41,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/compare_drca_ppo"))
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to both arms")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_common as bc
+
+    provenance = {"env": bc.environment(), "command": bc.invocation()}  # at the start: env.time is the start time
     args.out.mkdir(parents=True, exist_ok=True)
 
     for seed in args.seeds:
@@ -54,7 +58,7 @@ def main() -> None:
             subprocess.run(cmd, check=True, cwd=ROOT)
 
     curves = {arm: [read(args.out / f"{arm}_seed{s}") for s in args.seeds] for arm in ARMS}
-    summary: dict = {"seeds": args.seeds, "extra": args.extra, "per_seed": []}
+    summary: dict = {**provenance, "seeds": args.seeds, "extra": args.extra, "per_seed": []}
     for i, seed in enumerate(args.seeds):
         row = {"seed": seed}
         for arm in ARMS:

@@ -47,6 +47,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/compare_ppo_vineppo"))
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to both scripts")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_common as bc
+
+    provenance = {"env": bc.environment(), "command": bc.invocation()}  # at the start: env.time is the start time
     args.out.mkdir(parents=True, exist_ok=True)
 
     for seed in args.seeds:
@@ -59,7 +63,7 @@ def main() -> None:
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, cwd=ROOT)
 
-    summary = {"seeds": args.seeds, "per_seed": []}
+    summary = {**provenance, "seeds": args.seeds, "per_seed": []}
     curves = {algo: [read(args.out / f"{algo}_seed{s}") for s in args.seeds] for algo in ("ppo", "vineppo")}
     for i, seed in enumerate(args.seeds):
         (ppo, ppo_args), (vine, vine_args) = curves["ppo"][i], curves["vineppo"][i]

@@ -10,6 +10,14 @@ A generated block in a markdown file looks like
     <!-- end table -->
 
 so every number in it comes from a stored file, named beside it, and a docs edit cannot drift from the data.
+
+A renderer in MULTI reads several files, named in the comment separated by commas (the comment may wrap after a
+comma):
+
+    <!-- table bench_ratios docs/bench/generation/cpu_20261122_095825.json,
+         docs/bench/grpo/cpu_20261122_100143.json -->
+
+and gets the list of their contents, each with its path under the key "_path".
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- table (\S+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
 def pct(x: float | None) -> str:
@@ -74,7 +82,8 @@ def graders(d: dict) -> str:
     for name, r in d["results"].items():
         wrong = ", ".join(f"{w['case']} (says {w['got']})" for w in r["wrong"]) or "-"
         lines.append(f"| `{name}` | {r['correct']} / {d['num_cases']} | {wrong} | {r['seconds']:.1f} |")
-    lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}."]
+    lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}. "
+                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
     return "\n".join(lines)
 
 
@@ -155,6 +164,304 @@ def headline_runs(d: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+# --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
+def g3(x: float) -> str:
+    """Three significant digits, trailing zeros kept (0.640, 1.03, 11.1)."""
+    return f"{x:#.3g}".rstrip(".")
+
+
+def _bench_sets(ds: list[dict]) -> list[tuple[str, dict[str, list[dict]]]]:
+    """[(commit, {benchmark: [files, most repeats first]})] in the order the block names the commits: the first
+    commit is the set the tables report, the others are compared by their medians."""
+    sets: dict[str, dict[str, list[dict]]] = {}
+    for d in ds:
+        sets.setdefault(d["env"]["git_commit"], {}).setdefault(d["benchmark"], []).append(d)
+    for by_bench in sets.values():
+        for files in by_bench.values():
+            files.sort(key=lambda d: -d["settings"]["repeats"])
+    return list(sets.items())
+
+
+def _compare_to_trl(s: dict) -> str:
+    if s["max"] < 1:
+        return f"ours faster in every repeat ({100 * (1 - s['median']):.0f}% at the median)"
+    if s["min"] > 1:
+        return f"ours slower in every repeat ({100 * (s['median'] - 1):.0f}% at the median)"
+    return "parity: repeats on both sides of 1"
+
+
+def _pct2(x: float) -> str:
+    return f"{100 * x:#.2g}".rstrip(".") + "%"
+
+
+# (benchmark, comparison, target text, (op, threshold) or None, value of a file, format, note(file, value), source)
+BENCH_RATIO_ROWS = [
+    ("generation", "generation: ours_vllm / raw_same tokens/s", ">= 0.9", (">=", 0.9),
+     lambda d: d["ratios"]["ours_vllm/raw_same tokens/s"], g3, None, "generation `ratios`"),
+    ("generation", "generation: ours_vllm / raw_plain tokens/s", ">= 0.9", (">=", 0.9),
+     lambda d: d["ratios"]["ours_vllm/raw_plain tokens/s"], g3,
+     lambda d, s: f"per-request seeds and log-probs cost {100 * (1 - s['median']):.0f}% at the median",
+     "generation `ratios`"),
+    ("generation", "generation: vLLM / HF tokens/s (64 x 8 sequences)", ">= 5", (">=", 5),
+     lambda d: d["ratios"]["ours_vllm/ours_hf tokens/s"], g3,
+     lambda d, s: "HF is faster on the CPU tiny model" if s["median"] < 1 else "", "generation `ratios`"),
+    ("grpo", "GRPO step time: ours (vLLM) / TRL (HF generate)", "<= 0.7", ("<=", 0.7),
+     lambda d: d["ratios"]["ours/trl step time"], g3, lambda d, s: _compare_to_trl(s), "grpo `ratios`"),
+    ("grpo", "GRPO step time: ours (HF generate) / TRL (HF generate)", "<= 0.7", ("<=", 0.7),
+     lambda d: d["ratios"]["ours_hf/trl step time"], g3, lambda d, s: _compare_to_trl(s), "grpo `ratios`"),
+    ("grpo", "weight sync / GRPO step (ours, vLLM)", "<= 2% (GPU); CPU reported", ("<=", 0.02),
+     lambda d: d["contenders"]["ours"]["sync_fraction"], _pct2, lambda d, s: "on CPU",
+     "grpo `contenders.ours.sync_fraction`"),
+    ("preference", "DPO step time: ours / TRL", "<= 0.7", ("<=", 0.7),
+     lambda d: d["ratios"]["dpo: ours/trl step time"], g3, lambda d, s: _compare_to_trl(s), "preference `ratios`"),
+    ("preference", "RM step time: ours / TRL", "<= 0.7", ("<=", 0.7),
+     lambda d: d["ratios"]["rm: ours/trl step time"], g3, lambda d, s: _compare_to_trl(s), "preference `ratios`"),
+    ("vineppo", "VinePPO / PPO iteration time", "<= 2", ("<=", 2),
+     lambda d: d["iteration"]["ratio_vineppo_over_ppo"], g3, None, "vineppo `iteration.ratio_vineppo_over_ppo`"),
+    ("vineppo", "MC phase: no dedup / dedup (prefix caching on)", "reported", None,
+     lambda d: d["mc"]["ratios"]["no_dedup/dedup (prefix caching on)"], g3,
+     lambda d, s: f"dedup keeps {100 * d['mc']['cells']['prefix_on/dedup']['unique_state_frac']['median']:.0f}% "
+                  "of the states", "vineppo `mc.ratios`"),
+    ("vineppo", "MC phase: prefix caching off / on (no dedup)", "reported", None,
+     lambda d: d["mc"]["ratios"]["prefix off/on (no dedup)"], g3,
+     lambda d, s: "no gain on CPU: 128-token KV blocks" if s["median"] < 1.05 else "", "vineppo `mc.ratios`"),
+]
+
+
+def bench_ratios(ds: list[dict]) -> str:
+    """performance.md's ratio table: min / median / max over the repeats of the first set, medians of the others."""
+    (main, files), *others = _bench_sets(ds)
+    lines = ["| comparison | repeats | target | min | median | max | met? | "
+             + " | ".join(f"median at `{c}`" for c, _ in others) + " | source (JSON key) |",
+             "|---" * (8 + len(others)) + "|"]
+    for bench, label, target, rule, get, fmt, note, key in BENCH_RATIO_ROWS:
+        for i, d in enumerate(files.get(bench, [])):
+            s = get(d)
+            if rule is None:
+                met = "-"
+            else:
+                ok = s["median"] >= rule[1] if rule[0] == ">=" else s["median"] <= rule[1]
+                met = "yes" if ok else "**no**"
+            text = note(d, s) if note else ""
+            met += f" ({text})" if text else ""
+            rest = [fmt(get(o[bench][0])["median"]) if bench in o else "-" for _, o in others] if i == 0 else \
+                ["(see above)"] * len(others)
+            lines.append(f"| {label} | {d['settings']['repeats']} | {target} | {fmt(s['min'])} | {fmt(s['median'])} | "
+                         f"{fmt(s['max'])} | {met} | " + " | ".join(rest) + f" | {key} |")
+    lines += ["", "Files (benchmark: start time, repeats, 1-minute load average at the start):"]
+    for commit, by_bench in [(main, files), *others]:
+        runs = sorted((d for fs in by_bench.values() for d in fs), key=lambda d: d["env"]["time"])
+        lines.append(f"- `{commit}`, {runs[0]['env']['time'][:10]}: " + "; ".join(
+            f"{d['benchmark']}: {d['env']['time'][11:16]}, {d['settings']['repeats']}, "
+            f"{d['env']['loadavg_at_start'][0]:.2f}" for d in runs))
+    e = ds[0]["env"]
+    lines += ["", f"Each file: `python scripts/bench_<benchmark>.py --repeats <repeats>`, {e['device']}; torch "
+                  f"{e['torch']}, transformers {e['transformers']}, vllm {e['vllm']}, trl {e['trl']}, deepspeed "
+                  f"{e['deepspeed']}."]
+    return "\n".join(lines)
+
+
+def _ms3(s: dict, scale: float = 1, unit: str = " s") -> str:
+    f = (lambda x: f"{x * scale:.0f}") if scale != 1 else g3
+    return f"{f(s['min'])} / {f(s['median'])} / {f(s['max'])}{unit}"
+
+
+def bench_absolute(ds: list[dict]) -> str:
+    """performance.md's absolute numbers of the first set (per benchmark, its file with the most repeats)."""
+    (commit, files), *_ = _bench_sets(ds)
+    g, p, v, gen = (files[b][0] for b in ("grpo", "preference", "vineppo", "generation"))
+    c, pc, vc = g["contenders"], p["contenders"], v["iteration"]["contenders"]
+    rss = lambda x: f"{x['peak_rss_mb']['median']:.0f}"  # noqa: E731
+    lines = ["| contender | step time min / median / max | tokens/s (median) | peak RSS (median over repeats) |",
+             "|---|---|---|---|"]
+    for name, label in (("ours", "GRPO ours (vLLM)"), ("ours_hf", "GRPO ours (HF)"), ("trl", "GRPO TRL (HF)")):
+        lines.append(f"| {label} | {_ms3(c[name]['step_s'])} | {c[name]['tokens_per_s']['median']:.0f} | "
+                     f"{rss(c[name])} MB |")
+    for algo, label in (("dpo", "DPO"), ("rm", "RM")):
+        o, t = pc[f"{algo}_ours"], pc[f"{algo}_trl"]
+        lines.append(f"| {label} ours / TRL ({p['settings']['repeats']} repeats) | "
+                     f"{_ms3(o['step_s'], 1000, '')} ms, {_ms3(t['step_s'], 1000, '')} ms | - | "
+                     f"{rss(o)} / {rss(t)} MB |")
+    ph = vc["vineppo"]["phases_median_s"]
+    lines.append(f"| PPO / VinePPO iteration | {_ms3(vc['ppo']['step_s'])}, {_ms3(vc['vineppo']['step_s'])} "
+                 f"(VinePPO: {ph['value_estimation']:.2f} s MC values, {ph['train']:.2f} s train) | - | "
+                 f"{rss(vc['ppo'])} / {rss(vc['vineppo'])} MB |")
+    t = gen["tokens_per_s"]
+    lines.append("| generation ours_vllm / raw_same / raw_plain / ours_hf | - | "
+                 + " / ".join(f"{t[k]['median']:.0f}" for k in ("ours_vllm", "raw_same", "raw_plain", "ours_hf"))
+                 + f" | {gen['peak_rss_mb']:.0f} MB (one process) |")
+    lines.append(f"| weight sync ({gen['num_parameters'] / 1e6:.2f} M parameters) | "
+                 f"{1000 * gen['sync_s']['median']:.1f} ms (median of {gen['sync_s']['n']}) | - | - |")
+    commands = ", ".join(f"`python scripts/bench_{d['benchmark']}.py --repeats {d['settings']['repeats']}`"
+                         for d in (g, p, v, gen))
+    lines += ["", f"Step times over all timed steps of all repeats (the first step of each run dropped). {commands}; "
+                  f"{g['env']['device']}, commit {commit} (the files are named in the comment above this table)."]
+    return "\n".join(lines)
+
+
+GRPO_PHASES = {"generate": "generate ({batch} completions)", "reward": "reward (grader)",
+               "logprob": "logprob (old log-probs, no grad)", "train": "train ({opt} optimizer steps)",
+               "sync": "sync (weights into the engine)", "other": "other (tensors, advantages, logging)"}
+
+
+def bench_grpo_phases(d: dict) -> str:
+    """Where a GRPO step's time goes: medians of our scripts' own timers, vLLM and HF backends."""
+    st, c = d["settings"], d["contenders"]
+    runs = [(name, c[name]["phases_median_s"]) for name in ("ours", "ours_hf")
+            if c.get(name, {}).get("phases_median_s")]
+    head = " | ".join(f"{'ours (vLLM)' if n == 'ours' else 'ours (HF)'}: seconds | share" for n, _ in runs)
+    lines = [f"| phase | {head} |", "|---" * (1 + 2 * len(runs)) + "|"]
+    for key, label in GRPO_PHASES.items():
+        cells = " | ".join(f"{ph[key]:.3f} | {100 * ph[key] / sum(ph.values()):.0f}%" for _, ph in runs)
+        lines.append(f"| {label.format(batch=st['batch'], opt=st['optimizer_steps_per_iteration'])} | {cells} |")
+    lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
+                  f"`python scripts/bench_grpo.py`, {d['env']['device']}, {d['env']['time']}, commit "
+                  f"{d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def bench_grpo_profile(d: dict, n: int = 15) -> str:
+    """The top functions by self time in the cProfile of one `ours` GRPO run (bench_grpo.py --profile)."""
+    lines = ["| function | calls | self time | cumulative |", "|---|---|---|---|"]
+    for r in d["profile"]["top_self_time"][:n]:
+        lines.append(f"| `{r['function']}` | {r['calls']:,} | {r['self_s']:.2f} s | {r['cum_s']:.2f} s |")
+    lines += ["", f"Steps 2..{d['settings']['steps']} of one extra `ours` run (vLLM backend), top {n} of "
+                  f"{len(d['profile']['top_self_time'])} stored. `python scripts/bench_grpo.py --profile`, "
+                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def generation_sweep(d: dict) -> str:
+    """bench_generation.py's batch-size sweep: vLLM vs HF tokens/s by batch."""
+    n = d["settings"]["n"]
+    lines = ["| prompts x samples | vLLM tokens/s | HF tokens/s | vLLM / HF |", "|---|---|---|---|"]
+    for r in d["sweep"]:
+        lines.append(f"| {r['num_prompts']} x {n} = {r['sequences']} | {r['vllm_tokens_per_s']['median']:,.0f} | "
+                     f"{r['hf_tokens_per_s']['median']:,.0f} | {r['vllm/hf']['median']:.2f} |")
+    lines += ["", f"Medians of {d['sweep'][0]['vllm/hf']['n']} calls each, up to {d['settings']['max_new_tokens']} "
+                  f"new tokens, model {d['settings']['model']}. `python scripts/bench_generation.py`, "
+                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def bench_vineppo_phases(d: dict) -> str:
+    """bench_vineppo.py: PPO's and VinePPO's iteration split by phase (medians)."""
+    c, st = d["iteration"]["contenders"], d["settings"]
+    ppo, vine = c["ppo"]["phases_median_s"], c["vineppo"]["phases_median_s"]
+    labels = {"generate": "trajectories (generate)", "reward": "reward (grader)",
+              "value_estimation": "Monte Carlo values", "logprob": "old / reference log-probs (and PPO's values)",
+              "train": "training", "sync": "weight sync", "other": "other"}
+    lines = ["| phase | PPO | VinePPO |", "|---|---|---|"]
+    for k, label in labels.items():
+        cell = lambda ph: f"{ph[k]:.2f} s" if k in ph else "-"  # noqa: E731
+        lines.append(f"| {label} | {cell(ppo)} | {cell(vine)} |")
+    lines.append(f"| iteration (median step) | {c['ppo']['step_s']['median']:.2f} s | "
+                 f"{c['vineppo']['step_s']['median']:.2f} s |")
+    u = c["vineppo"]["unique_state_frac"]
+    lines += ["", f"{st['num_prompts']} prompts x {st['num_samples_per_prompt']} samples, {st['max_new_tokens']} new "
+                  f"tokens, K = {st['num_mc_rollouts']}, {st['num_ppo_epochs']} epochs x {st['num_minibatches']} "
+                  f"minibatches; medians over the timed steps of {st['repeats']} repeats; deduplication kept "
+                  f"{100 * u['min']:.0f}-{100 * u['max']:.0f}% of the states. `python scripts/bench_vineppo.py`, "
+                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+# --- compare_*.py, value_prediction.py, repulse_toy.py: summary files (older ones record no env) -----------------
+def _provenance(d: dict, command: str) -> str:
+    e = d.get("env")
+    if e:
+        return f"`{d.get('command', command)}`, {e['device']}, {e['time']}, commit {e['git_commit']}."
+    return f"`{command}` (this file records no machine, time or commit)."
+
+
+def ppo_vs_vineppo(d: dict) -> str:
+    rows, n = d["per_seed"], len(d["per_seed"])
+    steps = lambda x: "not reached" if x is None else str(x)  # noqa: E731
+    lines = ["| seed | start | PPO final | VinePPO final | gradient steps to PPO's final accuracy (PPO / VinePPO) | "
+             "wall time (PPO / VinePPO) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['initial_accuracy']:.3f} | {r['ppo_final_accuracy']:.3f} | "
+                     f"{r['vineppo_final_accuracy']:.3f} | {steps(r['ppo_steps_to_target'])} / "
+                     f"{steps(r['vineppo_steps_to_target'])} | {r['ppo_seconds'] / 60:.1f} / "
+                     f"{r['vineppo_seconds'] / 60:.1f} min |")
+    mean = lambda k: sum(r[k] for r in rows) / n  # noqa: E731
+    wall = sum(r["vineppo_seconds"] / r["ppo_seconds"] for r in rows) / n
+    med = d["median_step_ratio"]
+    lines.append(f"| mean | {mean('initial_accuracy'):.3f} | {mean('ppo_final_accuracy'):.3f} | "
+                 f"{mean('vineppo_final_accuracy'):.3f} | VinePPO reached it in "
+                 f"{d['seeds_where_vineppo_reached_ppo_final']} of {n} seeds (median step ratio "
+                 f"{'-' if med is None else f'{med:.1f}'}) | "
+                 f"{mean('ppo_seconds') / 60:.1f} / {mean('vineppo_seconds') / 60:.1f} min (VinePPO {wall:.1f}x) |")
+    lines += ["", "Held-out accuracy; wall time: the whole run. "
+              + _provenance(d, "python scripts/compare_ppo_vineppo.py --seeds " + " ".join(map(str, d["seeds"])))]
+    return "\n".join(lines)
+
+
+def value_prediction(d: dict) -> str:
+    k = d["k"]
+    critic, mc = d["mae_critic"], d[f"mae_mc_k{k}"]
+    lines = ["| estimator | mean absolute error |", "|---|---|",
+             f"| PPO's critic | {critic:.3f} |", f"| VinePPO's estimate, K = {k} rollouts | **{mc:.3f}** |", "",
+             f"{d['num_states']} states"
+             + (f" of {d['num_prompts']} responses" if "num_prompts" in d else "")
+             + f"; ground truth: {d['k_truth']} Monte Carlo rollouts per state (mean value "
+             f"{d['mean_truth_value']:.3f}); the MC estimate's error is {100 * (1 - mc / critic):.0f}% below the "
+             "critic's. " + _provenance(d, f"python scripts/value_prediction.py --policy {d['policy']} --critic "
+                                          f"{d['critic']}")]
+    return "\n".join(lines)
+
+
+def drca_vs_ppo(d: dict) -> str:
+    def pair(r, arm, key, other):
+        a, b = r[f"{arm}_final_{key}"], r[f"{other}_final_{key}"]
+        end = f"**{a:.3f}**" if a > b else f"{a:.3f}"
+        return f"{r[f'{arm}_initial_{key}']:.3f} → {end}"
+
+    lines = ["| seed | PPO accuracy | DRCA accuracy | PPO RM reward | DRCA RM reward | minutes PPO / DRCA |",
+             "|---|---|---|---|---|---|"]
+    for r in d["per_seed"]:
+        lines.append(f"| {r['seed']} | {pair(r, 'ppo', 'accuracy', 'drca')} | {pair(r, 'drca', 'accuracy', 'ppo')} | "
+                     f"{pair(r, 'ppo', 'reward', 'drca')} | {pair(r, 'drca', 'reward', 'ppo')} | "
+                     f"{r['ppo_minutes']:.1f} / {r['drca_minutes']:.1f} |")
+    m = lambda k: d[k]["mean"]  # noqa: E731
+    lines.append(f"| mean | {m('ppo_final_accuracy'):.3f} | {m('drca_final_accuracy'):.3f} | "
+                 f"{m('ppo_final_reward'):.3f} | {m('drca_final_reward'):.3f} | "
+                 f"{m('ppo_minutes'):.1f} / {m('drca_minutes'):.1f} |")
+    diff = d["drca_minus_ppo_final_accuracy"]
+    per_seed = ", ".join(f"{100 * x:+.1f}" for x in diff["per_seed"])
+    lines += ["", f"DRCA minus PPO, final accuracy: {100 * diff['mean']:+.1f} points (per seed {per_seed}); final RM "
+                  f"reward: {m('drca_final_reward') - m('ppo_final_reward'):+.3f}. "
+              + _provenance(d, f"python scripts/compare_drca_ppo.py --seeds {' '.join(map(str, d['seeds']))}"
+                               + (f" --extra {' '.join(d['extra'])}" if d.get("extra") else ""))]
+    return "\n".join(lines)
+
+
+REPULSE_METHODS = {"reinforce": "REINFORCE (RLOO)", "reward_transform": "REINFORCE, r − e^{−r}",
+                   "repulse": "RePULSe"}
+
+
+def repulse_toy(d: dict) -> str:
+    minus = lambda x, f=".2f": format(x, f).replace("-", "−")  # noqa: E731
+    lines = ["| method | p updates | final exact log P(bad), per seed | mean | held-out mean reward |",
+             "|---|---|---|---|---|"]
+    for key, m in d["methods"].items():
+        lines.append(f"| {REPULSE_METHODS.get(key, key)} | {m['p_updates']} | "
+                     f"{', '.join(minus(x) for x in m['final_log_p_bad'])} | {minus(m['final_log_p_bad_mean'])} | "
+                     f"{m['heldout_mean_reward_mean']:.3f} |")
+    first = next(iter(d["methods"].values()))
+    t = d.get("target")
+    gap = -t["log_p_bad_gap_nats (reinforce - repulse)"] if t else 0.0
+    lines.append("")
+    lines.append(f"{len(first['seeds'])} seeds, {first['samples']:,} samples per run, initial exact log P(bad) "
+                 f"{minus(first['initial_log_p_bad'])}."
+                 + (f" RePULSe minus REINFORCE, mean final log P(bad): {minus(gap, '+.2f')} "
+                    f"nat; held-out reward {100 * t['relative_reward_difference']:.1f}% lower; target met: "
+                    f"{'yes' if t['met'] else 'no'}." if t else "")
+                 + " Flags of every run: `" + " ".join(d["common_flags"]) + "`. "
+                 + _provenance(d, "python scripts/repulse_toy.py"))
+    return "\n".join(lines)
+
+
 def memory_estimate(d: dict) -> str:
     """scripts/estimate_memory.py: estimated peak GPU memory of one GRPO process (arithmetic, not measured)."""
     st = d["settings"]
@@ -208,8 +515,14 @@ def sums_calibration(d: dict) -> str:
 
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "generation": generation, "hf_memory": hf_memory,
+             **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
+             "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,
+             "bench_grpo_profile": bench_grpo_profile, "generation_sweep": generation_sweep,
+             "bench_vineppo_phases": bench_vineppo_phases, "ppo_vs_vineppo": ppo_vs_vineppo,
+             "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
-             "sums_calibration": sums_calibration, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
+             "sums_calibration": sums_calibration}
+MULTI = {"bench_ratios", "bench_absolute"}  # renderers that read several files (a list of their contents)
 
 
 def render_file(path: Path) -> tuple[str, str]:
@@ -217,13 +530,18 @@ def render_file(path: Path) -> tuple[str, str]:
     text = path.read_text()
 
     def sub(m: re.Match) -> str:
-        name, source = m.group(2), m.group(3)
+        name, sources = m.group(2), re.split(r",\s*", m.group(3))
         if name not in RENDERERS:
             raise SystemExit(f"error: {path}: unknown table {name!r} (known: {', '.join(RENDERERS)})")
-        data_path = ROOT / source
-        if not data_path.exists():
-            raise SystemExit(f"error: {path}: table {name} reads {source}, which does not exist")
-        return m.group(1) + RENDERERS[name](json.loads(data_path.read_text())) + "\n" + m.group(5)
+        if name not in MULTI and len(sources) > 1:
+            raise SystemExit(f"error: {path}: table {name} reads one file, the block names {len(sources)}")
+        data = []
+        for source in sources:
+            data_path = ROOT / source
+            if not data_path.exists():
+                raise SystemExit(f"error: {path}: table {name} reads {source}, which does not exist")
+            data.append({**json.loads(data_path.read_text()), "_path": source})
+        return m.group(1) + RENDERERS[name](data if name in MULTI else data[0]) + "\n" + m.group(5)
 
     return text, BLOCK.sub(sub, text)
 

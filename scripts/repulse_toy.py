@@ -48,6 +48,10 @@ def main() -> None:
     p.add_argument("--png", type=Path, default=ROOT / "docs/img/repulse_toy_cpu.png")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_common as bc
+
+    provenance = {"env": bc.environment(), "command": bc.invocation()}  # at the start: env.time is the start time
     args.out.mkdir(parents=True, exist_ok=True)
 
     for seed in args.seeds:
@@ -60,7 +64,7 @@ def main() -> None:
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
-    curves, summary = {}, {"methods": {}, "common_flags": COMMON + args.extra,
+    curves, summary = {}, {**provenance, "methods": {}, "common_flags": COMMON + args.extra,
                            "method_flags": {m: METHODS[m] for m in args.methods}}
     for method in args.methods:
         runs = [read(args.out / f"{method}_seed{s}") for s in args.seeds]

@@ -46,6 +46,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write the result as JSON here")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_common as bc
+
+    provenance = {"env": bc.environment(), "command": bc.invocation()}  # at the start: env.time is the start time
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +92,8 @@ def main() -> None:
             critic_v += v.gather(1, (attn.sum(1) - 1).unsqueeze(1)).squeeze(1).tolist()  # value at the state's last token
 
     mae = lambda est: statistics.mean(abs(a - b) for a, b in zip(est, truth))  # noqa: E731
-    result = {"policy": args.policy, "critic": args.critic, "num_states": len(states), "k": args.k,
+    result = {**provenance, "policy": args.policy, "critic": args.critic, "num_prompts": args.num_prompts,
+              "num_states": len(states), "k": args.k,
               "k_truth": args.k_truth, "mae_critic": mae(critic_v), f"mae_mc_k{args.k}": mae(vine),
               "mean_truth_value": statistics.mean(truth)}
     print(json.dumps(result, indent=2))

@@ -109,3 +109,10 @@ def test_grpo_batch_mapping_to_trl():
     assert (a.batch, a.grad_accum, a.optimizer_steps_per_iteration) == (512, 1, 4)
     with pytest.raises(SystemExit):
         load("bench_grpo").parse_args(["--micro_batch_size", "100"])
+
+
+def test_invocation_names_the_script_relative_to_the_repository():
+    script = str(SCRIPTS / "compare_drca_ppo.py")
+    assert bc.invocation([script, "--seeds", "1", "2", "--extra", "--lr", "1e-4"]) == \
+        "python scripts/compare_drca_ppo.py --seeds 1 2 --extra --lr 1e-4"
+    assert bc.invocation(["/elsewhere/x.py", "a b"]) == "python /elsewhere/x.py 'a b'"

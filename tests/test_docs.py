@@ -29,6 +29,50 @@ def test_a_generated_table_names_an_existing_file_and_a_known_renderer(tmp_path,
         docs_tables.render_file(page)
 
 
+def test_a_block_may_read_several_files_and_only_a_multi_file_renderer_gets_them(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"x": 1}')
+    b.write_text('{"x": 2}')
+    monkeypatch.setattr(docs_tables, "ROOT", tmp_path)
+    monkeypatch.setitem(docs_tables.RENDERERS, "sum_x", lambda ds: f"sum {sum(d['x'] for d in ds)} of {len(ds)}")
+    monkeypatch.setattr(docs_tables, "MULTI", {"sum_x"})
+    page = tmp_path / "p.md"
+    page.write_text("<!-- table sum_x a.json,\n     b.json -->\nold\n<!-- end table -->\n")
+    expected = "<!-- table sum_x a.json,\n     b.json -->\nsum 3 of 2\n<!-- end table -->\n"
+    assert docs_tables.render_file(page)[1] == expected
+    page.write_text("<!-- table sum_x a.json,none.json -->\nold\n<!-- end table -->\n")
+    with pytest.raises(SystemExit, match="none.json, which does not exist"):
+        docs_tables.render_file(page)
+    page.write_text("<!-- table graders a.json,b.json -->\nold\n<!-- end table -->\n")
+    with pytest.raises(SystemExit, match="reads one file, the block names 2"):
+        docs_tables.render_file(page)
+
+
+def _blocks():
+    """(page, renderer, [data files], rendered text) of every generated block in README.md and docs/*.md."""
+    out = []
+    for path in docs_tables.markdown_files():
+        for m in docs_tables.BLOCK.finditer(path.read_text()):
+            out.append((path.name, m.group(2), re.split(r",\s*", m.group(3)), m.group(4)))
+    return out
+
+
+def test_every_generated_table_names_the_command_that_regenerates_it():
+    """Issue #17: the command that regenerates a table stands beside it (the renderer writes it from the file)."""
+    missing = [f"{page}: {name}" for page, name, _, text in _blocks()
+               if not re.search(r"`python (scripts|algorithms)/", text)]
+    assert not missing, missing
+
+
+def test_every_json_under_docs_is_read_by_a_table():
+    """A stored measurement no page renders is either stale (replaced by a newer file) or a number the docs state by
+    hand: neither may stay. Every JSON file under docs/ must be the data of some generated block."""
+    used = {source for _, _, sources, _ in _blocks() for source in sources}
+    stored = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.json")}
+    assert stored - used == set(), f"JSON under docs/ that no table reads: {sorted(stored - used)}"
+    assert used - stored == set()
+
+
 def test_the_real_model_page_has_its_measured_tables():
     text = (ROOT / "docs" / "real_models.md").read_text()
     assert text.count("<!-- table real_model_") == 2 and "| held-out accuracy" in text and "| prompt template" in text
@@ -105,3 +149,20 @@ def test_flag_tables_state_the_code_defaults(name):
         if not ok:
             wrong.append(f"--{flag}: docs {doc!r}, code {code!r}")
     assert not wrong, wrong
+
+
+def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_it_has_none():
+    old = {"seeds": [1], "extra": [], "per_seed": [
+        {"seed": 1, "ppo_initial_accuracy": 0.5, "ppo_final_accuracy": 0.7, "ppo_initial_reward": 0.1,
+         "ppo_final_reward": 0.3, "ppo_minutes": 6.0, "drca_initial_accuracy": 0.5, "drca_final_accuracy": 0.6,
+         "drca_initial_reward": 0.1, "drca_final_reward": 0.2, "drca_minutes": 7.0}],
+        **{f"{a}_{k}": {"mean": v, "min": v, "max": v} for a, k, v in [
+            ("ppo", "final_accuracy", 0.7), ("ppo", "final_reward", 0.3), ("ppo", "minutes", 6.0),
+            ("drca", "final_accuracy", 0.6), ("drca", "final_reward", 0.2), ("drca", "minutes", 7.0)]},
+        "drca_minus_ppo_final_accuracy": {"mean": -0.1, "per_seed": [-0.1]}}
+    text = docs_tables.drca_vs_ppo(old)
+    assert "`python scripts/compare_drca_ppo.py --seeds 1` (this file records no machine" in text
+    new = {**old, "command": "python scripts/compare_drca_ppo.py --seeds 1",
+           "env": {"device": "CPU X x2", "time": "2026-01-01 00:00:00", "git_commit": "abc1234"}}
+    assert "`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2, 2026-01-01 00:00:00, commit abc1234." in \
+        docs_tables.drca_vs_ppo(new)
