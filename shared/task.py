@@ -3,7 +3,7 @@
     prompt   "3+4+5+1="
     response "7\\n12\\n13"      (3+4, then +5, then +1; the last line is the answer)
 
-Every single step is easy, the chain is not: a 0.6 M-parameter model warm-started for a minute gets roughly
+Every single step is easy, the chain is not: a 0.67 M-parameter model warm-started for a minute gets roughly
 half of the held-out problems right when sampling, which leaves room for RL to show learning within
 minutes on a CPU. Steps are lines, so VinePPO's states are line prefixes exactly as for GSM8K.
 
