@@ -53,7 +53,9 @@ def main() -> None:
             child = bc.run_child(argv, a.out / f"log_sums{terms}_seed{seed}")
             rows = [r for r in bc.read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r]
             run = {"terms": terms, "seed": seed, "command": "python " + shlex.join(argv[:-2]),
-                   "start_accuracy": rows[0]["eval/accuracy"], "final_accuracy": rows[-1]["eval/accuracy"],
+                   # sft.py first evaluates after eval_every steps, not at step 0
+                   "first_eval": {"step": rows[0]["step"], "accuracy": rows[0]["eval/accuracy"]},
+                   "final_accuracy": rows[-1]["eval/accuracy"],
                    "steps": rows[-1]["step"], "minutes": child["wall_s"] / 60, "peak_rss_mb": child["peak_rss_mb"]}
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(run, indent=1))

@@ -500,13 +500,12 @@ def drca_localisation(d: dict) -> str:
 
 def sums_calibration(d: dict) -> str:
     """scripts/calibrate_sums.py: sampled held-out accuracy of builtin:sums-N after the SFT recipe, per N."""
-    lines = ["| task | steps per response | held-out accuracy before SFT | after SFT | minutes |", "|---|---|---|---|---|"]
+    lines = ["| task | steps per response | held-out accuracy after SFT | minutes |", "|---|---|---|---|"]
     several_seeds = len({r["seed"] for r in d["runs"]}) > 1
     for r in sorted(d["runs"], key=lambda r: (r["terms"], r["seed"])):
         name = "builtin" if r["terms"] == 4 else f"builtin:sums-{r['terms']}"
         seed = f" (seed {r['seed']})" if several_seeds else ""
-        lines.append(f"| `{name}`{seed} | {r['terms'] - 1} | {r['start_accuracy']:.3f} | {r['final_accuracy']:.3f} | "
-                     f"{r['minutes']:.1f} |")
+        lines.append(f"| `{name}`{seed} | {r['terms'] - 1} | {r['final_accuracy']:.3f} | {r['minutes']:.1f} |")
     lines += ["", f"sft.py's default recipe from `builtin:tiny` on each task, with `--max_new_tokens 3N`; sampled (T = 1, "
                   f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}, "
                   f"{d['env']['time']}, commit {d['env']['git_commit']}."]
