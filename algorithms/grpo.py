@@ -12,6 +12,9 @@ instead of GAE on a learned critic. Variants (grpo.md):
                                             GRPO's per-sequence mean | token mean per rank | DAPO's token mean
                                             over the whole step and all ranks | Dr. GRPO's constant B*L_max
   --epsilon_low/--epsilon_high              clip-higher (DAPO)
+  --importance_level token|sequence         ratio per token, or per completion: exp(mean_t log ratio) (GSPO)
+  --policy_loss clip|cispo                  PPO's clipped surrogate, or the clipped, detached IS weight times
+                                            A log pi (CISPO, MiniMax-M1)
   --beta, --kl_estimator                    KL to the reference as a loss term (reference loaded only if beta>0)
   --num_iterations                          mu: updates per batch, ratio against the sampling-time log-probs
   --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
@@ -145,9 +148,13 @@ class Args:
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: float = 0.2
-    """lower clip range: ratio >= 1 - epsilon_low"""
+    """lower clip range: ratio >= 1 - epsilon_low (1: no lower bound)"""
     epsilon_high: float = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO, GRPO) or per completion, exp(mean over its tokens of the log ratio), clipped once per sequence (GSPO; its paper uses --epsilon_low 3e-4 --epsilon_high 4e-4)"""
+    policy_loss: Literal["clip", "cispo"] = "clip"
+    """`clip`: PPO's clipped surrogate; `cispo`: -sg(clip(ratio, 1-epsilon_low, 1+epsilon_high)) * A * log pi, so clipped tokens keep their gradient (MiniMax-M1)"""
     beta: float = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -212,17 +219,52 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
     raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
+def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
+                         level: str = "token") -> torch.Tensor:
+    """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
+
+    token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t}, the same on every token of completion i   GSPO (Zheng et al.
+              2025, arXiv 2507.18071, §4.1): the length-normalised sequence likelihood ratio; its gradient reaches
+              each token through the mean. GSPO-token (§4.3) equals this in value and gradient when, as here, every
+              token of a completion has the same advantage (tests/test_grpo.py), so it is not a separate choice."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = torch.ones_like(log_ratio) if mask is None else mask
+        log_s = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+        return log_s * m  # broadcast to the completion's tokens; padding keeps ratio 1
+    raise ValueError(f"importance_level: expected token or sequence, got {level!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float, mask: torch.Tensor | None = None):
+                      eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
     """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
 
-    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
-    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
-    ratio = torch.exp(log_ratio)
+    With level="sequence" rho is GSPO's s_i (log_importance_ratio), clipped once per completion: GSPO's objective
+    (Zheng et al. 2025, Eq. 5) with --loss_aggregation seq_mean. The log-ratio is masked before exp, so padding has
+    rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
+
+
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                    eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(clip(rho, 1-eps_low, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1)
+    and the indicator of tokens whose weight was clipped.
+
+    The clipped importance weight is detached, so every token keeps the gradient -w A grad log pi, also where
+    PPO-clip would zero it (ratio outside the range on the side the advantage pushes). The loss value contains
+    log pi and is not an objective. MiniMax-M1 sets no lower bound (here --epsilon_low 1: weight >= 0)."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    loss = -weight * advantages * (logp if mask is None else logp * mask)
+    is_clipped = (ratio > 1 + eps_high) | (ratio < 1 - eps_low)
     return loss, is_clipped.float(), ratio
 
 
@@ -484,8 +526,9 @@ def main(args: Args) -> str:
                         m_mask = mask[idx]
                         logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature, True)
                         logp_old = old_logp[idx] if reuse else logp.detach()
-                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high, m_mask)
+                        surrogate = cispo_surrogate if args.policy_loss == "cispo" else clipped_surrogate
+                        pg, is_clipped, ratio = surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                          args.epsilon_high, m_mask, args.importance_level)
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         per_token = pg * w
                         kl = torch.zeros_like(logp)

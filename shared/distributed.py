@@ -351,8 +351,8 @@ ARG_RANGES: dict[str, tuple] = {
         "cliprange", "cliprange_value", "ratio_threshold", "tis_cap", "kl_target", "reward_clip")},
     # probabilities and fractions
     **{k: (0, False, 1, True) for k in ("top_p", "generation_top_p", "vllm_gpu_memory_utilization", "cvar_level")},
-    **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta")},
-    **{k: (0, True, 1, False) for k in ("warmup_ratio", "epsilon_low")},
+    **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta", "epsilon_low")},  # epsilon_low 1: no lower bound
+    **{k: (0, True, 1, False) for k in ("warmup_ratio",)},
     "label_smoothing": (0, True, 0.5, False),
     # numpy takes seeds below 2**32, and each rank adds rank * 100003 (a prime) to its seed
     "seed": (0, True, 2**31 - 1, True),

@@ -78,6 +78,7 @@ CHOICES = {
             "pair_source": ("offline", "self_generated")},
     "grpo": {**GENERATOR, "advantage_scaling": ("group", "batch", "none"),
              "loss_aggregation": ("seq_mean", "token_mean", "global_token", "constant"),
+             "importance_level": ("token", "sequence"), "policy_loss": ("clip", "cispo"),
              "kl_estimator": ("k1", "k2", "k3"), "tis": ("none", "token_truncate", "token_mask", "sequence_mask")},
     "ppo": {**GENERATOR, "kl_placement": ("loss", "reward")},
     "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math")},
