@@ -7,7 +7,10 @@ is PPO's clipped surrogate; a KL penalty to a frozen reference is an optional lo
 
 Delta from PPO (algorithms/ppo.py): advantage = (r_i - mean_group r) [/ std], broadcast to all tokens,
 instead of GAE on a learned critic. Variants (grpo.md):
-  --advantage_scaling group|batch|none      std of the group (GRPO), of the batch, or none (Dr. GRPO)
+  --advantage_estimator grpo|rloo|reinforce_pp_baseline
+                                            r - group mean (GRPO) | r - mean of the others (RLOO) | r - group
+                                            mean, whitened over the batch's tokens (REINFORCE++-baseline)
+  --advantage_scaling group|batch|none      for grpo: std of the group (GRPO), of the batch, or none (Dr. GRPO)
   --loss_aggregation seq_mean|token_mean|global_token|constant
                                             GRPO's per-sequence mean | token mean per rank | DAPO's token mean
                                             over the whole step and all ranks | Dr. GRPO's constant B*L_max
@@ -143,8 +146,10 @@ class Args:
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    """`grpo`: r minus the group mean, divided as --advantage_scaling says; `rloo`: r minus the mean of the other G-1 (RLOO); `reinforce_pp_baseline`: r minus the group mean, then whitened over the batch's tokens (REINFORCE++-baseline)"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """`group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    """with --advantage_estimator grpo: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: float = 0.2
@@ -189,11 +194,30 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions
-def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [P, G] -> advantages [P, G] (grpo.md §1). Std is Bessel-corrected (TRL `nanstd`).
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, estimator: str = "grpo",
+                       token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G], one per completion (docs/grpo.md, Variants).
 
-    A group whose rewards are all equal gets exactly zero advantage under every scaling (no NaN)."""
+    grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
+          §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
+    rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
+    reinforce_pp_baseline: c_i = r_i - mean_G r, then whitened over the batch's tokens (Hu et al. 2025; OpenRLHF):
+          (c_i - mu) / max(sigma, eps), mu and sigma the mean and population std of c over every completion
+          token, completion i counted token_counts[i] times (once each when None)
+    A group whose rewards are all equal gets exactly zero advantage under grpo and rloo (no NaN); under
+    reinforce_pp_baseline it gets -mu / sigma."""
+    if estimator == "rloo":
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
+        return rewards - baseline
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "reinforce_pp_baseline":
+        n = torch.ones_like(rewards) if token_counts is None else token_counts.to(rewards.dtype)
+        total = n.sum().clamp(min=1)
+        mu = (centered * n).sum() / total  # token-weighted batch mean
+        sigma = (((centered - mu) ** 2 * n).sum() / total).sqrt()  # population std (OpenRLHF: var clamped at 1e-8)
+        return (centered - mu) / sigma.clamp(min=eps)
+    if estimator != "grpo":
+        raise ValueError(f"advantage_estimator: expected grpo, rloo or reinforce_pp_baseline, got {estimator!r}")
     if scaling == "none":
         return centered
     if scaling == "group":
@@ -347,6 +371,9 @@ def validate(args: Args) -> None:
         raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
     if args.num_iterations < 1 or args.beta < 0:
         raise ValueError("num_iterations must be >= 1 and beta >= 0")
+    if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
+        raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
+                         "has its own normalisation)")
 
 
 def main(args: Args) -> str:
@@ -486,13 +513,18 @@ def main(args: Args) -> str:
                                              [x["answer"] for x in rows], [c.finished for c in comps], rows)
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
+        finished = torch.tensor([c.finished for c in comps])
+        mask = completion_mask(resp, finished, args.mask_truncated_completions)
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
-        all_adv = compute_advantages(all_scores.view(args.num_prompts, args.num_generations), args.advantage_scaling)
+        token_counts = None
+        if args.advantage_estimator == "reinforce_pp_baseline":  # whitening weighs completions by trained tokens
+            token_counts = torch.tensor(sum(info.gather_objects(mask.sum(1).tolist()), []))
+            token_counts = token_counts.view(args.num_prompts, args.num_generations)
+        all_adv = compute_advantages(all_scores.view(args.num_prompts, args.num_generations), args.advantage_scaling,
+                                     estimator=args.advantage_estimator, token_counts=token_counts)
         zero_std = (all_scores.view(args.num_prompts, args.num_generations).std(1) == 0).float().mean()
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
-        finished = torch.tensor([c.finished for c in comps])
-        mask = completion_mask(resp, finished, args.mask_truncated_completions)
         sampler_logp = torch.zeros_like(mask)
         for i, c in enumerate(comps):
             start_pos = len(train_data.prompt_ids[local_idx[i // args.num_generations]]) - 1

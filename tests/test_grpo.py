@@ -39,6 +39,48 @@ def test_centered_advantages_sum_to_zero_per_group(scaling):
     assert compute_advantages(r, scaling).sum(1).abs().max() < 1e-5
 
 
+# ---------------------------------------------------------------- RLOO, REINFORCE++-baseline
+def test_rloo_leave_one_out_baseline_hand_computed():
+    # group [1, 0, 0, 1]: sum 2, baseline_i = (2 - r_i) / 3 = 1/3, 2/3, 2/3, 1/3 -> A = 2/3, -2/3, -2/3, 2/3
+    # group [3, 1, 0, 0]: sum 4, baseline_i = (4 - r_i) / 3 = 1/3, 1, 4/3, 4/3 -> A = 8/3, 0, -4/3, -4/3
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 0.0, 0.0]])
+    expected = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [8 / 3, 0.0, -4 / 3, -4 / 3]])
+    torch.testing.assert_close(compute_advantages(r, "group", estimator="rloo"), expected)
+    # the baseline is the mean of the *others*, not the group mean (which gives 0.5, -0.5, ... and 2, 0, -1, -1)
+    assert not torch.allclose(compute_advantages(r, "group", estimator="rloo"), compute_advantages(r, "none"))
+    # equivalently G/(G-1) times the centred reward
+    torch.testing.assert_close(compute_advantages(r, "group", estimator="rloo"), 4 / 3 * compute_advantages(r, "none"))
+
+
+def test_reinforce_pp_baseline_token_weighted_whitening_hand_computed():
+    # rewards [[1, 0], [1, 1]], completions of 1, 3, 2 and 2 trained tokens (8 in all)
+    # centred c = [[0.5, -0.5], [0, 0]]; token mean mu = (0.5*1 - 0.5*3 + 0*2 + 0*2) / 8 = -0.125
+    # var = (0.625^2*1 + 0.375^2*3 + 0.125^2*2 + 0.125^2*2) / 8 = 0.875 / 8 = 0.109375, sigma = 0.330719
+    # A = (c - mu) / sigma = [[0.625, -0.375], [0.125, 0.125]] / 0.330719
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    counts = torch.tensor([[1.0, 3.0], [2.0, 2.0]])
+    out = compute_advantages(r, "group", estimator="reinforce_pp_baseline", token_counts=counts)
+    torch.testing.assert_close(out, torch.tensor([[1.889822, -1.133893], [0.377964, 0.377964]]))
+    # the all-equal group gets -mu/sigma = 0.378, not 0 (the global mean is subtracted, as in OpenRLHF)
+    # unweighted (one count per completion): c = [0.5, -0.5, 0, 0], mu = 0, sigma = sqrt(0.5 / 4) = 0.353553
+    out = compute_advantages(r, "group", estimator="reinforce_pp_baseline")
+    torch.testing.assert_close(out, torch.tensor([[1.414214, -1.414214], [0.0, 0.0]]))
+
+
+def test_new_estimators_are_finite_on_all_equal_batches():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert (compute_advantages(r, "group", estimator="rloo") == 0).all()
+    out = compute_advantages(r, "group", estimator="reinforce_pp_baseline", token_counts=torch.zeros(2, 3))
+    assert (out == 0).all()  # sigma clamped at eps, total tokens at 1: no NaN even with every token masked
+    assert compute_advantages(torch.rand(5, 8), "group", estimator="rloo").sum(1).abs().max() < 1e-5
+
+
+def test_default_estimator_is_unchanged_grpo():
+    r = torch.rand(4, 8)
+    for scaling in ("group", "batch", "none"):
+        assert torch.equal(compute_advantages(r, scaling), compute_advantages(r, scaling, estimator="grpo"))
+
+
 # ---------------------------------------------------------------- KL estimators (building_blocks §5, P7)
 def test_kl_estimators_formulas():
     logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
@@ -304,6 +346,9 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
                                           ({"kl_estimator": "k4"}, "kl_estimator"),
                                           ({"importance_level": "seq"}, "importance_level"),
                                           ({"policy_loss": "ppo"}, "policy_loss"),
+                                          ({"advantage_estimator": "reinforce"}, "advantage_estimator"),
+                                          ({"advantage_estimator": "rloo", "advantage_scaling": "batch"},
+                                           "advantage_scaling"),
                                           ({"tis": "yes"}, "tis"), ({"generator": "sglang"}, "generator")])
 def test_invalid_config_is_rejected_naming_the_flag(change, flag):
     from shared.distributed import check_args
