@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from algorithms.grpo import (Args, aggregate_loss, cispo_surrogate, clipped_surrogate, completion_mask,
-                             compute_advantages, forward_logprobs, kl_penalty, log_importance_ratio, tis_weights,
-                             validate)
+                             compute_advantages, forward_logprobs, informative_groups, kl_penalty,
+                             log_importance_ratio, tis_weights, validate)
 
 
 # ---------------------------------------------------------------- advantages (grpo.md §1, P2)
@@ -79,6 +79,18 @@ def test_default_estimator_is_unchanged_grpo():
     r = torch.rand(4, 8)
     for scaling in ("group", "batch", "none"):
         assert torch.equal(compute_advantages(r, scaling), compute_advantages(r, scaling, estimator="grpo"))
+
+
+# ---------------------------------------------------------------- dynamic sampling (DAPO, arXiv 2503.14476)
+def test_dynamic_sampling_keeps_groups_with_a_spread_of_rewards():
+    # all wrong, all right, 1 of 4 right, all equal non-binary, two distinct non-binary values
+    r = torch.tensor([[0.0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 0.7, 0.3]])
+    assert informative_groups(r).tolist() == [False, False, True, False, True]
+    # the dropped groups are exactly those with zero advantage under grpo and rloo (0.1 * 4 / 4 may round, so the
+    # test is on max > min, not on std == 0)
+    for estimator in ("grpo", "rloo"):
+        adv = compute_advantages(r, "group", estimator=estimator)
+        assert ((adv.abs().amax(1) > 1e-6) == informative_groups(r)).all()
 
 
 # ---------------------------------------------------------------- KL estimators (building_blocks §5, P7)
@@ -347,6 +359,8 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
                                           ({"importance_level": "seq"}, "importance_level"),
                                           ({"policy_loss": "ppo"}, "policy_loss"),
                                           ({"advantage_estimator": "reinforce"}, "advantage_estimator"),
+                                          ({"max_refill_rounds": -1}, "max_refill_rounds"),
+                                          ({"epsilon_low": 1.5}, "epsilon_low"),
                                           ({"advantage_estimator": "rloo", "advantage_scaling": "batch"},
                                            "advantage_scaling"),
                                           ({"tis": "yes"}, "tis"), ({"generator": "sglang"}, "generator")])
