@@ -2,6 +2,7 @@
 P10, P15, P16)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -371,6 +372,45 @@ def test_invalid_config_is_rejected_naming_the_flag(change, flag):
     with pytest.raises(ValueError, match=f"^{flag}: "):
         check_args(args)  # the start-up checks in run_cli's order: fixed choices and ranges, then the script's own
         validate(args)
+
+
+def test_variant_flags_parse():
+    from shared.distributed import parse_cli
+
+    args = parse_cli(Args, ["--importance_level", "sequence", "--policy_loss", "cispo", "--advantage_estimator",
+                            "reinforce_pp_baseline", "--dynamic_sampling", "--max_refill_rounds", "0",
+                            "--epsilon_low", "1"])
+    assert (args.importance_level, args.policy_loss, args.advantage_estimator) == ("sequence", "cispo",
+                                                                                 "reinforce_pp_baseline")
+    assert args.dynamic_sampling and args.max_refill_rounds == 0 and args.epsilon_low == 1.0
+    default = Args()  # the defaults are the plain GRPO run
+    assert (default.importance_level, default.policy_loss, default.advantage_estimator, default.dynamic_sampling) == (
+        "token", "clip", "grpo", False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--advantage_estimator", "rloo", "--advantage_scaling", "none"],
+     "error: advantage_scaling: applies to --advantage_estimator grpo only (rloo has its own normalisation)\n"),
+    (["--max_refill_rounds", "-1"], "error: max_refill_rounds: must be in [0, inf), got -1\n"),
+    (["--epsilon_low", "1.5"], "error: epsilon_low: must be in [0, 1], got 1.5\n"),
+    (["--importance_level", "seq"], "error: --importance_level: 'seq' is not one of token, sequence\n"),
+    (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo\n"),
+    (["--advantage_estimator", "reinforce"],
+     "error: --advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_pp_baseline\n"),
+    (["--dynamic_sampling", "yes"], "error: unexpected argument 'yes'; see --help\n"),  # a switch takes no value
+])
+def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
+    """Through the real entry point (run_cli(grpo.main)): one line naming the flag, exit status 2, no output_dir."""
+    from algorithms import grpo
+    from shared.distributed import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv, "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as e:
+        run_cli(grpo.main, grpo.Args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_entropy_bonus_is_not_a_hidden_default():
