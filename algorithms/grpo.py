@@ -175,7 +175,7 @@ class Args:
     dynamic_sampling: bool = False
     """drop groups whose rewards are all equal (no gradient) and sample more prompts to refill the batch (DAPO's dynamic sampling)"""
     max_refill_rounds: int = 3
-    """with --dynamic_sampling: at most this many extra rounds of num_prompts prompts per step; still short after them, the step trains on the informative groups it has (logged as dynamic_sampling/unfilled_groups)"""
+    """with --dynamic_sampling: at most this many extra rounds per step, each sampling a full batch of new prompts (local_num_prompts per rank); still short after them, the step trains on the informative groups it has (logged as dynamic_sampling/unfilled_groups)"""
     eval_every: int = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: int = 500
