@@ -50,7 +50,7 @@ def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
     launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo",
-            "dpo_self_generated", "rm", "repulse", "drca"], timeout=900)
+            "dpo_self_generated", "rm", "repulse", "drca"], timeout=1200)
     return out, json.loads((out / "results.json").read_text())
 
 
