@@ -7,15 +7,23 @@ is PPO's clipped surrogate; a KL penalty to a frozen reference is an optional lo
 
 Delta from PPO (algorithms/ppo.py): advantage = (r_i - mean_group r) [/ std], broadcast to all tokens,
 instead of GAE on a learned critic. Variants (grpo.md):
-  --advantage_scaling group|batch|none      std of the group (GRPO), of the batch, or none (Dr. GRPO)
+  --advantage_estimator grpo|rloo|reinforce_pp_baseline
+                                            r - group mean (GRPO) | r - mean of the others (RLOO) | r - group
+                                            mean, whitened over the batch's tokens (REINFORCE++-baseline)
+  --advantage_scaling group|batch|none      for grpo: std of the group (GRPO), of the batch, or none (Dr. GRPO)
   --loss_aggregation seq_mean|token_mean|global_token|constant
                                             GRPO's per-sequence mean | token mean per rank | DAPO's token mean
                                             over the whole step and all ranks | Dr. GRPO's constant B*L_max
   --epsilon_low/--epsilon_high              clip-higher (DAPO)
+  --importance_level token|sequence         ratio per token, or per completion: exp(mean_t log ratio) (GSPO)
+  --policy_loss clip|cispo                  PPO's clipped surrogate, or the clipped, detached IS weight times
+                                            A log pi (CISPO, MiniMax-M1)
   --beta, --kl_estimator                    KL to the reference as a loss term (reference loaded only if beta>0)
   --num_iterations                          mu: updates per batch, ratio against the sampling-time log-probs
   --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
   --tis                                     truncated importance sampling against the sampler's log-probs
+  --dynamic_sampling, --max_refill_rounds   drop groups with all-equal rewards, sample more prompts to refill the
+                                            batch, at most max_refill_rounds extra rounds (DAPO)
 Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is ~0 (beta=0), yet the
 gradient is the policy gradient sum_t A grad log pi.
 
@@ -140,14 +148,20 @@ class Args:
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    """`grpo`: r minus the group mean, divided as --advantage_scaling says; `rloo`: r minus the mean of the other G-1 (RLOO); `reinforce_pp_baseline`: r minus the group mean, then whitened over the batch's tokens (REINFORCE++-baseline)"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """`group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    """with --advantage_estimator grpo: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: float = 0.2
-    """lower clip range: ratio >= 1 - epsilon_low"""
+    """lower clip range: ratio >= 1 - epsilon_low (1: no lower bound)"""
     epsilon_high: float = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO, GRPO) or per completion, exp(mean over its tokens of the log ratio), clipped once per sequence (GSPO; its paper uses --epsilon_low 3e-4 --epsilon_high 4e-4)"""
+    policy_loss: Literal["clip", "cispo"] = "clip"
+    """`clip`: PPO's clipped surrogate; `cispo`: -sg(clip(ratio, 1-epsilon_low, 1+epsilon_high)) * A * log pi, so clipped tokens keep their gradient (MiniMax-M1)"""
     beta: float = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -158,6 +172,10 @@ class Args:
     """correction for sampler/trainer mismatch: `none`, `token_truncate` (clip w at tis_cap), `token_mask`, `sequence_mask`"""
     tis_cap: float = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal (no gradient) and sample more prompts to refill the batch (DAPO's dynamic sampling)"""
+    max_refill_rounds: int = 3
+    """with --dynamic_sampling: at most this many extra rounds per step, each sampling a full batch of new prompts (local_num_prompts per rank); still short after them, the step trains on the informative groups it has (logged as dynamic_sampling/unfilled_groups)"""
     eval_every: int = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: int = 500
@@ -182,11 +200,30 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions
-def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [P, G] -> advantages [P, G] (grpo.md §1). Std is Bessel-corrected (TRL `nanstd`).
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, estimator: str = "grpo",
+                       token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G], one per completion (docs/grpo.md, Variants).
 
-    A group whose rewards are all equal gets exactly zero advantage under every scaling (no NaN)."""
+    grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
+          §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
+    rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
+    reinforce_pp_baseline: c_i = r_i - mean_G r, then whitened over the batch's tokens (Hu et al. 2025; OpenRLHF):
+          (c_i - mu) / max(sigma, eps), mu and sigma the mean and population std of c over every completion
+          token, completion i counted token_counts[i] times (once each when None)
+    A group whose rewards are all equal gets exactly zero advantage under grpo and rloo (no NaN); under
+    reinforce_pp_baseline it gets -mu / sigma."""
+    if estimator == "rloo":
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
+        return rewards - baseline
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "reinforce_pp_baseline":
+        n = torch.ones_like(rewards) if token_counts is None else token_counts.to(rewards.dtype)
+        total = n.sum().clamp(min=1)
+        mu = (centered * n).sum() / total  # token-weighted batch mean
+        sigma = (((centered - mu) ** 2 * n).sum() / total).sqrt()  # population std (OpenRLHF: var clamped at 1e-8)
+        return (centered - mu) / sigma.clamp(min=eps)
+    if estimator != "grpo":
+        raise ValueError(f"advantage_estimator: expected grpo, rloo or reinforce_pp_baseline, got {estimator!r}")
     if scaling == "none":
         return centered
     if scaling == "group":
@@ -194,6 +231,13 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -
     if scaling == "batch":
         return centered / (rewards.std() + eps)
     raise ValueError(f"advantage_scaling: expected group, batch or none, got {scaling!r}")
+
+
+def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """rewards [P, G] -> [P] bool: the groups whose rewards are not all equal, which DAPO's dynamic sampling keeps
+    (Yu et al. 2025, §3.2: 0 < #correct < G for 0/1 correctness). Every other group has zero advantage under grpo
+    and rloo. It reads the rewards as the reward function (or model) returned them: grpo.py shapes none."""
+    return rewards.max(dim=1).values > rewards.min(dim=1).values
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
@@ -212,17 +256,52 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
     raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
+def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
+                         level: str = "token") -> torch.Tensor:
+    """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
+
+    token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t}, the same on every token of completion i   GSPO (Zheng et al.
+              2025, arXiv 2507.18071, §4.1): the length-normalised sequence likelihood ratio; its gradient reaches
+              each token through the mean. GSPO-token (§4.3) equals this in value and gradient when, as here, every
+              token of a completion has the same advantage (tests/test_grpo.py), so it is not a separate choice."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = torch.ones_like(log_ratio) if mask is None else mask
+        log_s = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+        return log_s * m  # broadcast to the completion's tokens; padding keeps ratio 1
+    raise ValueError(f"importance_level: expected token or sequence, got {level!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float, mask: torch.Tensor | None = None):
+                      eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
     """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
 
-    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
-    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
-    ratio = torch.exp(log_ratio)
+    With level="sequence" rho is GSPO's s_i (log_importance_ratio), clipped once per completion: GSPO's objective
+    (Zheng et al. 2025, Eq. 5) with --loss_aggregation seq_mean. The log-ratio is masked before exp, so padding has
+    rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
+
+
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                    eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(clip(rho, 1-eps_low, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1)
+    and the indicator of tokens whose weight was clipped.
+
+    The clipped importance weight is detached, so every token keeps the gradient -w A grad log pi, also where
+    PPO-clip would zero it (ratio outside the range on the side the advantage pushes). The loss value contains
+    log pi and is not an objective. MiniMax-M1 sets no lower bound (here --epsilon_low 1: weight >= 0)."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    loss = -weight * advantages * (logp if mask is None else logp * mask)
+    is_clipped = (ratio > 1 + eps_high) | (ratio < 1 - eps_low)
     return loss, is_clipped.float(), ratio
 
 
@@ -305,6 +384,9 @@ def validate(args: Args) -> None:
         raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
     if args.num_iterations < 1 or args.beta < 0:
         raise ValueError("num_iterations must be >= 1 and beta >= 0")
+    if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
+        raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
+                         "has its own normalisation)")
 
 
 def main(args: Args) -> str:
@@ -400,6 +482,43 @@ def main(args: Args) -> str:
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
+    def rollout(step: int, rnd: int) -> tuple[list[int], list, list[str], list[float]]:
+        """1. rollout and 2. reward of round `rnd` of a step (rounds > 0 only with --dynamic_sampling): the next
+        num_prompts prompts of the global order, this rank's slice sampled G times each and scored. Returns the
+        rank's prompt indices, completions (prompt-major: [P_local * G]), their texts and rewards. Global prompt i
+        of round r samples with the seed of index r * num_prompts + i, so no two prompts of a step share one."""
+        # 1. rollout: this rank's slice of the round's global prompt batch, G samples each
+        with timer("generate"):
+            if rnd:
+                generator.wake_up()  # it slept after the previous round
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            prompts = [train_data.prompt_ids[i] for i in local_idx]
+            outs = generator.generate(prompts, n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=rnd * args.num_prompts + info.rank * args.local_num_prompts)
+            generator.sleep()  # frees the GPU for training when --vllm_enable_sleep (no-op otherwise)
+        comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
+
+        # 2. reward: the grader, or a reward model's score of prompt + completion
+        with timer("reward"):
+            texts = [decode(c.token_ids) for c in comps]
+            if reward_model is not None:
+                input_ids, attn, _ = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
+                                                           for _ in range(args.num_generations)],
+                                                          [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                          info.device)
+                with torch.no_grad():
+                    scores = torch.cat([score_last_token(reward_model, input_ids[s : s + args.local_micro_batch_size],
+                                                         attn[s : s + args.local_micro_batch_size])
+                                        for s in range(0, args.local_batch_size, args.local_micro_batch_size)]).tolist()
+            else:  # a reward function that raises stops the run, after saving the previous step
+                with ckpt.user_code(step, engines, tracker):
+                    scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
+                                             [x["answer"] for x in rows], [c.finished for c in comps], rows)
+        return local_idx, comps, texts, scores
+
     # training loop
     timer = Timer()
     start = time.time()
@@ -411,46 +530,75 @@ def main(args: Args) -> str:
         first_eval = metrics[headline]
     policy.train()
     local_idx: list[int] = []
+    warned_unfilled = False
     for step in range(start_step + 1, args.num_steps + 1):
         ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
-        # 1. rollout: this rank's slice of the global prompt batch, G samples each
-        with timer("generate"):
-            global_idx = sampler.next_indices(args.num_prompts)
-            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-            prompts = [train_data.prompt_ids[i] for i in local_idx]
-            outs = generator.generate(prompts, n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
-                                      index_offset=info.rank * args.local_num_prompts)
-            generator.sleep()  # frees the GPU for training when --vllm_enable_sleep (no-op otherwise)
-        comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
-        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
+        # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
+        local_idx, comps, texts, scores = rollout(step, 0)
+        sampled_scores = list(scores)  # every reward sampled in the step, all rounds (objective/scores)
+        num_kept = args.num_prompts  # groups trained on: fewer only when dynamic sampling could not refill
+        zero_std_groups = None
+        if args.dynamic_sampling:
+            # DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2): a group whose rewards are all equal
+            # has zero advantage, so no policy gradient: drop it, and sample rounds of num_prompts more prompts
+            # until num_prompts informative groups are found or max_refill_rounds extra rounds have run. Groups are
+            # pooled over ranks in the global prompt order, so the batch does not depend on the number of ranks.
+            G, kept, dropped = args.num_generations, [], []
+            for rnd in range(args.max_refill_rounds + 1):
+                if rnd:
+                    local_idx, comps, texts, scores = rollout(step, rnd)
+                    sampled_scores += scores
+                mine = [(i, comps[k * G : (k + 1) * G], texts[k * G : (k + 1) * G], scores[k * G : (k + 1) * G])
+                        for k, i in enumerate(local_idx)]
+                groups = sum(info.gather_objects(mine), [])  # [num_prompts] groups, global order, on every rank
+                informative = informative_groups(torch.tensor([g[3] for g in groups])).tolist()
+                kept += [g for g, keep in zip(groups, informative) if keep]
+                dropped += [g for g, keep in zip(groups, informative) if not keep]
+                if len(kept) >= args.num_prompts:
+                    break
+            num_kept = min(len(kept), args.num_prompts)  # informative groups beyond num_prompts are discarded
+            # still short after the last round: train on the informative groups there are; the free places take
+            # dropped groups to keep the batch's shape, and step 4 masks them out of the loss
+            batch = (kept[: args.num_prompts] + dropped)[: args.num_prompts]
+            batch = batch[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            local_idx = [g[0] for g in batch]
+            comps, texts, scores = ([x for g in batch for x in g[k]] for k in (1, 2, 3))
+            zero_std_groups = len(dropped) / (args.num_prompts * (rnd + 1))  # of all groups sampled in the step
+            sampling_metrics = {"dynamic_sampling/extra_rounds": rnd, "dynamic_sampling/dropped_groups": len(dropped),
+                                "dynamic_sampling/unfilled_groups": args.num_prompts - num_kept,
+                                "dynamic_sampling/surplus_groups": len(kept) - num_kept}
+            if num_kept < args.num_prompts and not warned_unfilled:
+                warned_unfilled = True
+                tracker.write(f"[step {step}] dynamic sampling: {num_kept} of {args.num_prompts} groups informative "
+                              f"after {rnd} extra rounds; training on those (later shortfalls are only counted in "
+                              "dynamic_sampling/unfilled_groups; --max_refill_rounds allows more rounds)")
 
-        # 2. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
+        # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
         input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
                                                       for _ in range(args.num_generations)],
                                                      [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
 
-        # 3. reward: the grader, or a reward model's score of prompt + completion
-        with timer("reward"):
-            texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:
-                with torch.no_grad():
-                    scores = torch.cat([score_last_token(reward_model, input_ids[s : s + args.local_micro_batch_size],
-                                                         attn[s : s + args.local_micro_batch_size])
-                                        for s in range(0, args.local_batch_size, args.local_micro_batch_size)]).tolist()
-            else:  # a reward function that raises stops the run, after saving the previous step
-                with ckpt.user_code(step, engines, tracker):
-                    scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
-                                             [x["answer"] for x in rows], [c.finished for c in comps], rows)
-
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
-        all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
-        all_adv = compute_advantages(all_scores.view(args.num_prompts, args.num_generations), args.advantage_scaling)
-        zero_std = (all_scores.view(args.num_prompts, args.num_generations).std(1) == 0).float().mean()
-        adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
-
         finished = torch.tensor([c.finished for c in comps])
         mask = completion_mask(resp, finished, args.mask_truncated_completions)
+        if num_kept < args.num_prompts:  # dynamic sampling's filler groups (global index >= num_kept): no loss
+            kept_rows = [info.rank * args.local_num_prompts + i // args.num_generations < num_kept
+                         for i in range(args.local_batch_size)]
+            mask = mask * torch.tensor(kept_rows, dtype=mask.dtype, device=mask.device)[:, None]
+        all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
+        all_scores = all_scores.view(args.num_prompts, args.num_generations)
+        token_counts = None
+        if args.advantage_estimator == "reinforce_pp_baseline":  # whitening weighs completions by trained tokens
+            token_counts = torch.tensor(sum(info.gather_objects(mask.sum(1).tolist()), []))
+            token_counts = token_counts.view(args.num_prompts, args.num_generations)[:num_kept]
+        all_adv = torch.zeros_like(all_scores)  # filler groups (unfilled dynamic sampling) keep 0
+        if num_kept:
+            all_adv[:num_kept] = compute_advantages(all_scores[:num_kept], args.advantage_scaling,
+                                                    estimator=args.advantage_estimator, token_counts=token_counts)
+        if zero_std_groups is None:
+            zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
+        adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+
         sampler_logp = torch.zeros_like(mask)
         for i, c in enumerate(comps):
             start_pos = len(train_data.prompt_ids[local_idx[i // args.num_generations]]) - 1
@@ -484,8 +632,9 @@ def main(args: Args) -> str:
                         m_mask = mask[idx]
                         logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature, True)
                         logp_old = old_logp[idx] if reuse else logp.detach()
-                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high, m_mask)
+                        surrogate = cispo_surrogate if args.policy_loss == "cispo" else clipped_surrogate
+                        pg, is_clipped, ratio = surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                          args.epsilon_high, m_mask, args.importance_level)
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         per_token = pg * w
                         kl = torch.zeros_like(logp)
@@ -520,8 +669,8 @@ def main(args: Args) -> str:
         # 8. log (reduced over ranks once per step)
         lengths = [len(c.token_ids) for c in comps]
         local = {
-            "objective/scores": sum(scores) / len(scores),
-            "objective/scores_std": torch.tensor(scores).std().item(),
+            "objective/scores": sum(sampled_scores) / len(sampled_scores),
+            "objective/scores_std": torch.tensor(sampled_scores).std().item(),
             "objective/kl": sum(stats["kl"]) / len(stats["kl"]) if ref_policy is not None else 0.0,
             "objective/entropy": sum(stats["entropy"]) / len(stats["entropy"]),
             "loss/policy_avg": sum(stats["pg"]) / len(stats["pg"]),
@@ -538,11 +687,13 @@ def main(args: Args) -> str:
         gathered = info.gather_objects(local)
         metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
         metrics.update({
-            "val/frac_reward_zero_std": zero_std.item(),
+            "val/frac_reward_zero_std": zero_std_groups,
             "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
             "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
             "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
         })
+        if args.dynamic_sampling:
+            metrics.update(sampling_metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
                                                best=best, first_eval=first_eval):

@@ -344,6 +344,7 @@ ARG_RANGES: dict[str, tuple] = {
         "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
         "warmup_steps", "eval_num_prompts", "eval_num_pairs", "num_sample_pairs", "num_sample_completions",
         "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
+        "max_refill_rounds",
         "max_grad_norm", "beta", "kl_coef",
         "epsilon_high", "dpop_lambda", "center_rewards_coefficient", "unit_entropy_threshold", "alpha")},
     # > 0
@@ -351,8 +352,8 @@ ARG_RANGES: dict[str, tuple] = {
         "cliprange", "cliprange_value", "ratio_threshold", "tis_cap", "kl_target", "reward_clip")},
     # probabilities and fractions
     **{k: (0, False, 1, True) for k in ("top_p", "generation_top_p", "vllm_gpu_memory_utilization", "cvar_level")},
-    **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta")},
-    **{k: (0, True, 1, False) for k in ("warmup_ratio", "epsilon_low")},
+    **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta", "epsilon_low")},  # epsilon_low 1: no lower bound
+    **{k: (0, True, 1, False) for k in ("warmup_ratio",)},
     "label_smoothing": (0, True, 0.5, False),
     # numpy takes seeds below 2**32, and each rank adds rank * 100003 (a prime) to its seed
     "seed": (0, True, 2**31 - 1, True),

@@ -73,6 +73,12 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
                         "--max_prompt_length", "24", "--reward_fn", "builtin"], 2),
         "grpo": ("grpo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
                           "--num_generations", "4", "--beta", "0.05"], 3),
+        # the grpo variants in one run: dynamic sampling (extra rounds draw on the sampler, seeds on the round),
+        # REINFORCE++-baseline advantages, CISPO's loss on GSPO's sequence ratio
+        "grpo_variants": ("grpo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes",
+                                   "80", "--num_generations", "4", "--dynamic_sampling", "--max_refill_rounds", "2",
+                                   "--advantage_estimator", "reinforce_pp_baseline", "--policy_loss", "cispo",
+                                   "--importance_level", "sequence"], 3),
         "ppo": ("ppo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
                         "--num_samples_per_prompt", "4", "--kl_placement", "reward", "--kl_coef", "0.05",
                         "--adaptive_kl", "--kl_horizon", "100"], 3),
@@ -99,7 +105,7 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
 
 
 # two ranks double the batch: these cases get more episodes, so that K steps stop before the end
-TWO_RANKS = {"sft": "80", "ppo": "160", "drca": "160", "grpo": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480"}
+TWO_RANKS = {"sft": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480"}
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:

@@ -1,7 +1,8 @@
 """End-to-end runs of the scripts exactly as users launch them (style.md S11), on the built-in tiny model.
 
 Covers: sft.py; grpo.py with vLLM and with HF generation, the optional branches (KL to a reference,
-num_iterations > 1, several minibatches, truncation masking) and a learning check; ppo.py and vineppo.py; rm.py and
+num_iterations > 1, several minibatches, truncation masking), a learning check, and each variant flag (GSPO, CISPO,
+RLOO, REINFORCE++-baseline, dynamic sampling, also on 2 ranks); ppo.py and vineppo.py; rm.py and
 its checkpoint as the reward of grpo.py, ppo.py and drca.py; dpo.py; and 2-process `accelerate launch` runs under
 ZeRO-2 and ZeRO-3 whose ranks must end with identical weights."""
 
@@ -106,6 +107,79 @@ def test_grpo_two_processes_deepspeed(tmp_path, stage):
     assert last["check/world_size"] == 2.0
     assert last["check/ranks_identical_weights"] == 1.0
     assert last["check/ranks_shared_prompts"] == 0.0
+
+
+# ---------------------------------------------------------------- grpo.py's variant flags (docs/grpo.md, Variants)
+TINY_RUN = [*SMALL, "--generator", "hf", "--total_episodes", "32", "--eval_every", "0"]  # 2 steps, no evaluation
+VARIANTS = {
+    "gspo": ["--importance_level", "sequence", "--epsilon_low", "3e-4", "--epsilon_high", "4e-4",
+             "--loss_aggregation", "seq_mean"],
+    "cispo": ["--policy_loss", "cispo", "--epsilon_low", "1"],
+    "rloo": ["--advantage_estimator", "rloo"],
+    "reinforce_pp_baseline": ["--advantage_estimator", "reinforce_pp_baseline", "--mask_truncated_completions"],
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_grpo_variant_trains_end_to_end(tmp_path, name):
+    """Two steps of each variant (default 2 iterations x 2 minibatches, so the ratio moves off 1): finite losses and
+    gradients, a saved policy."""
+    run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path), *TINY_RUN, *VARIANTS[name]])
+    steps = [r for r in metrics(tmp_path) if "loss/policy_avg" in r]
+    assert len(steps) == 2
+    for key in ("loss/policy_avg", "optim/grad_norm", "val/ratio", "val/advantages_mean", "policy/clipfrac_avg"):
+        assert all(math.isfinite(r[key]) for r in steps), key
+    assert (tmp_path / "final" / "config.json").exists()
+
+
+def _sampling_counts_add_up(r: dict, num_prompts: int) -> None:
+    sampled = num_prompts * (r["dynamic_sampling/extra_rounds"] + 1)  # groups sampled in the step
+    kept = num_prompts - r["dynamic_sampling/unfilled_groups"]  # groups trained on
+    assert r["dynamic_sampling/dropped_groups"] + kept + r["dynamic_sampling/surplus_groups"] == sampled
+    assert r["val/frac_reward_zero_std"] == pytest.approx(r["dynamic_sampling/dropped_groups"] / sampled)
+
+
+def test_grpo_dynamic_sampling_refills_the_batch(tmp_path):
+    """The SFT warm start solves some prompts of the built-in task: dynamic sampling drops the all-equal groups,
+    samples extra rounds when needed, and its counts add up."""
+    run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path), *TINY_RUN, "--dynamic_sampling",
+         "--max_refill_rounds", "3"])
+    steps = [r for r in metrics(tmp_path) if "loss/policy_avg" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert 0 <= r["dynamic_sampling/extra_rounds"] <= 3
+        _sampling_counts_add_up(r, 4)
+        assert math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["optim/grad_norm"])
+    assert any(r["dynamic_sampling/unfilled_groups"] < 4 for r in steps)  # it trained on informative groups
+
+
+def test_grpo_dynamic_sampling_that_cannot_fill_trains_on_what_it_has(tmp_path):
+    """A reward that is always 0: no group is informative, every round is used, the shortfall is logged and printed
+    once, and the run finishes (the filler groups are masked out of the loss)."""
+    reward = tmp_path / "zero.py"
+    reward.write_text("def zero(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    out = run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path / "run"), *TINY_RUN,
+               "--reward_fn", f"{reward}:zero", "--dynamic_sampling", "--max_refill_rounds", "1"])
+    steps = [r for r in metrics(tmp_path / "run") if "loss/policy_avg" in r]
+    assert [r["dynamic_sampling/unfilled_groups"] for r in steps] == [4, 4]
+    assert [r["dynamic_sampling/extra_rounds"] for r in steps] == [1, 1]
+    for r in steps:
+        _sampling_counts_add_up(r, 4)
+        assert r["loss/policy_avg"] == 0.0 and r["val/advantages_std"] == 0.0
+    assert out.count("dynamic sampling: 0 of 4 groups informative after 1 extra rounds") == 1
+
+
+def test_grpo_dynamic_sampling_two_processes(tmp_path):
+    """2 ranks pool their groups (global prompt order) and take their slices of the refilled batch: they end with
+    identical weights and trained on disjoint prompts."""
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+         "algorithms/grpo.py", "--output_dir", str(tmp_path), *TINY_RUN, "--total_episodes", "64",
+         "--dynamic_sampling"], timeout=900)
+    rows = metrics(tmp_path)
+    for r in [r for r in rows if "loss/policy_avg" in r]:
+        _sampling_counts_add_up(r, 8)
+    assert rows[-1]["check/world_size"] == 2.0
+    assert rows[-1]["check/ranks_identical_weights"] == 1.0 and rows[-1]["check/ranks_shared_prompts"] == 0.0
 
 
 PPO_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short

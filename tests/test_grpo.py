@@ -2,12 +2,14 @@
 P10, P15, P16)."""
 
 import math
+import sys
 
 import pytest
 import torch
 
-from algorithms.grpo import (Args, aggregate_loss, clipped_surrogate, completion_mask, compute_advantages,
-                             forward_logprobs, kl_penalty, tis_weights, validate)
+from algorithms.grpo import (Args, aggregate_loss, cispo_surrogate, clipped_surrogate, completion_mask,
+                             compute_advantages, forward_logprobs, informative_groups, kl_penalty,
+                             log_importance_ratio, tis_weights, validate)
 
 
 # ---------------------------------------------------------------- advantages (grpo.md §1, P2)
@@ -36,6 +38,60 @@ def test_all_equal_groups_give_zero_finite_advantages(scaling):
 def test_centered_advantages_sum_to_zero_per_group(scaling):
     r = torch.rand(5, 8)
     assert compute_advantages(r, scaling).sum(1).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- RLOO, REINFORCE++-baseline
+def test_rloo_leave_one_out_baseline_hand_computed():
+    # group [1, 0, 0, 1]: sum 2, baseline_i = (2 - r_i) / 3 = 1/3, 2/3, 2/3, 1/3 -> A = 2/3, -2/3, -2/3, 2/3
+    # group [3, 1, 0, 0]: sum 4, baseline_i = (4 - r_i) / 3 = 1/3, 1, 4/3, 4/3 -> A = 8/3, 0, -4/3, -4/3
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 0.0, 0.0]])
+    expected = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [8 / 3, 0.0, -4 / 3, -4 / 3]])
+    torch.testing.assert_close(compute_advantages(r, "group", estimator="rloo"), expected)
+    # the baseline is the mean of the *others*, not the group mean (which gives 0.5, -0.5, ... and 2, 0, -1, -1)
+    assert not torch.allclose(compute_advantages(r, "group", estimator="rloo"), compute_advantages(r, "none"))
+    # equivalently G/(G-1) times the centred reward
+    torch.testing.assert_close(compute_advantages(r, "group", estimator="rloo"), 4 / 3 * compute_advantages(r, "none"))
+
+
+def test_reinforce_pp_baseline_token_weighted_whitening_hand_computed():
+    # rewards [[1, 0], [1, 1]], completions of 1, 3, 2 and 2 trained tokens (8 in all)
+    # centred c = [[0.5, -0.5], [0, 0]]; token mean mu = (0.5*1 - 0.5*3 + 0*2 + 0*2) / 8 = -0.125
+    # var = (0.625^2*1 + 0.375^2*3 + 0.125^2*2 + 0.125^2*2) / 8 = 0.875 / 8 = 0.109375, sigma = 0.330719
+    # A = (c - mu) / sigma = [[0.625, -0.375], [0.125, 0.125]] / 0.330719
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    counts = torch.tensor([[1.0, 3.0], [2.0, 2.0]])
+    out = compute_advantages(r, "group", estimator="reinforce_pp_baseline", token_counts=counts)
+    torch.testing.assert_close(out, torch.tensor([[1.889822, -1.133893], [0.377964, 0.377964]]))
+    # the all-equal group gets -mu/sigma = 0.378, not 0 (the global mean is subtracted, as in OpenRLHF)
+    # unweighted (one count per completion): c = [0.5, -0.5, 0, 0], mu = 0, sigma = sqrt(0.5 / 4) = 0.353553
+    out = compute_advantages(r, "group", estimator="reinforce_pp_baseline")
+    torch.testing.assert_close(out, torch.tensor([[1.414214, -1.414214], [0.0, 0.0]]))
+
+
+def test_new_estimators_are_finite_on_all_equal_batches():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert (compute_advantages(r, "group", estimator="rloo") == 0).all()
+    out = compute_advantages(r, "group", estimator="reinforce_pp_baseline", token_counts=torch.zeros(2, 3))
+    assert (out == 0).all()  # sigma clamped at eps, total tokens at 1: no NaN even with every token masked
+    assert compute_advantages(torch.rand(5, 8), "group", estimator="rloo").sum(1).abs().max() < 1e-5
+
+
+def test_default_estimator_is_unchanged_grpo():
+    r = torch.rand(4, 8)
+    for scaling in ("group", "batch", "none"):
+        assert torch.equal(compute_advantages(r, scaling), compute_advantages(r, scaling, estimator="grpo"))
+
+
+# ---------------------------------------------------------------- dynamic sampling (DAPO, arXiv 2503.14476)
+def test_dynamic_sampling_keeps_groups_with_a_spread_of_rewards():
+    # all wrong, all right, 1 of 4 right, all equal non-binary, two distinct non-binary values
+    r = torch.tensor([[0.0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 0.7, 0.3]])
+    assert informative_groups(r).tolist() == [False, False, True, False, True]
+    # the dropped groups are exactly those with zero advantage under grpo and rloo (0.1 * 4 / 4 may round, so the
+    # test is on max > min, not on std == 0)
+    for estimator in ("grpo", "rloo"):
+        adv = compute_advantages(r, "group", estimator=estimator)
+        assert ((adv.abs().amax(1) > 1e-6) == informative_groups(r)).all()
 
 
 # ---------------------------------------------------------------- KL estimators (building_blocks §5, P7)
@@ -79,6 +135,120 @@ def test_clip_higher_bounds_apply_on_the_correct_side():
     torch.testing.assert_close(loss, torch.tensor([-1.28, 1.5, -0.5, 0.8]))
     torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0, 1.0]))
     torch.testing.assert_close(ratio, torch.tensor([1.5, 1.5, 0.5, 0.5]))
+
+
+# ---------------------------------------------------------------- GSPO: sequence-level ratio (arXiv 2507.18071)
+def _gspo_batch():
+    """Two completions, old log-probs 0: completion 0 has 3 tokens with log ratios 0.3, -0.1, 0.1; completion 1 has
+    one token with log ratio 0.6 and two padding positions (extreme values there must not leak in)."""
+    logp = torch.tensor([[0.3, -0.1, 0.1], [0.6, 50.0, -50.0]], requires_grad=True)
+    return logp, torch.zeros(2, 3), torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    # s_0 = exp((0.3 - 0.1 + 0.1) / 3) = exp(0.1) = 1.105171 on all three tokens; s_1 = exp(0.6 / 1) = 1.822119 on its
+    # token, padding keeps log ratio 0 (ratio 1)
+    logp, old, mask = _gspo_batch()
+    torch.testing.assert_close(log_importance_ratio(logp, old, mask, "sequence"),
+                               torch.tensor([[0.1, 0.1, 0.1], [0.6, 0.0, 0.0]]))
+    torch.testing.assert_close(log_importance_ratio(logp, old, mask, "token"), (logp * mask).detach())
+    # A = +1 for both, eps 0.2 / 0.28: s_0 = 1.105 is inside [0.8, 1.28] -> loss -1.105171 per token, not clipped;
+    # s_1 = 1.822 > 1.28 with A > 0 -> loss -1.28 (clipped, no gradient)
+    adv = torch.ones(2, 3)
+    loss, clipped, ratio = clipped_surrogate(logp, old, adv, 0.2, 0.28, mask, "sequence")
+    e01 = math.exp(0.1)
+    torch.testing.assert_close((loss * mask).detach(), torch.tensor([[-e01, -e01, -e01], [-1.28, 0, 0]]))
+    torch.testing.assert_close(clipped * mask, torch.tensor([[0.0, 0, 0], [1, 0, 0]]))
+    torch.testing.assert_close(ratio[1, 0].item(), math.exp(0.6))
+    # gradient of the masked sum: every token k of completion 0 gets sum_t d(-s_0)/d logp_k = 3 * (-s_0 / 3) = -s_0
+    # (the ratio's gradient is s_0 * (1/|y|) for each token); the clipped completion 1 gets none
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-e01, -e01, -e01], [0.0, 0, 0]]))
+
+
+def test_gspo_clips_the_whole_sequence_where_token_level_clips_one_token():
+    # log ratios 0.5, -0.4, 0.0 (A = +1): token level clips token 0 only (e^0.5 = 1.65 > 1.28);
+    # sequence level: s = exp(0.1 / 3) = 1.034, no token clipped
+    logp, old, adv = torch.tensor([[0.5, -0.4, 0.0]]), torch.zeros(1, 3), torch.ones(1, 3)
+    assert clipped_surrogate(logp, old, adv, 0.2, 0.28, None, "token")[1].tolist() == [[1.0, 0.0, 0.0]]
+    assert clipped_surrogate(logp, old, adv, 0.2, 0.28, None, "sequence")[1].tolist() == [[0.0, 0.0, 0.0]]
+    # GSPO's own range 3e-4 / 4e-4: s = 1.034 > 1.0004 -> all three tokens clipped together
+    assert clipped_surrogate(logp, old, adv, 3e-4, 4e-4, None, "sequence")[1].tolist() == [[1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("mode", ["seq_mean", "global_token"])
+def test_gspo_token_variant_equals_gspo_with_sequence_advantages(mode):
+    """GSPO-token (§4.3): s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)], written out here. With one advantage per completion
+    it has GSPO's value and gradient, which is why grpo.py has no separate flag for it."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    old = torch.randn(3, 4)
+    logp = (old + 0.3 * torch.randn(3, 4)).requires_grad_()
+    adv = torch.tensor([[1.5], [-0.7], [0.4]]).expand(3, 4)
+    eps_low, eps_high = 0.05, 0.05  # narrow, so that some completions clip
+
+    loss = clipped_surrogate(logp, old, adv, eps_low, eps_high, mask, "sequence")[0]
+    gspo = aggregate_loss(loss, mask, mode, 3, int(mask.sum()), int(mask.sum()), 1, 4)
+    g_gspo = torch.autograd.grad(gspo, logp)[0]
+
+    log_s = ((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+    s_tok = torch.exp(log_s).detach() * torch.exp(logp - logp.detach())
+    token_loss = -torch.minimum(s_tok * adv, torch.clamp(s_tok, 1 - eps_low, 1 + eps_high) * adv)
+    gspo_token = aggregate_loss(token_loss, mask, mode, 3, int(mask.sum()), int(mask.sum()), 1, 4)
+    g_token = torch.autograd.grad(gspo_token, logp)[0]
+    assert (torch.exp(log_s) > 1 + eps_high).any() or (torch.exp(log_s) < 1 - eps_low).any()  # some clipping
+    torch.testing.assert_close(gspo, gspo_token)
+    torch.testing.assert_close(g_gspo * mask, g_token * mask)
+
+
+def test_gspo_on_policy_gradient_is_the_token_level_one():
+    """Ratio 1 (logp_old = logp): sequence and token level both give -A grad log pi per token (with any aggregation
+    that weights a completion's tokens equally)."""
+    torch.manual_seed(1)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    logp = torch.randn(2, 3, requires_grad=True)
+    adv = torch.tensor([[0.8], [-1.1]]).expand(2, 3)
+    grads = []
+    for level in ("token", "sequence"):
+        loss = clipped_surrogate(logp, logp.detach(), adv, 0.2, 0.28, mask, level)[0]
+        grads.append(torch.autograd.grad(aggregate_loss(loss, mask, "global_token", 2, 5, 5, 1, 3), logp)[0])
+    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(grads[0], -adv * mask / 5)
+
+
+# ---------------------------------------------------------------- CISPO (MiniMax-M1, arXiv 2506.13585)
+def test_cispo_hand_computed_and_every_token_keeps_its_gradient():
+    # ratios 1.5, 0.5, 1.1 (logp_old = 0, so logp = log ratio = 0.405465, -0.693147, 0.095310), A = +1, +1, -1,
+    # eps 0.2 / 0.28: weights sg(clip(r)) = 1.28, 0.8, 1.1; loss = -w A logp:
+    #   -1.28 * 1 * 0.405465 = -0.518995;  -0.8 * 1 * -0.693147 = 0.554518;  -1.1 * -1 * 0.095310 = 0.104841
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, clipped, ratio = cispo_surrogate(logp, torch.zeros(3), adv, 0.2, 0.28)
+    torch.testing.assert_close(loss.detach(), torch.tensor([-0.518995, 0.554518, 0.104841]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 1.0, 0.0]))  # weight clipped, whatever A's sign
+    torch.testing.assert_close(ratio.detach(), torch.tensor([1.5, 0.5, 1.1]))
+    # d loss / d logp = -w A exactly: the weight carries no gradient (else d/dlogp would add -A logp dw/dlogp), and
+    # token 0, clipped, still gets -1.28 where PPO-clip gives 0
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([-1.28, -0.8, 1.1]))
+    g_clip = torch.autograd.grad(clipped_surrogate(logp, torch.zeros(3), adv, 0.2, 0.28)[0].sum(), logp)[0]
+    assert g_clip[0] == 0 and g_clip[1] != 0  # PPO-clip: token 0 clipped (no gradient); token 1 pessimistic, kept
+
+
+def test_cispo_epsilon_low_one_is_no_lower_bound_and_padding_is_finite():
+    logp = torch.tensor([[math.log(0.01), -300.0]], requires_grad=True)  # ratio 0.01, then a padding position
+    loss, clipped, _ = cispo_surrogate(logp, torch.zeros(1, 2), torch.ones(1, 2), 1.0, 0.28, torch.tensor([[1.0, 0]]))
+    # weight = clip(0.01, 0, 1.28) = 0.01: unclipped; loss = -0.01 * log(0.01) = 0.0460517
+    torch.testing.assert_close(loss[0, 0].item(), -0.01 * math.log(0.01))
+    assert clipped[0, 0] == 0 and loss[0, 1] == 0
+
+
+def test_cispo_on_policy_gradient_is_reinforce():
+    torch.manual_seed(2)
+    logp = torch.randn(2, 3, requires_grad=True)
+    adv = torch.tensor([[0.8], [-1.1]]).expand(2, 3)
+    loss = cispo_surrogate(logp, logp.detach(), adv, 0.2, 0.28)[0]
+    torch.testing.assert_close(torch.autograd.grad(loss.sum(), logp)[0], -adv)
 
 
 # ---------------------------------------------------------------- aggregation (P1, P3)
@@ -187,6 +357,13 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
                                           ({"advantage_scaling": "std"}, "advantage_scaling"),
                                           ({"loss_aggregation": "sum"}, "loss_aggregation"),
                                           ({"kl_estimator": "k4"}, "kl_estimator"),
+                                          ({"importance_level": "seq"}, "importance_level"),
+                                          ({"policy_loss": "ppo"}, "policy_loss"),
+                                          ({"advantage_estimator": "reinforce"}, "advantage_estimator"),
+                                          ({"max_refill_rounds": -1}, "max_refill_rounds"),
+                                          ({"epsilon_low": 1.5}, "epsilon_low"),
+                                          ({"advantage_estimator": "rloo", "advantage_scaling": "batch"},
+                                           "advantage_scaling"),
                                           ({"tis": "yes"}, "tis"), ({"generator": "sglang"}, "generator")])
 def test_invalid_config_is_rejected_naming_the_flag(change, flag):
     from shared.distributed import check_args
@@ -195,6 +372,45 @@ def test_invalid_config_is_rejected_naming_the_flag(change, flag):
     with pytest.raises(ValueError, match=f"^{flag}: "):
         check_args(args)  # the start-up checks in run_cli's order: fixed choices and ranges, then the script's own
         validate(args)
+
+
+def test_variant_flags_parse():
+    from shared.distributed import parse_cli
+
+    args = parse_cli(Args, ["--importance_level", "sequence", "--policy_loss", "cispo", "--advantage_estimator",
+                            "reinforce_pp_baseline", "--dynamic_sampling", "--max_refill_rounds", "0",
+                            "--epsilon_low", "1"])
+    assert (args.importance_level, args.policy_loss, args.advantage_estimator) == ("sequence", "cispo",
+                                                                                 "reinforce_pp_baseline")
+    assert args.dynamic_sampling and args.max_refill_rounds == 0 and args.epsilon_low == 1.0
+    default = Args()  # the defaults are the plain GRPO run
+    assert (default.importance_level, default.policy_loss, default.advantage_estimator, default.dynamic_sampling) == (
+        "token", "clip", "grpo", False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--advantage_estimator", "rloo", "--advantage_scaling", "none"],
+     "error: advantage_scaling: applies to --advantage_estimator grpo only (rloo has its own normalisation)\n"),
+    (["--max_refill_rounds", "-1"], "error: max_refill_rounds: must be in [0, inf), got -1\n"),
+    (["--epsilon_low", "1.5"], "error: epsilon_low: must be in [0, 1], got 1.5\n"),
+    (["--importance_level", "seq"], "error: --importance_level: 'seq' is not one of token, sequence\n"),
+    (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo\n"),
+    (["--advantage_estimator", "reinforce"],
+     "error: --advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_pp_baseline\n"),
+    (["--dynamic_sampling", "yes"], "error: unexpected argument 'yes'; see --help\n"),  # a switch takes no value
+])
+def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
+    """Through the real entry point (run_cli(grpo.main)): one line naming the flag, exit status 2, no output_dir."""
+    from algorithms import grpo
+    from shared.distributed import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv, "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as e:
+        run_cli(grpo.main, grpo.Args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_entropy_bonus_is_not_a_hidden_default():

@@ -49,13 +49,13 @@ def metric_rows(out: Path) -> list[dict]:
 def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
-    launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "ppo", "vineppo", "dpo",
-            "dpo_self_generated", "rm", "repulse", "drca"], timeout=900)
+    launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo",
+            "dpo_self_generated", "rm", "repulse", "drca"], timeout=1200)
     return out, json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", ["sft", "grpo", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm", "repulse",
-                                  "drca"])
+@pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm",
+                                  "repulse", "drca"])
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
     weight, bit for bit (also the critic of ppo.py); the resumed run finished."""
