@@ -59,9 +59,10 @@ def generate_chunks(generator, prompt_ids: list[list[int]], chunks: list[range],
     A generator with `seeds_each_prompt` (vLLM) gets each run of consecutive chunks in one call; any other (HF) one
     call per chunk, padded with empty calls to `num_calls` (under ZeRO-3 every rank must make as many `generate`
     calls: each forward gathers shards from all ranks)."""
+    per_prompt = getattr(generator, "seeds_each_prompt", False)
     runs: list[range] = []
     for c in chunks:
-        if runs and getattr(generator, "seeds_each_prompt", False) and runs[-1].stop == c.start:
+        if runs and per_prompt and runs[-1].stop == c.start:
             runs[-1] = range(runs[-1].start, c.stop)
         else:
             runs.append(c)
@@ -69,7 +70,7 @@ def generate_chunks(generator, prompt_ids: list[list[int]], chunks: list[range],
     for r in runs:
         out += generator.generate([prompt_ids[i] for i in r], n=n, temperature=temperature, top_p=top_p,
                                   max_new_tokens=max_new_tokens, seed=seed, index_offset=r.start)
-    for _ in range(len(runs), num_calls):
+    for _ in range(len(runs), 0 if per_prompt else num_calls):
         generator.generate([], n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     return out
 
