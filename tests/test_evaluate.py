@@ -88,9 +88,10 @@ def test_bootstrap_ci_is_deterministic_and_contains_the_estimate():
     assert ci["c"] == [0.25, 0.25]
     wide, narrow = bootstrap_ci(values, 500, 0.99, 3)["a"], bootstrap_ci(values, 500, 0.5, 3)["a"]
     assert wide[0] < narrow[0] < narrow[1] < wide[1]
-    # resamples are drawn in blocks: a different block size must not change them
-    small = bootstrap_ci({"a": values["a"][:3]}, 10, 0.9, seed=1)
-    assert small == bootstrap_ci({"a": values["a"][:3]}, 10, 0.9, seed=1)
+    # the definition: resamples of the prompt indices from default_rng(seed), percentiles of their means
+    v = np.array([0.0, 1.0, 1.0, 0.5])
+    means = v[np.random.default_rng(1).integers(0, 4, size=(50, 4))].mean(axis=1)
+    assert bootstrap_ci({"v": v}, 50, 0.9, seed=1)["v"] == list(np.quantile(means, [0.05, 0.95]))
 
 
 def _record(i, grades, answers, finished=None, greedy=None):
