@@ -119,10 +119,10 @@ def summarize(records: list[dict], ks: list[int], votes: bool, num_bootstrap: in
               seed: int) -> dict:
     """Point estimates and bootstrap intervals from the records of every prompt, in prompt order.
 
-    Per prompt: accuracy = mean grade of its n samples, pass@k (Chen et al.) with c = samples graded > 0.5, maj@k on
-    the samples' extracted answers (`votes`: the grader extracts answers; only finished completions vote), greedy
-    accuracy. Each metric is the mean over
-    prompts; eval/accuracy is summed as the training scripts do (shared/evaluation.py), so the two agree exactly."""
+    Per prompt: greedy accuracy, accuracy = mean grade of its n samples, pass@k (Chen et al.) with c = samples graded
+    > 0.5, and maj@k on the samples' extracted answers (`votes`: the grader extracts answers; only finished
+    completions vote). Each metric is the mean over prompts; eval/accuracy is summed as the training scripts do
+    (shared/evaluation.py), so the two agree exactly."""
     grades = torch.tensor([[s["grade"] for s in r["samples"]] for r in records], dtype=torch.float64)  # [P, n]
     n = grades.shape[1]
     correct = (grades > 0.5).tolist()
@@ -197,10 +197,11 @@ def check_resume(out: Path, args: Args) -> dict[int, dict]:
                          f"use another --output_dir")
     before = json.loads((out / "args.json").read_text())
     now = json.loads(json.dumps(asdict(args), default=str))
-    changed = [f"--{k} {before.get(k)!r} (now {now[k]!r})" for k in RESULT_FLAGS if before.get(k) != now[k]]
+    differ = [k for k in RESULT_FLAGS if before.get(k) != now[k]]
+    changed = [f"--{k} {before.get(k)!r} (now {now[k]!r})" for k in differ if k != "model_files"]
+    if "model_files" in differ and "model_name_or_path" not in differ:
+        changed.insert(0, f"the weight files of {args.model_name_or_path} changed")
     if changed:
-        if changed[0].startswith("--model_files"):
-            changed[0] = f"the files of {args.model_name_or_path} changed"
         raise ValueError(f"output_dir: {out} holds an evaluation with other settings: {', '.join(changed)}; rerun "
                          f"with its settings, or use another --output_dir")
     return records

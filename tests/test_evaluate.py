@@ -363,3 +363,20 @@ def test_a_grpo_runs_last_held_out_numbers_equal_evaluate_on_its_final_checkpoin
     metrics = json.loads((tmp_path / "eval" / "summary.json").read_text())["metrics"]
     assert metrics["eval/accuracy"] == last["eval/accuracy"]
     assert metrics["eval/pass@4"] == last["eval/pass@4"]
+
+
+def test_a_changed_model_is_named_in_the_resume_error(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from shared.models import resolve_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path("builtin:tiny-sft"), model)
+    out = tmp_path / "out"
+    flags = ["--model_name_or_path", str(model), "--generator", "hf", "--num_prompts", "2", "--num_samples", "1",
+             "--k", "1", "--num_bootstrap", "0", "--no_greedy"]
+    assert run_in_process(out, monkeypatch, capsys, *flags)[0] == 0
+    (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())  # retrained in place
+    code, err = run_in_process(out, monkeypatch, capsys, *flags)
+    assert code == 2 and err == (f"error: output_dir: {out} holds an evaluation with other settings: the weight files "
+                                 f"of {model} changed; rerun with its settings, or use another --output_dir\n"), err
