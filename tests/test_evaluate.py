@@ -200,7 +200,8 @@ def evaluate(out: Path, *flags: str, ok: bool = True) -> subprocess.CompletedPro
     cmd = [sys.executable, "algorithms/evaluate.py", "--output_dir", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if ok:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+        output = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output}"
     return proc
 
 
