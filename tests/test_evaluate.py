@@ -251,19 +251,21 @@ def run_in_process(out: Path, monkeypatch, capsys, *flags: str) -> tuple[int, st
     return code, capsys.readouterr().err
 
 
-HF_SMALL = ["--generator", "hf", "--num_prompts", "70", "--num_samples", "2", "--k", "1", "2", "--max_new_tokens",
-            "12", "--num_bootstrap", "100"]  # 70 prompts: two HF chunks (64 + 6)
+HF_SMALL = ["--generator", "hf", "--num_prompts", "10", "--num_samples", "2", "--k", "1", "2", "--max_new_tokens",
+            "12", "--num_bootstrap", "100"]
 
 
 def test_hf_resume_recomputes_nothing_and_equals_a_straight_run(tmp_path, monkeypatch, capsys):
+    """HF chunks of 4 prompts here (64 by default), so that 10 prompts make three chunks: 4 + 4 + 2."""
+    monkeypatch.setattr("algorithms.evaluate.EVAL_CHUNK", 4)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_in_process(straight, monkeypatch, capsys, *HF_SMALL)[0] == 0
     assert run_in_process(resumed, monkeypatch, capsys, *HF_SMALL, "--stop_after_prompts", "1")[0] == 0
     assert not (resumed / "summary.json").exists()
     first = read_jsonl(resumed / "completions.rank0.jsonl")
-    assert [r["index"] for r in first] == list(range(64))  # the first chunk, whole
+    assert [r["index"] for r in first] == [0, 1, 2, 3]  # the first chunk, whole
     with open(resumed / "completions.rank0.jsonl", "a") as f:
-        f.write('{"index": 64, "prompt": "torn')  # a kill in the middle of a write
+        f.write('{"index": 4, "prompt": "torn')  # a kill in the middle of a write
     calls = []
     import shared.evaluation as evaluation
 
@@ -271,7 +273,7 @@ def test_hf_resume_recomputes_nothing_and_equals_a_straight_run(tmp_path, monkey
     monkeypatch.setattr("algorithms.evaluate.generate_chunks",
                         lambda gen, ids, chunks, *a, **k: calls.append(list(chunks)) or real(gen, ids, chunks, *a, **k))
     assert run_in_process(resumed, monkeypatch, capsys, *HF_SMALL)[0] == 0
-    assert calls == [[range(64, 70)], [range(64, 70)]]  # greedy and sampled, the second chunk only
+    assert calls == [[range(4, 8)], [range(4, 8)], [range(8, 10)], [range(8, 10)]]  # greedy and sampled per chunk
     assert (resumed / "completions.jsonl").read_text() == (straight / "completions.jsonl").read_text()
     a, b = (json.loads((d / "summary.json").read_text()) for d in (straight, resumed))
     assert a["metrics"] == b["metrics"] and a["ci"] == b["ci"]
