@@ -1,8 +1,8 @@
 """Evaluate a checkpoint: greedy accuracy, sampled accuracy, pass@k, maj@k, with bootstrap CIs. Docs: docs/evaluate.md
 
 Not a training algorithm: the held-out evaluation of the training scripts, run on its own. The same prompts,
-templates, stop rules, graders, chunks and seeds (shared/evaluation.py), so for the checkpoint a training run
-saved and that run's settings, `eval/accuracy` and `eval/pass@<n>` equal the run's last held-out numbers.
+templates, stop rules, graders, chunks and seeds (shared/evaluation.py), so for the checkpoint a grpo, ppo, vineppo
+or drca run saved and that run's settings, `eval/accuracy` and `eval/pass@<n>` equal its last held-out numbers.
   accuracy  mean grade of the n = --num_samples samples of every prompt (the training scripts' eval/accuracy)
   pass@k    Chen et al. 2021 (https://arxiv.org/abs/2107.03374), Eq. 1: 1 - C(n-c, k) / C(n, k), c = correct samples
   maj@k     majority vote over the extracted answers of k samples, averaged over the n // k disjoint blocks of k;
