@@ -51,7 +51,7 @@ from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, run_cli, seed_everything)
-from shared.evaluation import evaluate_accuracy
+from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
@@ -471,7 +471,7 @@ def main(args: Args) -> str:
     def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
-                                    seed=args.seed + 1_000_003, reward_model=reward_model,
+                                    seed=eval_seed(args.seed), reward_model=reward_model,
                                     pad_id=tokenizer.pad_token_id, micro_batch_size=args.local_micro_batch_size)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 

@@ -34,7 +34,7 @@ from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, run_cli, seed_everything)
-from shared.evaluation import evaluate_accuracy
+from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.steps import StepSplitError, get_splitter, step_token_starts
@@ -348,7 +348,7 @@ def main(args: Args) -> str:
     def evaluate(step: int) -> dict:  # grader accuracy and pass@k on eval and dev (shared/evaluation.py)
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
-                                    seed=args.seed + 1_000_003)
+                                    seed=eval_seed(args.seed))
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG (VinePPO has no more state)

@@ -346,12 +346,14 @@ ARG_RANGES: dict[str, tuple] = {
         "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
         "max_refill_rounds",
         "max_grad_norm", "beta", "kl_coef",
+        "num_prompts", "num_bootstrap", "stop_after_prompts",  # evaluate.py: 0 is all prompts / no CI / no stop
         "epsilon_high", "dpop_lambda", "center_rewards_coefficient", "unit_entropy_threshold", "alpha")},
     # > 0
     **{k: (0, False, None, False) for k in (
         "cliprange", "cliprange_value", "ratio_threshold", "tis_cap", "kl_target", "reward_clip")},
     # probabilities and fractions
     **{k: (0, False, 1, True) for k in ("top_p", "generation_top_p", "vllm_gpu_memory_utilization", "cvar_level")},
+    "confidence": (0, False, 1, False),
     **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta", "epsilon_low")},  # epsilon_low 1: no lower bound
     **{k: (0, True, 1, False) for k in ("warmup_ratio",)},
     "label_smoothing": (0, True, 0.5, False),

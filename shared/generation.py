@@ -25,8 +25,8 @@ EOS. Reward functions get the text from `completion_decoder`: special tokens ski
 string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`).
 
 Seeding: prompt i of a call samples with seed `seed_for(seed, index_offset + i)`; callers pass the prompt's
-index in the global batch, so its samples do not depend on batch composition or rank layout (vLLM; HF
-sampling is seeded once per call).
+index in the global batch, so its samples do not depend on batch composition or rank layout (vLLM,
+`seeds_each_prompt`; HF sampling is seeded once per call, with `seed_for(seed, index_offset)`).
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def _finish(ids: list[int], logprobs: list[float], stop_ids, tokenizer, stop, ma
 
 
 class VLLMGenerator:
+    seeds_each_prompt = True  # a prompt's samples depend on (seed, its index) only, not on the rest of the call
+
     def __init__(self, model_path: str, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int,
                  world_size: int = 1, gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, stop_token_ids: list[int] | None = None, stop=()):
@@ -249,6 +251,8 @@ class _StopStrings:
 
 class HFGenerator:
     """`model.generate` on the training model itself (no copy, nothing to sync)."""
+
+    seeds_each_prompt = False  # one random stream per call: a prompt's samples depend on the whole call
 
     def __init__(self, model: torch.nn.Module, tokenizer, synced_gpus: bool = False,
                  stop_token_ids: list[int] | None = None, stop=()):

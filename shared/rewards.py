@@ -19,6 +19,10 @@ so graders can read metadata). Any parameter names work when the function takes 
   - "package.module:function" or "path/to/file.py:function": your own function.
 Every result is checked: one finite number per completion, or a one-line error naming the function.
 `probe_reward_fn` makes that check once at start-up, before the run writes anything.
+
+Each built-in grader also has an answer extractor, `fn(prompt, completion) -> str | None` (`load_answer_fn`): the
+answer as that grader reads it, normalised so that answers it grades alike compare equal (algorithms/evaluate.py
+votes with them for maj@k). A custom reward function has none.
 """
 
 from __future__ import annotations
@@ -64,13 +68,53 @@ def math_verify_reward(prompts, completions, answers, finished, rows=None, **_):
 BUILTIN = {"builtin": builtin_reward, "gsm8k": gsm8k_reward, "math": math_reward, "math_verify": math_verify_reward}
 
 
+def builtin_answer(prompt: str, completion: str) -> str | None:
+    from shared import task
+
+    return task.extract_answer(completion)
+
+
+def gsm8k_answer(prompt: str, completion: str) -> str | None:
+    """The text after the last `####`, as a number when it is one (`$1,234.` -> `1234`: the grader's number match),
+    else lower-cased without commas (its string match)."""
+    from shared import graders
+
+    answer = graders.extract_gsm8k_answer(completion)
+    if answer is None:
+        return None
+    number = graders._gsm8k_number(answer)
+    return format(number, ".15g") if number is not None else answer.strip().replace(",", "").lower()
+
+
+def math_answer(prompt: str, completion: str) -> str | None:
+    """The Minerva-extracted, normalised candidate answers, joined with ', ' (None when there is none)."""
+    from shared import graders
+
+    return ", ".join(graders.extract_math_answer(prompt, completion)) or None
+
+
+ANSWER_FNS = {"builtin": builtin_answer, "gsm8k": gsm8k_answer, "math": math_answer, "math_verify": math_answer}
+
+
+def reward_fn_name(spec: str, dataset: str = "builtin") -> str:
+    """`spec` with "auto" resolved by dataset name (builtin, gsm8k or math)."""
+    if spec != "auto":
+        return spec
+    lowered = dataset.lower()
+    spec = "builtin" if dataset.startswith("builtin") else "gsm8k" if "gsm8k" in lowered else "math" if "math" in lowered else ""
+    if not spec:
+        raise ValueError(f"reward_fn: cannot infer a grader for dataset {dataset!r}; pass --reward_fn")
+    return spec
+
+
+def load_answer_fn(spec: str, dataset: str = "builtin"):
+    """The answer extractor of a built-in grader (module docstring), or None for a custom reward function."""
+    return ANSWER_FNS.get(reward_fn_name(spec, dataset))
+
+
 def load_reward_fn(spec: str, dataset: str = "builtin") -> RewardFn:
     """Resolve `spec` (see module docstring); "auto" picks by dataset name."""
-    if spec == "auto":
-        lowered = dataset.lower()
-        spec = "builtin" if dataset.startswith("builtin") else "gsm8k" if "gsm8k" in lowered else "math" if "math" in lowered else ""
-        if not spec:
-            raise ValueError(f"reward_fn: cannot infer a grader for dataset {dataset!r}; pass --reward_fn")
+    spec = reward_fn_name(spec, dataset)
     if spec in BUILTIN:
         return BUILTIN[spec]
     target, sep, attr = spec.rpartition(":")

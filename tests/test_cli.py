@@ -20,6 +20,9 @@ SHARED_VOCABULARY = ["model_name_or_path", "dataset", "output_dir", "seed", "tot
                      "save_every", "keep_checkpoints", "resume", "stop_after_steps", "max_nonfinite_steps",
                      "best_metric"]
 NO_GENERATION = {"rm"}  # trains on fixed pairs and never samples: no `generator` flag
+# evaluate.py trains nothing: the data, model and generation vocabulary only (no optimizer, checkpoints or tracker)
+EVAL_ONLY = {"evaluate"}
+EVAL_VOCABULARY = {"model_name_or_path", "dataset", "output_dir", "seed", "verbose", "generator"}
 # two trained models, two learning rates, named as in the RePULSe reference code (p_theta: base actor, q_xi: actor)
 RENAMED = {"repulse": {"learning_rate": "base_actor_learning_rate"}}
 
@@ -48,6 +51,7 @@ def test_every_field_is_typed_defaulted_and_documented(script):
         assert docs.get(f.name, "").strip(), f"{script}.{f.name} has no docstring"
     names = {f.name for f in public_fields(script)}
     vocabulary = set(SHARED_VOCABULARY) - ({"generator"} if script in NO_GENERATION else set())
+    vocabulary = EVAL_VOCABULARY if script in EVAL_ONLY else vocabulary
     vocabulary = {RENAMED.get(script, {}).get(v, v) for v in vocabulary}
     assert vocabulary <= names, f"{script} misses {vocabulary - names}"
     assert script not in NO_GENERATION or "generator" not in names
@@ -88,9 +92,10 @@ CHOICES = {
     "drca": {**GENERATOR, "unit_extraction": ("regex", "entropy"), "entropy_boundary": ("before", "after"),
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
              "unitless_fallback": ("terminal", "zeros")},
+    "evaluate": GENERATOR,
 }
-REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every script
-CHOICES = {script: {**choices, **REPORT_TO} for script, choices in CHOICES.items()}
+REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
+CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
 
 
@@ -125,12 +130,14 @@ def test_a_rejected_command_line_is_one_line_naming_the_flag(script, tmp_path, m
     """tyro's own rejections (an unknown or misspelt flag, a value that is not a number, a missing value, a stray
     word) are one line `error: ...` with exit status 2 too, not tyro's multi-line box."""
     monkeypatch.chdir(tmp_path)
-    cases = [(["--total_episode", "8"], "error: --total_episode: unknown flag; did you mean --total_episodes?\n"),
-             (["--total-episode=8"], "error: --total-episode: unknown flag; did you mean --total_episodes?\n"),
+    flag, near, real = ("num_samples", "num_sample", "temperature") if script in EVAL_ONLY else (
+        "total_episodes", "total_episode", "max_grad_norm")
+    cases = [([f"--{near}", "8"], f"error: --{near}: unknown flag; did you mean --{flag}?\n"),
+             ([f"--{near.replace('_', '-')}=8"], f"error: --{near.replace('_', '-')}: unknown flag; did you mean "
+                                                  f"--{flag}?\n"),
              (["--xyzzy", "1"], "error: --xyzzy: unknown flag; see --help\n"),
              (["--seed", "abc"], "error: --seed: invalid literal for int() with base 10: 'abc' (expected INT)\n"),
-             (["--max_grad_norm", "x"], "error: --max_grad_norm: could not convert string to float: 'x' "
-                                        "(expected FLOAT)\n"),
+             ([f"--{real}", "x"], f"error: --{real}: could not convert string to float: 'x' (expected FLOAT)\n"),
              (["--seed"], "error: --seed: expected INT after it\n"),
              (["stray"], "error: unexpected argument 'stray'; see --help\n"),
              (["--verbose", "yes"], "error: unexpected argument 'yes'; see --help\n")]
@@ -246,7 +253,7 @@ def test_out_of_range_flags_are_one_line_errors_before_anything_is_written(scrip
                 check_args(dataclasses.replace(args_cls(), **{name: bad}))
 
 
-@pytest.mark.parametrize("script", ["grpo", "sft", "rm"])
+@pytest.mark.parametrize("script", ["grpo", "sft", "rm", "evaluate"])
 def test_output_dir_that_is_a_file_is_an_error(script, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "taken").write_text("a file")
@@ -265,7 +272,7 @@ def test_an_unknown_builtin_task_is_an_error_before_anything_is_written(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", sorted(set(SCRIPTS) - EVAL_ONLY))  # evaluate.py keeps no best checkpoint
 def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, err = run_cli_in_process(script, ["--best_metric", "eval/accuracy:highest", "--output_dir", "run"],

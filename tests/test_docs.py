@@ -122,7 +122,7 @@ def _documented_defaults(page: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo", "drca", "dpo", "ppo", "vineppo", "rm", "sft", "repulse"])
+@pytest.mark.parametrize("name", ["grpo", "drca", "dpo", "ppo", "vineppo", "rm", "sft", "repulse", "evaluate"])
 def test_flag_tables_state_the_code_defaults(name):
     """A docs flag table that names a default must give the one in the script's Args (grpo.md once said
     num_iterations 1 while the code used 2)."""
@@ -130,7 +130,7 @@ def test_flag_tables_state_the_code_defaults(name):
 
     args = importlib.import_module(f"algorithms.{name}").Args()
     rows = _documented_defaults((ROOT / "docs" / f"{name}.md").read_text())
-    if name in ("grpo", "drca"):
+    if name in ("grpo", "drca", "evaluate"):
         assert len(rows) >= 8  # the parser reads these pages' tables (the test would pass vacuously otherwise)
     wrong = []
     for flag, doc in rows:

@@ -404,7 +404,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [*SCRIPTS, "evaluate"])
 def test_bad_input_is_one_clear_error_before_anything_is_written(tmp_path, script, case):
     import importlib
 
