@@ -123,25 +123,36 @@ def _spread3(x: dict) -> str:
     return f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
 
 
-def headline(d: dict) -> str:
-    """README's results table: every script's default run, mean (min-max) over seeds."""
+def headline(files: list[dict]) -> str:
+    """README's results table: every script's default run, mean (min-max) over seeds. Several files (bench_headline.py
+    runs of different scripts, or re-measurements): each script's row comes from the last file that has it; each
+    file used is named under the table with its command and commit (rows marked [1], [2], ...)."""
+    rows, used = {}, []
+    for d in files:
+        for name, r in d["results"].items():
+            rows[name] = (r, d)
+    order = [n for n in ("sft", "grpo", "dpo", "rm") if n in rows] + [n for n in rows if n not in HEADLINE_WHAT]
     lines = ["| script (default run) | metric | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
-             "minutes | peak RSS |", "|---|---|---|---|---|---|---|"]
-    for name, r in d["results"].items():
+             "minutes | peak RSS | run |", "|---|---|---|---|---|---|---|---|"]
+    for name in order:
+        r, d = rows[name]
+        if not any(d is u for u in used):
+            used.append(d)
+        ref = next(i for i, u in enumerate(used, 1) if u is d)
         k = r["metrics"][0]
         best = _spread3(r["at_best"][k]) if r.get("at_best") else "-"
         lines.append(f"| `{r['command']}` | {HEADLINE_WHAT[name]} | {r['start'][k]['mean']:.3f} | "
                      f"{_spread3(r['final'][k])} | {best} | {r['minutes']['mean']:.1f} | "
-                     f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB |")
-    seeds = sorted({s for r in d["results"].values() for s in r["seeds"]})
-    load = max(x["loadavg_at_end"][0] for r in d["results"].values() for x in r["seeds"].values())
-    first_rl = next((n for n in d["results"] if n in ("grpo", "dpo")), None)  # builds builtin:tiny-sft first
-    built = f"; {first_rl}'s first seed also built the SFT warm start in the fresh cache" if first_rl else ""
-    lines += ["", f"Seeds {', '.join(seeds)}; minutes: the whole process, mean over seeds (start-up, evaluations and "
-                  f"saving included{built}); peak RSS: "
-                  f"the largest over seeds; 1-minute load average at the end of a run at most {load:.1f}. "
-                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
-    return "\n".join(lines)
+                     f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB | [{ref}] |")
+    lines += ["", "Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
+                  "seed of the first RL script of a run also built the SFT warm start in its fresh cache); peak RSS: "
+                  "the largest over seeds; load: the largest 1-minute load average at the end of a run."]
+    for i, d in enumerate(used, 1):
+        seeds = sorted({s for n, (r, dd) in rows.items() if dd is d for s in r["seeds"]})
+        load = max(x["loadavg_at_end"][0] for n, (r, dd) in rows.items() if dd is d for x in r["seeds"].values())
+        lines.append(f"[{i}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}, "
+                     f"{d['env']['time']}, commit {d['env']['git_commit']}.")
+    return "\n\n".join(["\n".join(lines[: len(order) + 2]), *lines[len(order) + 3 :]])
 
 
 def headline_runs(d: dict, name: str) -> str:
@@ -521,7 +532,7 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "sums_calibration": sums_calibration}
-MULTI = {"bench_ratios", "bench_absolute"}  # renderers that read several files (a list of their contents)
+MULTI = {"bench_ratios", "bench_absolute", "headline"}  # renderers that read several files (a list of their contents)
 
 
 def render_file(path: Path) -> tuple[str, str]:
