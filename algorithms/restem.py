@@ -103,9 +103,9 @@ class Args:
     """dev-slice metric that selects output_dir/best among the iterations' policies (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
-    total_episodes: int = 6144
+    total_episodes: int = 8192
     """total completions to sample over the run (iterations = total_episodes / (num_prompts * num_samples_per_prompt))"""
-    local_num_prompts: int = 256
+    local_num_prompts: int = 512
     """training prompts sampled per iteration on each rank (a new slice of the shuffled train split every iteration)"""
     num_samples_per_prompt: int = 8
     """K: completions sampled per prompt in the E-step (VinePPO: 8)"""
@@ -117,7 +117,7 @@ class Args:
     """M-step epochs over the kept samples, from the base model (VinePPO: 8)"""
     early_stop: Literal["restem_paper_original", "choose_best"] = "restem_paper_original"
     """candidate choice on the dev slice: advance while dev accuracy strictly improves (stops training there), or the best of all epochs"""
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-4
     """AdamW peak learning rate of every M-step (VinePPO, 1B models: 1e-6)"""
     warmup_ratio: float = 0.03
     """fraction of an iteration's planned steps used for linear warm-up (then linear decay to 0, VinePPO's WarmupDecayLR)"""
