@@ -453,7 +453,7 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, script, flags, 
     assert not out.exists()
 
 
-@pytest.mark.parametrize("script", ["sft", "grpo", "ppo", "vineppo", "dpo", "repulse", "drca"])
+@pytest.mark.parametrize("script", ["sft", "grpo", "ppo", "vineppo", "dpo", "repulse", "drca", "restem"])
 def test_a_reward_function_of_the_wrong_shape_is_rejected_at_start_up(tmp_path, script):
     import importlib
 
