@@ -99,13 +99,20 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
         "drca": ("drca", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
                           "--num_samples_per_prompt", "4", "--reward_model_path", d["rm"],
                           "--unit_pattern", "lines"], 3),
+        # 2 iterations of 8 prompts x 4 samples, 2 epochs; K = 3 stops inside iteration 1's M-step
+        "restem": ("restem", ["--model_name_or_path", "builtin:tiny-sft", "--dataset", d["prompts"], "--reward_fn",
+                              "builtin", "--generator", "hf", "--total_episodes", "64", "--local_num_prompts", "8",
+                              "--num_samples_per_prompt", "4", "--local_micro_batch_size", "4", "--num_epochs", "2",
+                              "--max_new_tokens", "8", "--eval_num_prompts", "8", "--eval_num_samples", "2",
+                              "--max_prompt_length", "24", "--early_stop", "choose_best"], 3),
         "repulse": ("repulse", ["--total_episodes", "240", "--num_generations", "20", "--local_micro_batch_size", "20",
                                 "--eval_num_samples", "40", "--eval_every", "2", "--sample_every", "2"], 3),
     }
 
 
 # two ranks double the batch: these cases get more episodes, so that K steps stop before the end
-TWO_RANKS = {"sft": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480"}
+TWO_RANKS = {"sft": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160", "vineppo": "160", "dpo": "384",
+             "rm": "384", "repulse": "480", "restem": "128"}
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:

@@ -87,6 +87,7 @@ CHOICES = {
              "kl_estimator": ("k1", "k2", "k3"), "tis": ("none", "token_truncate", "token_mask", "sequence_mask")},
     "ppo": {**GENERATOR, "kl_placement": ("loss", "reward")},
     "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math")},
+    "restem": {**GENERATOR, "early_stop": ("restem_paper_original", "choose_best")},
     "repulse": {"generator": ("hf", "vllm"), "loss_type": ("neg_training", "reinforce"),
                 "reward_transform": ("none", "minus_alpha_exp_beta_r")},
     "drca": {**GENERATOR, "unit_extraction": ("regex", "entropy"), "entropy_boundary": ("before", "after"),

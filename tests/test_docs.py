@@ -122,7 +122,7 @@ def _documented_defaults(page: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo", "drca", "dpo", "ppo", "vineppo", "rm", "sft", "repulse", "evaluate"])
+@pytest.mark.parametrize("name", ["grpo", "drca", "dpo", "ppo", "vineppo", "rm", "sft", "repulse", "evaluate", "restem"])
 def test_flag_tables_state_the_code_defaults(name):
     """A docs flag table that names a default must give the one in the script's Args (grpo.md once said
     num_iterations 1 while the code used 2)."""

@@ -26,7 +26,7 @@ from shared.models import resolve_model_path
 from shared.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft", "grpo", "ppo", "vineppo", "dpo", "rm", "repulse", "drca"]
+SCRIPTS = ["sft", "grpo", "ppo", "vineppo", "dpo", "rm", "repulse", "drca", "restem"]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -50,12 +50,12 @@ def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
     launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo",
-            "dpo_self_generated", "rm", "repulse", "drca"], timeout=1200)
+            "dpo_self_generated", "rm", "repulse", "drca", "restem"], timeout=1500)
     return out, json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm",
-                                  "repulse", "drca"])
+                                  "repulse", "drca", "restem"])
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
     weight, bit for bit (also the critic of ppo.py); the resumed run finished."""
@@ -453,7 +453,7 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, script, flags, 
     assert not out.exists()
 
 
-@pytest.mark.parametrize("script", ["sft", "grpo", "ppo", "vineppo", "dpo", "repulse", "drca"])
+@pytest.mark.parametrize("script", ["sft", "grpo", "ppo", "vineppo", "dpo", "repulse", "drca", "restem"])
 def test_a_reward_function_of_the_wrong_shape_is_rejected_at_start_up(tmp_path, script):
     import importlib
 
