@@ -123,6 +123,12 @@ def _spread3(x: dict) -> str:
     return f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
 
 
+def _start(r: dict, value: str) -> str:
+    """The `start` cell: the first held-out evaluation, which for sft.py comes after its first eval_every steps."""
+    steps = {x["curve"][0]["step"] for x in r["seeds"].values()}
+    return value if steps == {0} else f"{value} (step {min(steps)})"
+
+
 def headline(files: list[dict]) -> str:
     """README's results table: every script's default run, mean (min-max) over seeds. Several files (bench_headline.py
     runs of different scripts, or re-measurements): each script's row comes from the last file that has it; each
@@ -141,7 +147,8 @@ def headline(files: list[dict]) -> str:
         ref = next(i for i, u in enumerate(used, 1) if u is d)
         k = r["metrics"][0]
         best = _spread3(r["at_best"][k]) if r.get("at_best") else "-"
-        lines.append(f"| `{r['command']}` | {HEADLINE_WHAT[name]} | {r['start'][k]['mean']:.3f} | "
+        start = _start(r, format(r["start"][k]["mean"], ".3f"))
+        lines.append(f"| `{r['command']}` | {HEADLINE_WHAT[name]} | {start} | "
                      f"{_spread3(r['final'][k])} | {best} | {r['minutes']['mean']:.1f} | "
                      f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB | [{ref}] |")
     lines += ["", "Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
@@ -167,7 +174,7 @@ def headline_runs(d: dict, name: str) -> str:
         at_best = f"{x['at_best'][keys[0]]:.3f}" if x.get("at_best") else "-"
         lines.append(f"| {seed} | {vals} | {x['best_step'] if x['best_step'] is not None else '-'} | {at_best} | "
                      f"{x['wall_s_this_invocation'] / 60:.1f} |")
-    means = " | ".join(f"{r['start'][k]['mean']:.3f} -> {_spread3(r['final'][k])}" for k in keys)
+    means = " | ".join(f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])}" for k in keys)
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
     lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}, "
