@@ -105,6 +105,23 @@ def hf_memory(d: dict) -> str:
         f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."])
 
 
+def logprob_memory(d: dict) -> str:
+    """One GRPO micro-step, full-logits vs lean log-probs, per sequence length."""
+    rows = {(r["seq_len"], r["impl"]): r for r in d["results"]}
+    lines = ["| micro-batch | one [B, L-1, V] float32 copy | peak tensor memory: full -> lean | "
+             "peak RSS growth: full -> lean |", "|---|---|---|---|"]
+    for seq_len in sorted({k[0] for k in rows}):
+        full, lean = rows[(seq_len, "full")], rows[(seq_len, "lean")]
+        lines.append(f"| {full['batch']} x {seq_len:,} tokens ({full['prompt_len']} prompt + "
+                     f"{seq_len - full['prompt_len']:,} response), V = {full['vocab']:,} | "
+                     f"{full['full_logits_fp32_mb']:,.0f} MB | {full['peak_tensor_mb']:,.0f} MB -> "
+                     f"{lean['peak_tensor_mb']:,.0f} MB ({lean['peak_tensor_mb'] / full['peak_tensor_mb']:.2f}x) | "
+                     f"+{full['peak_rss_growth_mb']:,.0f} MB -> +{lean['peak_rss_growth_mb']:,.0f} MB |")
+    lines += ["", f"`{d['command']}`, {d['settings']['model']}, {d['env']['device']}, {d['env']['time']}, "
+                  f"commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
 HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
                  "grpo": "held-out grader accuracy (4 samples per prompt)",
                  "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy"}
@@ -154,7 +171,8 @@ def headline_runs(d: dict, name: str) -> str:
 
 
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
-             "headline": headline, "generation": generation, "hf_memory": hf_memory, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
+             "headline": headline, "generation": generation, "hf_memory": hf_memory,
+             "logprob_memory": logprob_memory, **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT}}
 
 
 def render_file(path: Path) -> tuple[str, str]:
