@@ -1,11 +1,13 @@
 """Benchmark (not a test): peak memory of one GRPO training micro-step, full-logits log-probs vs the lean ones.
 
-    python scripts/bench_logprob_memory.py                          # builtin:smollm2-135m, 4 x 256 and 4 x 1,024 tokens
+    python scripts/bench_logprob_memory.py     # builtin:smollm2-135m, 2 x 512 and 2 x 1,024 tokens, gradient
+                                               # checkpointing off and on (~8 min on 2 CPU cores)
     python scripts/bench_logprob_memory.py --gpu --model Qwen/Qwen2.5-1.5B-Instruct --batch 8
 
 A micro-step: the policy's forward, log-probs at temperature 0.7 (with the entropy, as grpo.py's update computes
 it), grpo.py's clipped surrogate aggregated over the response tokens, and the backward pass. Two contenders, each in
-its own subprocess per sequence length:
+its own subprocess per sequence length and gradient-checkpointing setting (the scripts'
+`--gradient_checkpointing`: with it, the layers keep only their inputs, so the logits are a larger share):
   - `full`: the log-prob code every script had before (kept below as `full_logits_logprobs`): float32 logits of every
     position, prompt included, [B, L-1, V], then a full-vocabulary log-softmax and entropy;
   - `lean`: `algorithms/grpo.py::forward_logprobs` (LM head on response positions only, in chunks recomputed in the
@@ -14,8 +16,8 @@ Each row has a prompt of --prompt_len tokens and a response filling the rest of 
 memory does not depend on the text, nor on machine load, so this runs anywhere). Measured per child:
   - peak tensor memory: the largest total size of the tensors that torch ops created during the step (forward and
     backward, parameter gradients included, weights and inputs not), tracked op by op from the tensors' storages
-    (on CPU torch keeps no allocator statistics; the tracking slows the step, so no time is reported with it);
-  - peak RSS growth during the step (`ru_maxrss` after minus before), which also counts allocator caching;
+    (on CPU torch keeps no allocator statistics; the tracking slows the step, so no time is reported);
+  - peak RSS growth during the same step (`ru_maxrss` after minus before), which also counts allocator caching;
   - on a GPU, `torch.cuda.max_memory_allocated()` growth during the step.
 JSON summary: runs/bench/logprob_memory/{cpu,gpu}_<time>.json (or --out DIR).
 """
@@ -27,7 +29,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -88,7 +89,8 @@ def child(a) -> dict:
     from shared.models import resolve_model_path
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_causal_lm(resolve_model_path(a.model), default_dtype(device)).to(device)
+    model = load_causal_lm(resolve_model_path(a.model), default_dtype(device), a.gc == "on").to(device)
+    model.train()  # as the scripts train (dropout is off); HF applies gradient checkpointing in training mode only
     V = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (a.batch, a.seq_len), generator=g).to(device)
@@ -109,38 +111,50 @@ def child(a) -> dict:
         aggregate_loss(pg, mask, "token_mean", a.batch, n, n, 1, a.seq_len - a.prompt_len).backward()
         model.zero_grad(set_to_none=True)
 
-    out = {"impl": a.impl, "seq_len": a.seq_len, "prompt_len": a.prompt_len, "batch": a.batch, "vocab": V,
+    out = {"impl": a.impl, "gradient_checkpointing": a.gc == "on", "seq_len": a.seq_len, "prompt_len": a.prompt_len, "batch": a.batch, "vocab": V,
            "full_logits_fp32_mb": a.batch * (a.seq_len - 1) * V * 4 / 2**20}
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated() / 2**20
-    t = time.perf_counter()
-    step()  # unprobed: RSS, GPU memory and time
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        out["gpu_max_allocated_growth_mb"] = torch.cuda.max_memory_allocated() / 2**20 - gpu_before
-    out["step_s"] = time.perf_counter() - t
-    out["peak_rss_growth_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before
     with peak_tensor_probe() as probe:
         step()
     out["peak_tensor_mb"] = probe.peak / 2**20
+    out["peak_rss_growth_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before
+    if device.type == "cuda":
+        out["gpu_max_allocated_growth_mb"] = torch.cuda.max_memory_allocated() / 2**20 - gpu_before
     return out
+
+
+def run_child(a, impl: str, seq_len: int, gc: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", impl, "--child_seq_len", str(seq_len), "--child_gc", gc, "--model",
+           a.model, "--prompt_len", str(a.prompt_len), "--batch", str(a.batch)]
+    proc = subprocess.run(cmd, cwd=bc.ROOT, env=bc.child_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{impl} at {seq_len} tokens failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    row = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    print(f"{impl:4s} {a.batch} x {seq_len} tokens, gradient checkpointing {gc}: peak tensors "
+          f"{row['peak_tensor_mb']:.0f} MB, peak RSS +{row['peak_rss_growth_mb']:.0f} MB"
+          + (f", GPU +{row['gpu_max_allocated_growth_mb']:.0f} MB" if "gpu_max_allocated_growth_mb" in row else ""),
+          flush=True)
+    return row
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:smollm2-135m")
-    p.add_argument("--seq_lens", type=int, nargs="+", default=[256, 1024], help="total tokens per row")
+    p.add_argument("--seq_lens", type=int, nargs="+", default=[512, 1024], help="total tokens per row")
     p.add_argument("--prompt_len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4, help="rows in the micro-batch")
+    p.add_argument("--batch", type=int, default=2, help="rows in the micro-batch")
+    p.add_argument("--gradient_checkpointing", choices=["off", "on", "both"], default="both")
     p.add_argument("--gpu", action="store_true", help="require a CUDA device")
     p.add_argument("--out", type=Path, default=None, help="directory of the JSON summary")
     p.add_argument("--child", choices=["full", "lean"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--child_seq_len", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child_gc", choices=["off", "on"], default="off", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:  # child mode: one measurement, printed as JSON
-        a.impl, a.seq_len = a.child, a.child_seq_len
+        a.impl, a.seq_len, a.gc = a.child, a.child_seq_len, a.child_gc
         print("RESULT " + json.dumps(child(a)), flush=True)
         return {}
     env = bc.environment(require_gpu=a.gpu)
@@ -148,23 +162,15 @@ def main(argv=None) -> dict:
 
     resolve_model_path(a.model)  # a built-in model is converted once here, not inside a measured child
     rows = []
-    for seq_len in a.seq_lens:
-        for impl in ("full", "lean"):
-            cmd = [sys.executable, __file__, "--child", impl, "--child_seq_len", str(seq_len), "--model", a.model,
-                   "--prompt_len", str(a.prompt_len), "--batch", str(a.batch)]
-            proc = subprocess.run(cmd, cwd=bc.ROOT, env=bc.child_env(), capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"{impl} at {seq_len} tokens failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-            row = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
-            rows.append(row)
-            print(f"{impl:4s} {a.batch} x {seq_len} tokens: peak tensors {row['peak_tensor_mb']:.0f} MB, peak RSS "
-                  f"+{row['peak_rss_growth_mb']:.0f} MB, step {row['step_s']:.1f} s"
-                  + (f", GPU +{row['gpu_max_allocated_growth_mb']:.0f} MB" if "gpu_max_allocated_growth_mb" in row
-                     else ""), flush=True)
+    gcs = ["off", "on"] if a.gradient_checkpointing == "both" else [a.gradient_checkpointing]
+    for gc in gcs:
+        for seq_len in a.seq_lens:
+            for impl in ("full", "lean"):
+                rows.append(run_child(a, impl, seq_len, gc))
     command = " ".join(["python scripts/bench_logprob_memory.py", *(sys.argv[1:] if argv is None else argv)])
     result = {"benchmark": "logprob_memory", "command": command, "env": env,
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
-                           if k not in ("child", "child_seq_len")}, "results": rows}
+                           if not k.startswith("child")}, "results": rows}
     path = bc.write_result("logprob_memory", result, a.out, latest=a.out is None)
     print(f"wrote {path}")
     return result

@@ -106,19 +106,19 @@ def hf_memory(d: dict) -> str:
 
 
 def logprob_memory(d: dict) -> str:
-    """One GRPO micro-step, full-logits vs lean log-probs, per sequence length."""
-    rows = {(r["seq_len"], r["impl"]): r for r in d["results"]}
-    lines = ["| micro-batch | one [B, L-1, V] float32 copy | peak tensor memory: full -> lean | "
-             "peak RSS growth: full -> lean |", "|---|---|---|---|"]
-    for seq_len in sorted({k[0] for k in rows}):
-        full, lean = rows[(seq_len, "full")], rows[(seq_len, "lean")]
+    """One GRPO micro-step, full-logits vs lean log-probs, per sequence length and gradient-checkpointing setting."""
+    rows = {(r["gradient_checkpointing"], r["seq_len"], r["impl"]): r for r in d["results"]}
+    lines = ["| micro-batch | gradient checkpointing | one [B, L-1, V] float32 copy | peak tensor memory: full -> lean | "
+             "peak RSS growth: full -> lean |", "|---|---|---|---|---|"]
+    for gc, seq_len in sorted({k[:2] for k in rows}):
+        full, lean = rows[(gc, seq_len, "full")], rows[(gc, seq_len, "lean")]
         lines.append(f"| {full['batch']} x {seq_len:,} tokens ({full['prompt_len']} prompt + "
-                     f"{seq_len - full['prompt_len']:,} response), V = {full['vocab']:,} | "
+                     f"{seq_len - full['prompt_len']:,} response) | {'on' if gc else 'off'} | "
                      f"{full['full_logits_fp32_mb']:,.0f} MB | {full['peak_tensor_mb']:,.0f} MB -> "
                      f"{lean['peak_tensor_mb']:,.0f} MB ({lean['peak_tensor_mb'] / full['peak_tensor_mb']:.2f}x) | "
                      f"+{full['peak_rss_growth_mb']:,.0f} MB -> +{lean['peak_rss_growth_mb']:,.0f} MB |")
-    lines += ["", f"`{d['command']}`, {d['settings']['model']}, {d['env']['device']}, {d['env']['time']}, "
-                  f"commit {d['env']['git_commit']}."]
+    lines += ["", f"`{d['command']}`, {d['settings']['model']} (V = {d['results'][0]['vocab']:,}), "
+                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
     return "\n".join(lines)
 
 
