@@ -35,12 +35,13 @@ from typing import Literal
 
 import torch
 import tyro
+from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
-                                prepare_frozen, run_cli, seed_everything)
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, max_over_ranks,
+                                prepare, prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
@@ -279,18 +280,53 @@ def init_value_head(model) -> None:
         torch.nn.init.zeros_(layer.bias)
 
 
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                     with_entropy: bool = False):
-    """log pi(token_{t+1} | prefix) for t = 0..L-2 from logits / temperature, [B, L-1]; optionally the entropy."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1].float() / temperature
-    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   with_entropy: bool = False):
+    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]; optionally the entropy
+    (no gradient). Only these N rows of logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
+    logits = lm_head(hidden).float() / temperature  # [N, V]
+    logz = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            p = torch.softmax(logits, -1)
-            entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+            entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, entropy
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                     temperature: float, with_entropy: bool = False, chunk_size: int = 512):
+    """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
+    (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
+
+    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
+    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
+    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
+    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
+    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
+    token_logprobs)."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                output_hidden_states=True, logits_to_keep=1)
+    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
+    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
+    targets = input_ids[:, 1:][keep]  # [N]
+    lm_head = model.get_output_embeddings()
+    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
+    # partitioned lm_head gathers its weight, a collective
+    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
+    chunks = []
+    for k in range(num_chunks):
+        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
+        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature, with_entropy,
+                                 use_reentrant=False))  # recomputed in the backward pass instead of kept
+    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
+    logp[keep] = torch.cat([lp for lp, _ in chunks])
+    entropy = None
+    if with_entropy:
+        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32)
+        entropy[keep] = torch.cat([ent for _, ent in chunks])
     return logp, entropy
 
 
@@ -478,10 +514,10 @@ def main(args: Args) -> str:
         with timer("logprob"), torch.no_grad():
             for s in range(0, B, mb):
                 sl = slice(s, s + mb)
-                old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], args.temperature, True)
+                old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl], args.temperature, True)
                 entropy_sum[sl] = (ent * mask[sl]).sum(1)
                 if ref_policy is not None:
-                    ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], args.temperature)[0]
+                    ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], resp[sl], args.temperature)[0]
                 old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
         old_values = old_values * mask
 
@@ -514,7 +550,7 @@ def main(args: Args) -> str:
                         idx = mb_idx[a * mb : (a + 1) * mb]
                         m_mask = mask[idx]
                         # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
-                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
+                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
                         pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
                                                            m_mask)
                         loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)

@@ -52,13 +52,14 @@ from typing import Literal
 
 import torch
 import tyro
+from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared import toy
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, prepare,
-                                prepare_frozen, run_cli, seed_everything)
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, max_over_ranks,
+                                prepare, prepare_frozen, run_cli, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
@@ -188,12 +189,43 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions (spec §2; all tensors of one rank, samples prompt-major [J*N])
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log pi(token_{t+1} | prefix) for t = 0..L-2 from float32 logits at temperature 1, [B, L-1]."""
+def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]. Only these N rows of
+    logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
+    logits = lm_head(hidden).float()  # [N, V]
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
+                     chunk_size: int = 512) -> torch.Tensor:
+    """log pi(token_{t+1} | prefix) from float32 logits at temperature 1 at the positions t where mask[:, t] = 1
+    (mask [B, L-1], aligned with the output: the response mask resp[:, 1:]), [B, L-1], 0 at the other positions.
+
+    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
+    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
+    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
+    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
+    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
+    token_logprobs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1].float()
-    return logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                output_hidden_states=True, logits_to_keep=1)
+    keep = mask.bool()  # [B, L-1]: position t predicts token t+1
+    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
+    targets = input_ids[:, 1:][keep]  # [N]
+    lm_head = model.get_output_embeddings()
+    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
+    # partitioned lm_head gathers its weight, a collective
+    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
+    chunks = []
+    for k in range(num_chunks):
+        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
+        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s],
+                                 use_reentrant=False))  # recomputed in the backward pass instead of kept
+    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
+    logp[keep] = torch.cat(chunks)
+    return logp
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -447,9 +479,10 @@ def main(args: Args) -> str:
             r = score(rows, comps, input_ids, attn)
         return comps, input_ids, attn, mask, r
 
-    def logprobs(model, input_ids, attn):
+    def logprobs(model, input_ids, attn, mask):  # no grad; every token when the neg weights read prompt positions
+        scored = attn[:, 1:] if args.code_compat_unmasked_neg_weights else mask
         with torch.no_grad():
-            return batched(lambda i, a: forward_logprobs(model, i, a), input_ids, attn)
+            return batched(lambda i, a, m: forward_logprobs(model, i, a, m), input_ids, attn, scored)
 
     def evaluate(step: int, on_reward_error=None) -> dict:  # on_reward_error: makes a fresh ckpt.user_code
         """Sampling from p_theta on the held-out set (eval/) and the dev slice (dev/, selects output_dir/best):
@@ -475,7 +508,7 @@ def main(args: Args) -> str:
                                         on_reward_error=on_reward_error() if on_reward_error else None)
         ret = r
         if ref_policy is not None:
-            ret = kl_return(r, logprobs(policy, ids, attn).cpu(), logprobs(ref_policy, ids, attn).cpu(),
+            ret = kl_return(r, logprobs(policy, ids, attn, mask).cpu(), logprobs(ref_policy, ids, attn, mask).cpu(),
                             mask.cpu(), args.kl_coef)
         r, ret = r[:keep], ret[:keep]
         r = torch.cat([torch.tensor(x) for x in info.gather_objects(r.tolist())])
@@ -524,11 +557,11 @@ def main(args: Args) -> str:
         r_p, mask_p = r_p.to(info.device), mask_p
         # 2. log-probs at sampling time (the current p and q, before either update)
         with timer("logprob"):
-            lp_old = logprobs(policy, ids_p, attn_p)  # [B, L-1] log p_theta on S_p
-            lref = logprobs(ref_policy, ids_p, attn_p) if ref_policy is not None else lp_old
+            lp_old = logprobs(policy, ids_p, attn_p, mask_p)  # [B, L-1] log p_theta on S_p
+            lref = logprobs(ref_policy, ids_p, attn_p, mask_p) if ref_policy is not None else lp_old
             if sample_q:
-                lq_old = logprobs(proposal, ids_q, attn_q)  # log q at sampling time
-                lpq = logprobs(policy, ids_q, attn_q)  # log p_theta on S_q (pre-update)
+                lq_old = logprobs(proposal, ids_q, attn_q, mask_q)  # log q at sampling time
+                lpq = logprobs(policy, ids_q, attn_q, mask_q)  # log p_theta on S_q (pre-update)
                 r_q = r_q.to(info.device)
             else:  # p-proposal: S_q := S_p, log q_old := log p_old
                 ids_q, attn_q, mask_q, r_q, lq_old, lpq, comps_q = ids_p, attn_p, mask_p, r_p, lp_old, lp_old, comps_p
@@ -553,7 +586,7 @@ def main(args: Args) -> str:
                 w_sigma, w_pi = ctl_weights(lpq, lq_old, log_phi_q, mask_q, N)
                 for s in range(0, args.local_batch_size, mb):
                     sl = slice(s, s + mb)
-                    logq = forward_logprobs(proposal, ids_q[sl], attn_q[sl])
+                    logq = forward_logprobs(proposal, ids_q[sl], attn_q[sl], mask_q[sl])
                     loss = ctl_loss(logq, lpq[sl], w_sigma[sl], w_pi[sl], mask_q[sl], args.local_batch_size)
                     guard.backward(proposal, loss)
                     norm = guard.step(proposal)  # a non-finite loss or gradient skips the step (counted)
@@ -562,7 +595,7 @@ def main(args: Args) -> str:
             # 6. p step: RL term on S_p (+ neg term on the same rows for p-proposal), then neg term on S_q
             for s in range(0, args.local_batch_size, mb):
                 sl = slice(s, s + mb)
-                logp = forward_logprobs(policy, ids_p[sl], attn_p[sl])
+                logp = forward_logprobs(policy, ids_p[sl], attn_p[sl], mask_p[sl])
                 loss = rl_loss(logp, mask_p[sl], adv[sl], args.local_batch_size)
                 stats["rl"] += loss.item()
                 if args.use_base_as_proposal:
@@ -575,7 +608,7 @@ def main(args: Args) -> str:
             if sample_q:
                 for s in range(0, args.local_batch_size, mb):
                     sl = slice(s, s + mb)
-                    logp = forward_logprobs(policy, ids_q[sl], attn_q[sl])
+                    logp = forward_logprobs(policy, ids_q[sl], attn_q[sl], mask_q[sl])
                     neg = neg_loss(logp, mask_q[sl], w_neg[sl], args.local_batch_size)
                     stats["neg"] += neg.item()
                     guard.backward(policy, args.alpha * neg)

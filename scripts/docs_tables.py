@@ -114,6 +114,23 @@ def hf_memory(d: dict) -> str:
         f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."])
 
 
+def logprob_memory(d: dict) -> str:
+    """One GRPO micro-step, full-logits vs lean log-probs, per sequence length and gradient-checkpointing setting."""
+    rows = {(r["gradient_checkpointing"], r["seq_len"], r["impl"]): r for r in d["results"]}
+    lines = ["| micro-batch | gradient checkpointing | one [B, L-1, V] float32 copy | peak tensor memory: full -> lean | "
+             "peak RSS growth: full -> lean |", "|---|---|---|---|---|"]
+    for gc, seq_len in sorted({k[:2] for k in rows}):
+        full, lean = rows[(gc, seq_len, "full")], rows[(gc, seq_len, "lean")]
+        lines.append(f"| {full['batch']} x {seq_len:,} tokens ({full['prompt_len']} prompt + "
+                     f"{seq_len - full['prompt_len']:,} response) | {'on' if gc else 'off'} | "
+                     f"{full['full_logits_fp32_mb']:,.0f} MB | {full['peak_tensor_mb']:,.0f} MB -> "
+                     f"{lean['peak_tensor_mb']:,.0f} MB ({lean['peak_tensor_mb'] / full['peak_tensor_mb']:.2f}x) | "
+                     f"+{full['peak_rss_growth_mb']:,.0f} MB -> +{lean['peak_rss_growth_mb']:,.0f} MB |")
+    lines += ["", f"`{d['command']}`, {d['settings']['model']} (V = {d['results'][0]['vocab']:,}), "
+                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
 HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
                  "grpo": "held-out grader accuracy (4 samples per prompt)",
                  "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy"}
@@ -538,7 +555,7 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "bench_vineppo_phases": bench_vineppo_phases, "ppo_vs_vineppo": ppo_vs_vineppo,
              "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
-             "sums_calibration": sums_calibration}
+             "sums_calibration": sums_calibration, "logprob_memory": logprob_memory}
 MULTI = {"bench_ratios", "bench_absolute", "headline"}  # renderers that read several files (a list of their contents)
 
 

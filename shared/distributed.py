@@ -227,6 +227,17 @@ def prepare_frozen(model: torch.nn.Module, info: DistInfo, dtype: torch.dtype):
     return engine
 
 
+def max_over_ranks(n: int) -> int:
+    """The largest of every rank's n: how many times every rank calls a module that ZeRO-3 partitions, since each
+    call gathers the module's weights (a collective), as the chunked log-probs of the scripts do with the LM head.
+    One process: n, with no collective (see DistInfo.barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return n
+    t = torch.tensor([n], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 

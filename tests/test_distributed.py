@@ -83,3 +83,13 @@ def test_single_process_needs_no_free_port():
                          timeout=120, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["1", "0"]
+
+
+def test_max_over_ranks_in_one_process_calls_no_collective(monkeypatch):
+    from shared.distributed import max_over_ranks
+
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: (_ for _ in ()).throw(AssertionError("collective")))
+    assert max_over_ranks(3) == 3
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a one-process group, as every script makes
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    assert max_over_ranks(3) == 3

@@ -27,7 +27,7 @@ def trainer_logprobs(model, prompts, groups):
     flat_c = [c for g in groups for c in g]
     ids, attn, resp = data.pad_batch(flat_p, [c.token_ids for c in flat_c], pad_id=0)
     with torch.no_grad():
-        logp, _ = forward_logprobs(model, ids, attn, T)
+        logp, _ = forward_logprobs(model, ids, attn, resp, T)
     out = []
     for i, (p, c) in enumerate(zip(flat_p, flat_c)):
         out.append(logp[i, len(p) - 1 : len(p) - 1 + len(c.token_ids)])
@@ -109,8 +109,8 @@ def test_vllm_logprobs_match_trainer_then_update_and_sync(engine, model_and_prom
 def _with_grad(model, prompts, groups):
     flat_p = [p for p, g in zip(prompts, groups) for _ in g]
     flat_c = [c for g in groups for c in g]
-    ids, attn, _ = data.pad_batch(flat_p, [c.token_ids for c in flat_c], pad_id=0)
-    logp, _ = forward_logprobs(model, ids, attn, T)
+    ids, attn, resp = data.pad_batch(flat_p, [c.token_ids for c in flat_c], pad_id=0)
+    logp, _ = forward_logprobs(model, ids, attn, resp, T)
     return [logp[i, len(p) - 1 : len(p) - 1 + len(c.token_ids)] for i, (p, c) in enumerate(zip(flat_p, flat_c))]
 
 

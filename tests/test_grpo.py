@@ -338,15 +338,16 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
     ids = torch.tensor([[1, 20, 21, 22, 23, 24], [1, 25, 26, 27, 28, 29]])
     attn = torch.ones_like(ids)
     mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 1, 1.0]])
+    resp = torch.nn.functional.pad(mask, (1, 0))  # [B, L]: 1 on the response tokens that mask's positions predict
     adv = torch.tensor([[0.7], [-1.3]]).expand(2, 5)
-    logp, _ = forward_logprobs(model, ids, attn, temperature=0.8)
+    logp, _ = forward_logprobs(model, ids, attn, resp, temperature=0.8)
     pg, _, ratio = clipped_surrogate(logp, logp.detach(), adv, 0.2, 0.28)
     loss = aggregate_loss(pg, mask, "global_token", 2, 5, 5, 1, 5)
     assert torch.allclose(ratio, torch.ones_like(ratio))
     assert torch.isclose(loss, -(adv * mask).sum() / 5)
     params = [p for p in model.parameters() if p.requires_grad]
     g_loss = torch.autograd.grad(loss, params)
-    logp2, _ = forward_logprobs(model, ids, attn, temperature=0.8)
+    logp2, _ = forward_logprobs(model, ids, attn, resp, temperature=0.8)
     g_pg = torch.autograd.grad(-(adv * mask * logp2).sum() / 5, params)
     for a, b in zip(g_loss, g_pg):
         torch.testing.assert_close(a, b)

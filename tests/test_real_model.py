@@ -74,13 +74,13 @@ def _trainer_logprobs(model, prompts, groups, temperature, left_pad: bool):
     batch (as every script trains), or on a left-padded one (as HF generates), positions from the attention mask."""
     flat_p = [p for p, g in zip(prompts, groups) for _ in g]
     flat_c = [c.token_ids for g in groups for c in g]
-    ids, attn, _ = data.pad_batch(flat_p, flat_c, pad_id=2)
+    ids, attn, resp = data.pad_batch(flat_p, flat_c, pad_id=2)
     if left_pad:  # roll each row so its padding comes first
         lengths = attn.sum(1)
-        ids = torch.stack([torch.roll(r, int(ids.shape[1] - n)) for r, n in zip(ids, lengths)])
-        attn = torch.stack([torch.roll(r, int(attn.shape[1] - n)) for r, n in zip(attn, lengths)])
+        ids, attn, resp = (torch.stack([torch.roll(r, int(x.shape[1] - n)) for r, n in zip(x, lengths)])
+                           for x in (ids, attn, resp))
     with torch.no_grad():
-        logp, _ = forward_logprobs(model, ids, attn, temperature)
+        logp, _ = forward_logprobs(model, ids, attn, resp, temperature)
     out = []
     for i, (p, c) in enumerate(zip(flat_p, flat_c)):
         start = (ids.shape[1] - int(attn[i].sum()) if left_pad else 0) + len(p) - 1
@@ -219,7 +219,7 @@ def test_a_stop_token_is_trained_on_like_eos(smol, engine, comma_stop_dir):
     ids, attn, resp = data.pad_batch(flat_p, [c.token_ids for c in comps], tok.pad_token_id)
     mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), mask_truncated=False)
     with torch.no_grad():
-        logp, _ = forward_logprobs(model, ids, attn, 1.0)
+        logp, _ = forward_logprobs(model, ids, attn, resp, 1.0)
     for i, (p, c) in enumerate(zip(flat_p, comps)):
         positions = mask[i].nonzero().squeeze(-1).tolist()
         assert positions == list(range(len(p) - 1, len(p) - 1 + len(c.token_ids)))  # last token (stop) included

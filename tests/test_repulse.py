@@ -93,16 +93,16 @@ def test_alpha_zero_gives_exactly_the_reinforce_gradient(tiny_model):
     w = torch.softmax(torch.randn(2, 3), -1).view(-1)
 
     def repulse_loss(alpha):
-        lp = forward_logprobs(model, ids_p, attn_p)
-        lpn = forward_logprobs(model, ids_q, attn_q)
+        lp = forward_logprobs(model, ids_p, attn_p, mask_p)
+        lpn = forward_logprobs(model, ids_q, attn_q, mask_q)
         return rl_loss(lp, mask_p, adv, 6) + alpha * neg_loss(lpn, mask_q, w, 6)
 
     g0 = _grads(model, repulse_loss(0.0))
-    g_rl = _grads(model, rl_loss(forward_logprobs(model, ids_p, attn_p), mask_p, adv, 6))
+    g_rl = _grads(model, rl_loss(forward_logprobs(model, ids_p, attn_p, mask_p), mask_p, adv, 6))
     assert torch.equal(g0, g_rl)
     assert not torch.allclose(_grads(model, repulse_loss(0.5)), g_rl)  # alpha > 0 changes it
     # the RL gradient is REINFORCE's: sum_i A_i grad(-mean_t log p_i) / B
-    lp = forward_logprobs(model, ids_p, attn_p)
+    lp = forward_logprobs(model, ids_p, attn_p, mask_p)
     manual = sum(adv[i] * -(lp[i] * mask_p[i]).sum() / mask_p[i].sum() for i in range(6)) / 6
     assert torch.allclose(_grads(model, manual), g_rl, atol=1e-6)
 
@@ -113,7 +113,7 @@ def test_neg_term_is_one_over_n_times_the_snis_estimate(tiny_model):
     torch.manual_seed(2)
     ids, attn, mask = _batch(tok, toy.PROMPT, [torch.randint(5, 100, (2,)).tolist() for _ in range(8)])
     w = torch.softmax(torch.randn(2, 4), -1).view(-1)
-    lp = forward_logprobs(model, ids, attn)
+    lp = forward_logprobs(model, ids, attn, mask)
     snis = [(w.view(2, 4)[j] * masked_mean(lp, mask).view(2, 4)[j]).sum() for j in range(2)]
     assert torch.allclose(neg_loss(lp, mask, w, 8), sum(snis) / 4 / 2)
 
@@ -129,13 +129,14 @@ def test_ctl_second_term_has_zero_expected_gradient_when_q_equals_p(tiny_model):
     comps = gen.generate([tok(toy.PROMPT).input_ids], n=n, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=3)[0]
     ids, attn, mask = _batch(tok, toy.PROMPT, [c.token_ids for c in comps])
     with torch.no_grad():
-        lp = forward_logprobs(model, ids, attn)
+        lp = forward_logprobs(model, ids, attn, mask)
     log_phi = -10.0 * torch.rand(n)
     w_sigma, w_pi = ctl_weights(lp, lp, log_phi, mask, n)
     assert torch.allclose(w_pi.sum(0)[mask.sum(0) > 0], torch.ones(int((mask.sum(0) > 0).sum())))
-    second = _grads(model, ctl_loss(forward_logprobs(model, ids, attn), lp, torch.zeros_like(w_sigma), w_pi, mask, 1))
+    lq = forward_logprobs(model, ids, attn, mask)
+    second = _grads(model, ctl_loss(lq, lp, torch.zeros_like(w_sigma), w_pi, mask, 1))
     # one sample's gradient sets the scale: the mean of n zero-mean terms has norm ~ scale / sqrt(n)
-    single = _grads(model, -masked_mean(forward_logprobs(model, ids[:1], attn[:1]), mask[:1]).sum())
+    single = _grads(model, -masked_mean(forward_logprobs(model, ids[:1], attn[:1], mask[:1]), mask[:1]).sum())
     assert second.norm() < 4 * single.norm() / math.sqrt(n), (second.norm(), single.norm())
 
 
