@@ -638,14 +638,15 @@ def main(args: Args) -> str:
         idx = list(range(info.rank * per_rank, min(len(slips), (info.rank + 1) * per_rank)))
         prompts, responses = [slips.prompt_ids[i] for i in idx], [slips.rejected_ids[i] for i in idx]
         entropies = [None] * len(idx)
-        if args.unit_extraction == "entropy":  # the policy's entropies along the response, as in training
+        if args.unit_extraction == "entropy":  # entropies along the response from --entropy_source, as in training
             with torch.no_grad():
                 for s in range(0, per_rank, mb):  # the same number of forwards on every rank (ZeRO-3)
                     p, r = prompts[s : s + mb], responses[s : s + mb]
                     if not r:  # this rank has run out: a dummy forward keeps the ranks in step
                         p, r = slips.prompt_ids[:1], slips.rejected_ids[:1]
-                    ids, attn, _ = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
-                    _, ent = forward_logprobs(policy, ids, attn, args.temperature, True)
+                    ids, attn, resp = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
+                    source = ref_policy if args.entropy_source == "reference" and ref_policy is not None else policy
+                    _, ent = forward_logprobs(source, ids, attn, resp, args.temperature, True)
                     for j in range(len(responses[s : s + mb])):
                         entropies[s + j] = ent[j, len(p[j]) - 1 :].cpu()
         spans, cf_owner, cf_prompts, cf_responses = [], [], [], []
