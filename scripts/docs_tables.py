@@ -502,7 +502,7 @@ def memory_estimate(d: dict) -> str:
     st = d["settings"]
     by = {(r["model"], r["micro_batch"], r["lora_r"], r["lean_logprobs"]): r for r in d["rows"]}
     lora = st["lora_r"]
-    lines = ["| model (parameters) | micro-batch | full fine-tuning, full logits (today) | full fine-tuning, lean "
+    lines = ["| model (parameters) | micro-batch | full fine-tuning, full logits (the old log-probs) | full fine-tuning, lean "
              f"log-probs | LoRA r={lora}, lean log-probs | of which logits (full / lean) | of which activations |",
              "|---|---|---|---|---|---|---|"]
     for (model, b, r, lean), row in by.items():
