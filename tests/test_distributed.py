@@ -41,16 +41,26 @@ SCRIPT = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, {root!r})
     from shared.distributed import init_distributed
+    import time
     def gloo_threads():
         return sum(open(f"/proc/self/task/{{t}}/comm").read().strip() == "pt_gloo_runloop"
                    for t in os.listdir("/proc/self/task"))
+    def settled():  # threads a library starts in the background may appear late on a loaded machine
+        last, t0 = gloo_threads(), time.time()
+        while time.time() - t0 < 10:
+            time.sleep(0.25)
+            now = gloo_threads()
+            if now == last:
+                return now
+            last = now
+        return last
     info = init_distributed()
     torch.set_num_threads(2)
-    before = gloo_threads()
+    before = settled()
     info.gather_objects({{i: (float(i), float(i)) for i in range(4000)}})  # dpo.py's reference log-prob cache
     info.all_reduce(torch.zeros(10**6))
     info.broadcast_object(list(range(10**5)))
-    print(before, gloo_threads())
+    print(before, settled())
 """)
 
 
