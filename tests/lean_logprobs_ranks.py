@@ -11,6 +11,8 @@ tied embeddings. Prints one JSON line per rank: the largest weight difference pe
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import torch
 from transformers import LlamaForCausalLM
@@ -80,7 +82,8 @@ def main():
             moved = max((updated[0][n] - p).abs().max().item() for n, p in base.named_parameters())
             diff = max((updated[0][n] - updated[1][n]).abs().max().item() for n in updated[0])
             out[f"{name}{'_tied' if tied else ''}"] = {"max_weight_diff": diff, "max_update": moved}
-    print("RESULT " + json.dumps(out), flush=True)
+    # One file per rank: two ranks printing to one pipe can interleave their lines.
+    Path(os.environ["LEAN_RESULT_DIR"], f"rank{info.rank}.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

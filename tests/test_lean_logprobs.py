@@ -191,7 +191,7 @@ def test_lean_logprobs_never_hold_the_full_logits(wide_model, name):
 # ---------------------------------------------------------------- DeepSpeed, 2 ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lean_logprobs_under_deepspeed(stage):
+def test_lean_logprobs_under_deepspeed(stage, tmp_path):
     """Through a DeepSpeed engine on 2 ranks with unequal chunk counts (ZeRO-3 gathering the LM head at every call):
     one SGD step with the lean functions equals one with the reference (tests/lean_logprobs_ranks.py), no deadlock."""
     import json
@@ -203,9 +203,10 @@ def test_lean_logprobs_under_deepspeed(stage):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            f"scripts/accelerate/zero{stage}.yaml", "tests/lean_logprobs_ranks.py"], cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=600)
+                          env={**os.environ, "PYTHONPATH": str(root), "LEAN_RESULT_DIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["zero_stage"] == stage for r in results)
     for r in results:
         for name, x in r.items():
