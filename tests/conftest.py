@@ -52,3 +52,13 @@ def _undo_quiet_libraries():
             logging.getLogger(name).setLevel(level)
             logging.getLogger(name).filters[:] = filters
         console._verbose = True
+
+
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadgroup`): the tests that share a
+    module-scoped fixture (a trained reward model, a vLLM engine, a converted chat model) go to one worker together,
+    so that each such fixture is built once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info and any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
