@@ -168,6 +168,3 @@ class adapters_disabled:  # noqa: N801 - used like a model
     def __call__(self, *args, **kwargs):
         with getattr(self.policy, "module", self.policy).disable_adapter():
             return self.policy(*args, **kwargs)
-
-    def eval(self):
-        return self

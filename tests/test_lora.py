@@ -232,7 +232,7 @@ def run_script(script: str, out: Path, *flags: str, timeout: int = 900) -> list[
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL_RL = ["--local_num_prompts", "4", "--local_micro_batch_size", "16", "--max_new_tokens", "8",
+SMALL_RL = ["--local_num_prompts", "4", "--local_micro_batch_size", "8", "--max_new_tokens", "8",
             "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "0", "--dev_num_prompts", "8",
             "--generator", "hf", "--lora_r", "4"]
 
@@ -264,18 +264,65 @@ def test_every_script_runs_with_lora_and_exports_adapter_and_merged_model(tmp_pa
         assert config.r == 4
         if script == "rm" or sub == "critic":
             assert "score" in (config.modules_to_save or [])
+    if script == "rm":  # the merged export is a reward model like any other: trained head, normalisation stats
+        from safetensors.torch import load_file
+
+        from shared.scalar import load_scalar_model
+
+        merged = load_scalar_model(str(tmp_path / script / "final"), torch.float32)
+        adapter = load_file(tmp_path / script / "final" / "adapter" / "adapter_model.safetensors")
+        head = next(v for k, v in adapter.items() if "score" in k)
+        assert torch.equal(merged.score.weight, head) and merged.config.reward_std is not None
 
 
 @pytest.mark.slow
 def test_lora_grpo_learns_on_the_builtin_task(tmp_path):
     """LoRA GRPO and full fine-tuning GRPO from builtin:tiny-sft, same samples (the same steps and batch): the held-out
-    accuracy gain of LoRA is at least half that of full fine-tuning. Each run alone: about 2 minutes on 2 CPU cores."""
-    flags = ["--total_episodes", "12800", "--eval_every", "0", "--eval_num_prompts", "200", "--save_every", "0",
-             "--dev_num_prompts", "0", "--best_metric", ""]
+    accuracy gain of LoRA (rank 16, lr 1e-3: 10x the full fine-tuning default) is at least half that of full
+    fine-tuning after 50 steps (the default run's first quarter). Measured numbers: README.md#lora."""
+    flags = ["--total_episodes", "25600", "--eval_every", "0", "--save_every", "0", "--dev_num_prompts", "0",
+             "--best_metric", ""]
     full = run_script("grpo", tmp_path / "full", *flags)
     lora = run_script("grpo", tmp_path / "lora", *flags, "--lora_r", "16", "--learning_rate", "1e-3")
     gain = lambda rows: rows[-1]["eval/accuracy"] - rows[0]["eval/accuracy"]  # noqa: E731
     print(f"held-out accuracy: full {full[0]['eval/accuracy']:.3f} -> {full[-1]['eval/accuracy']:.3f}, "
           f"LoRA {lora[0]['eval/accuracy']:.3f} -> {lora[-1]['eval/accuracy']:.3f}")
     assert full[0]["eval/accuracy"] == lora[0]["eval/accuracy"]  # the same start
-    assert gain(full) > 0.05 and gain(lora) >= 0.5 * gain(full), (gain(full), gain(lora))
+    assert gain(full) > 0.04 and gain(lora) >= 0.5 * gain(full), (gain(full), gain(lora))
+
+
+@pytest.mark.slow
+def test_lora_resumes_exactly_with_two_processes_under_zero3_and_zero2(tmp_path):
+    """tests/resume_runs.py with 2 processes: grpo with LoRA under ZeRO-3 (partitioned base and adapters: W, A, B
+    gathered for every merge; the KL reference through the disabled adapters) and sft with LoRA under ZeRO-2
+    (partitioned adapter optimizer state): straight == stopped + resumed, identical weights on both ranks."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "scripts/accelerate/zero3.yaml", "tests/resume_runs.py", str(tmp_path), "grpo_lora@zero3",
+                           "sft_lora@zero2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for case, r in results.items():
+        assert r["rows_equal"], (case, r["first_diff"])
+        assert r["weights_equal"] and r["adapter"] and r["finished"] and r["rows_at_stop"] < r["n_rows"][1], case
+    last = results["grpo_lora@zero3"]["last_row"]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
+
+
+@pytest.mark.slow
+def test_lora_grpo_with_vllm_under_zero3_two_processes(tmp_path):
+    """Each rank's vLLM engine receives the merged weights gathered from the ZeRO-3 shards: its greedy completions
+    equal the trained model's at the end (check/engine_greedy_match), and the ranks agree on the weights."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "scripts/accelerate/zero3.yaml", "algorithms/grpo.py", "--output_dir", str(tmp_path),
+                           "--lora_r", "8", "--learning_rate", "1e-3", "--beta", "0.05", "--total_episodes", "256",
+                           "--local_num_prompts", "8", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
+                           "--eval_every", "0", "--dev_num_prompts", "8"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["check/engine_greedy_match"] == 1.0 and last["check/ranks_identical_weights"] == 1.0
+    assert last["check/world_size"] == 2.0 and (tmp_path / "final" / "adapter" / "adapter_config.json").exists()
