@@ -56,7 +56,6 @@ def resumed(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm",
                                   "repulse", "drca", "restem", "sft_lora", "grpo_lora"])
->>>>>>> dfe8f4e (LoRA tests: exact resume of sft and grpo with LoRA (resume_runs cases sft_lora, grpo_lora; passed, 1 process), 2-process ZeRO-3 grpo / ZeRO-2 sft LoRA resume (passed, 64 s), ZeRO-3 grpo LoRA with vLLM: engine greedy match 1.0 (passed), every other script with LoRA for two steps incl. the rm export (slow), the GRPO learning check (slow))
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
     weight, bit for bit (also the critic of ppo.py; with LoRA the merged export and the adapter, from checkpoints
