@@ -168,3 +168,15 @@ class adapters_disabled:  # noqa: N801 - used like a model
     def __call__(self, *args, **kwargs):
         with getattr(self.policy, "module", self.policy).disable_adapter():
             return self.policy(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        """The output head for the scripts' lean log-probs, which call it on hidden states outside the forward: it
+        runs with the adapters disabled as well (it carries one only when --lora_target_modules names it)."""
+        module = getattr(self.policy, "module", self.policy)
+        head = module.get_output_embeddings()
+
+        def call(hidden: torch.Tensor) -> torch.Tensor:
+            with module.disable_adapter():
+                return head(hidden)
+
+        return call
