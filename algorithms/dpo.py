@@ -54,6 +54,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
                                 prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import completion_decoder, make_generator
+from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -108,6 +109,14 @@ class Args:
     """generation backend for self-generated pairs and evaluation: `vllm` (colocated) or `hf`"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
+    lora_r: int = 0
+    """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: int = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
@@ -324,6 +333,7 @@ def main(args: Args) -> str:
     ref_path = resolve_model_path(args.ref_model_name_or_path, "ref_model_name_or_path") \
         if args.ref_model_name_or_path else model_path
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
     load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key, prompt_template=args.prompt_template,
@@ -369,6 +379,7 @@ def main(args: Args) -> str:
     # models and optimizer
     dtype = default_dtype(info.device)
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     warmup = max(1, int(args.warmup_ratio * args.num_steps))
 
@@ -483,7 +494,10 @@ def main(args: Args) -> str:
 
     ref_model = ref_cache = held_out_ref = dev_ref = None
     if not args.precompute_ref_logps or ref_path != model_path:
-        ref_model = prepare_frozen(load_causal_lm(ref_path, dtype), info, dtype)
+        if args.lora_r and ref_path == model_path:  # LoRA: the policy with its adapters disabled (no second copy)
+            ref_model = adapters_disabled(policy)
+        else:
+            ref_model = prepare_frozen(load_causal_lm(ref_path, dtype), info, dtype)
     if args.precompute_ref_logps:
         with timer("ref_logps"):
             order = data_utils.PromptSampler(len(train), args.seed)

@@ -55,6 +55,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
                                 prepare, prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
+from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.models import resolve_model_path
@@ -106,6 +107,14 @@ class Args:
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
+    lora_r: int = 0
+    """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: int = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
@@ -450,6 +459,7 @@ def main(args: Args) -> str:
     model_path = resolve_model_path(args.model_name_or_path)
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     # a reward model needs no gold answers: without the answer column there is no grader and no accuracy
     graded = not rm_path or data_utils.has_column(args.dataset, (args.train_split, args.eval_split), args.answer_key)
     load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
@@ -482,6 +492,7 @@ def main(args: Args) -> str:
     # models and optimizer
     dtype = default_dtype(info.device)
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
@@ -492,7 +503,9 @@ def main(args: Args) -> str:
         reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     ref_policy = None
     if args.beta > 0:  # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
-        ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
+        # LoRA: the reference is the policy with its adapters disabled (the frozen base; no second copy)
+        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
+                                                                                  info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))

@@ -38,6 +38,7 @@ from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, init_distributed,
                                 load_tokenizer, prepare, run_cli, seed_everything)
+from shared.lora import add_lora, check_lora
 from shared.scalar import head, load_scalar_model, score_last_token, use_distinct_pad_token
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -86,6 +87,14 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
+    lora_r: int = 0
+    """LoRA rank: train rank-r adapters on the backbone (the score head trains in full), frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: int = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
 
     # reliability (shared/checkpoint.py; docs/rm.md#reliability)
     save_every: int = 250
@@ -186,6 +195,7 @@ def main(args: Args) -> str:
     # shared/data.py::load_preferences)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path, seq_cls=True)  # --lora_* flags against the model, before anything is written
     load = dict(tokenizer=tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key, prompt_template=args.prompt_template,
                 response_template=args.response_template, use_chat_template=args.chat_template,
@@ -231,6 +241,7 @@ def main(args: Args) -> str:
         tracker.write(f"pad token {new_pad!r} (the tokenizer padded with its EOS token)")
     if not any(a.endswith("ForSequenceClassification") for a in model.config.architectures or []):
         init_reward_head(model)  # a causal-LM backbone gets a fresh head per spec; a trained RM keeps its own
+    model = add_lora(model, args, seq_cls=True)  # LoRA: adapters on the backbone, the score head in full
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(info.device)

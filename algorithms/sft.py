@@ -32,6 +32,7 @@ from shared.distributed import (NonFiniteGuard, check_sizes, default_dtype, full
                                 load_causal_lm, load_tokenizer, max_over_ranks, prepare, run_cli, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import completion_decoder, make_generator
+from shared.lora import add_lora, check_lora
 from shared.rewards import load_reward_fn, probe_reward_fn
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -82,6 +83,14 @@ class Args:
     """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
+    lora_r: int = 0
+    """LoRA rank: train rank-r adapters on the model, frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: int = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
 
     # reliability (shared/checkpoint.py; docs/sft.md#reliability)
     save_every: int = 100
@@ -210,6 +219,7 @@ def main(args: Args) -> str:
     # data: validated before anything is written (a bad row, model path or grader stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     where = f"dataset {args.dataset!r} split {args.train_split!r}"
     raw = data_utils.load_rows(args.dataset, args.train_split)
     rows = data_utils.select_fields(data_utils.dev_split(raw, args.dev_num_prompts, "train", where), where,
@@ -249,6 +259,7 @@ def main(args: Args) -> str:
     # models and optimizer
     dtype = default_dtype(info.device)
     model = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    model = add_lora(model, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     warmup = max(1, int(args.warmup_ratio * args.num_steps))
 

@@ -38,6 +38,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, defaul
                                 prepare, prepare_frozen, run_cli, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
+from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.steps import StepSplitError, get_splitter, step_token_starts
 from shared.models import resolve_model_path
@@ -89,6 +90,14 @@ class Args:
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forwards"""
+    lora_r: int = 0
+    """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: int = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
@@ -334,6 +343,7 @@ def main(args: Args) -> str:
     # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
@@ -364,11 +374,15 @@ def main(args: Args) -> str:
     dtype = default_dtype(info.device)
     schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
-    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    ref_policy = None
+    if args.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
+        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
+                                                                                  info, dtype)
     seed_everything(local_seed)
     kl_coef = args.kl_coef
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps

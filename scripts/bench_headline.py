@@ -3,8 +3,11 @@
     python scripts/bench_headline.py                                # grpo sft dpo rm, seeds 1 2 3 (~1 h, 2 cores)
     python scripts/bench_headline.py --algorithms grpo --seeds 1   # one run
     python scripts/bench_headline.py --stop_after_steps 50         # spread over sessions: rerun to continue
+    python scripts/bench_headline.py --algorithms grpo --flags "--lora_r 16 --learning_rate 1e-3" \
+        --out runs/bench/lora_learning --results docs/bench/lora_learning   # a variant: the default run + flags
 
-Every run is the script with no flags but `--seed` and `--output_dir`, i.e. exactly `python algorithms/<name>.py`
+Every run is the script with no flags but `--seed` and `--output_dir` (and `--flags`, if given), i.e. exactly
+`python algorithms/<name>.py`
 on the built-in task, in a fresh model cache (CLEANRLHF_CACHE=<out>/cache), so the built-in warm start
 (`builtin:tiny-sft`, which grpo.py and dpo.py start from) is built by sft.py first, as on a fresh clone.
 A finished run is kept in <out>/<name>/seed<k>.json and not run again; `--stop_after_steps` leaves a resumable
@@ -62,7 +65,7 @@ def run_one(a, name: str, seed: int) -> dict | None:
     if cache.exists():
         return json.loads(cache.read_text())
     run_dir = a.out / name / f"seed{seed}"
-    argv = [f"algorithms/{name}.py", "--seed", str(seed), "--output_dir", str(run_dir)]
+    argv = [f"algorithms/{name}.py", "--seed", str(seed), "--output_dir", str(run_dir), *shlex.split(a.flags)]
     if a.stop_after_steps:
         argv += ["--stop_after_steps", str(a.stop_after_steps)]
     print(f"[bench] {name} seed {seed}: python {' '.join(shlex.quote(x) for x in argv)}", flush=True)
@@ -71,7 +74,7 @@ def run_one(a, name: str, seed: int) -> dict | None:
     if not (run_dir / "final" / "config.json").exists():
         print(f"[bench] {name} seed {seed} stopped after a slice; rerun the same command to continue", flush=True)
         return None
-    result = {"seed": seed, "command": f"python algorithms/{name}.py --seed {seed}",
+    result = {"seed": seed, "command": f"python algorithms/{name}.py --seed {seed} {a.flags}".strip(),
               **summarize_run(bc.read_jsonl(run_dir / "metrics.jsonl"), METRICS[name]),
               "peak_rss_mb": child["peak_rss_mb"], "wall_s_this_invocation": child["wall_s"],
               "loadavg_at_end": list(os.getloadavg())}  # other jobs on the machine stretch the wall time
@@ -89,6 +92,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "headline", help="work directory")
     p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "headline")
+    p.add_argument("--flags", default="", help="extra flags for every run (a variant of the default run), one string")
     a = p.parse_args()
     results = {}
     for name in a.algorithms:
@@ -100,7 +104,7 @@ def main() -> None:
             runs[str(seed)] = r
         keys = METRICS[name]
         results[name] = {
-            "command": f"python algorithms/{name}.py", "metrics": keys,
+            "command": f"python algorithms/{name}.py {a.flags}".strip(), "metrics": keys,
             "start": {k: spread([r["start"][k] for r in runs.values()]) for k in keys},
             "final": {k: spread([r["final"][k] for r in runs.values()]) for k in keys},
             "at_best": {k: spread([r["at_best"][k] for r in runs.values()]) for k in keys}
@@ -111,10 +115,10 @@ def main() -> None:
             "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
             "seeds": runs,
         }
-    out = {"benchmark": "headline", "env": bc.environment(),
-           "command": f"python scripts/bench_headline.py --algorithms {' '.join(a.algorithms)} --seeds "
-                      f"{' '.join(map(str, a.seeds))}",
-           "note": "default flags on the built-in task, fresh model cache (the warm start is built first)",
+    out = {"benchmark": "headline", "env": bc.environment(), "command": bc.invocation(),
+           "flags": a.flags,
+           "note": "default flags on the built-in task" + (f", plus {a.flags}" if a.flags else "")
+                   + ", fresh model cache (the warm start is built first)",
            "results": results}
     path = bc.write_result("headline", out, a.results, latest=False)
     print(f"[bench] wrote {path}")

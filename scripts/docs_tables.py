@@ -199,6 +199,54 @@ def headline_runs(d: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def lora_learning(files: list[dict]) -> str:
+    """README's LoRA learning check: grpo.py's default run in full fine-tuning (the first file) and with LoRA (the
+    second, bench_headline.py --flags), the same seeds: held-out accuracy start -> end and the gain ratio per seed."""
+    (full, df), (lora, dl) = [(d["results"]["grpo"], d) for d in files]
+    k = "eval/accuracy"
+    seeds = [s for s in full["seeds"] if s in lora["seeds"]]
+    gain = lambda x: x["final"][k] - x["start"][k]  # noqa: E731
+    lines = ["| seed | full fine-tuning: start -> end | LoRA: start -> end | LoRA gain / full gain | minutes, full / "
+             "LoRA |", "|---|---|---|---|---|"]
+    for s in seeds:
+        f, lo = full["seeds"][s], lora["seeds"][s]
+        lines.append(f"| {s} | {f['start'][k]:.3f} -> {f['final'][k]:.3f} | {lo['start'][k]:.3f} -> "
+                     f"{lo['final'][k]:.3f} | {gain(lo) / gain(f):.2f} | {f['wall_s_this_invocation'] / 60:.1f} / "
+                     f"{lo['wall_s_this_invocation'] / 60:.1f} |")
+    lines.append(f"| mean (min-max) | {full['start'][k]['mean']:.3f} -> {_spread3(full['final'][k])} | "
+                 f"{lora['start'][k]['mean']:.3f} -> {_spread3(lora['final'][k])} | "
+                 f"{sum(gain(lora['seeds'][s]) for s in seeds) / sum(gain(full['seeds'][s]) for s in seeds):.2f} | "
+                 f"{full['minutes']['mean']:.1f} / {lora['minutes']['mean']:.1f} |")
+    for what, r, d in (("Full fine-tuning", full, df), ("LoRA", lora, dl)):
+        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}, {d['env']['time']}, commit "
+                      f"{d['env']['git_commit']}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
+    return "\n".join(lines)
+
+
+def lora_memory(d: dict) -> str:
+    """scripts/bench_lora_memory.py: what LoRA saves on builtin:smollm2-135m, full fine-tuning vs LoRA."""
+    a, runs = d["model_alone"], d["grpo_runs"]
+    mib = lambda b: f"{b / 2**20:.1f} MiB" if b is not None else "-"  # noqa: E731
+    lines = ["| | full fine-tuning | LoRA |", "|---|---|---|",
+             f"| trainable parameters | {a['full']['trainable_parameters']:,} | {a['lora']['trainable_parameters']:,} |",
+             f"| gradients (fp32) | {mib(a['full']['gradient_bytes'])} | {mib(a['lora']['gradient_bytes'])} |",
+             f"| AdamW state (fp32) | {mib(a['full']['optimizer_state_bytes'])} | "
+             f"{mib(a['lora']['optimizer_state_bytes'])} |"]
+    f, lo = runs["full"][0], runs["lora"][0]
+    lines += [f"| GRPO process peak RSS ({d['settings']['steps']} steps, vLLM engine included) | {f['peak_rss_mb']:.0f} MB "
+              f"| {lo['peak_rss_mb']:.0f} MB |",
+              f"| resumable checkpoint | {mib(f['checkpoint_bytes'])} | {mib(lo['checkpoint_bytes'])} |",
+              f"| final/ export | {mib(f['final_bytes'])} | {mib(lo['final_bytes'])} (adapter/ "
+              f"{mib(lo['adapter_bytes'])}) |",
+              f"| weight sync into vLLM, mean per step | {f['mean_sync_s']:.3f} s | {lo['mean_sync_s']:.3f} s |",
+              f"| process wall time | {f['wall_s']:.0f} s | {lo['wall_s']:.0f} s |"]
+    r = d["settings"]["lora_r"]
+    lines += ["", f"{d['model']}, fp32, LoRA r = {r}, alpha {d['settings']['lora_alpha']}, all linear layers. "
+                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}, load "
+                  f"at the end {d['loadavg_at_end'][0]:.1f}."]
+    return "\n".join(lines)
+
+
 # --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
 def g3(x: float) -> str:
     """Three significant digits, trailing zeros kept (0.640, 1.03, 11.1)."""
@@ -555,8 +603,9 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "bench_vineppo_phases": bench_vineppo_phases, "ppo_vs_vineppo": ppo_vs_vineppo,
              "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
-             "sums_calibration": sums_calibration, "logprob_memory": logprob_memory}
-MULTI = {"bench_ratios", "bench_absolute", "headline"}  # renderers that read several files (a list of their contents)
+             "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
+             "lora_learning": lora_learning, "lora_memory": lora_memory}
+MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning"}  # renderers that read several files (a list of their contents)
 
 
 def render_file(path: Path) -> tuple[str, str]:

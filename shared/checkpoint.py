@@ -1,10 +1,13 @@
 """Checkpoints: HF exports (`save_hf`), resumable training state (`Checkpointer`) and the best model (`BestModel`).
 
 HF exports (`output_dir/final`, `output_dir/best`) are `save_pretrained` + tokenizer, loadable by transformers
-and vLLM. Resumable checkpoints live in `output_dir/checkpoints/step_<N>/`:
+and vLLM. A LoRA run (shared/lora.py) exports the merged model there too, plus its adapter in peft format in
+`<export>/adapter/`. Resumable checkpoints live in `output_dir/checkpoints/step_<N>/`:
 
     <engine name>/                  DeepSpeed `save_checkpoint` of each trained model: weights, optimizer
-                                    (ZeRO shards, one file per rank), LR scheduler, DeepSpeed's step counters
+                                    (ZeRO shards, one file per rank), LR scheduler, DeepSpeed's step counters;
+                                    with LoRA only the trained weights (adapters, a scalar head) and their
+                                    optimizer state: the frozen base is read again from the model path
     rank<r>.pt                      rank r's python / numpy / torch (and CUDA) RNG states and its local state
                                     (e.g. per-rank loss sums not yet reduced for logging)
     state.pt                        step, the run's flags, the metrics/samples file offsets, and the script's
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from shared.distributed import DistInfo, full_named_parameters, unwrap
+from shared.lora import ADAPTER_DIR, adapter_state_dict, base_module, is_peft
 
 # flags that may change between a run and its resumption (they do not change what is trained)
 OPERATIONAL_FLAGS = {"resume", "stop_after_steps", "save_every", "keep_checkpoints", "report_to", "project",
@@ -50,11 +54,13 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: dict | None = None) -> Path:
     """Save `model` (plain module or DeepSpeed engine) so `from_pretrained` and vLLM can load it.
 
-    Written to `<path>.tmp`, renamed into place when complete. Under ZeRO-3 every rank must call it."""
+    Written to `<path>.tmp`, renamed into place when complete. Under ZeRO-3 every rank must call it. A LoRA model:
+    the merged weights as the base model's checkpoint, and the adapter (peft format) in `<path>/adapter`."""
     path = Path(path)
     params = dict(full_named_parameters(model, info))  # collective under ZeRO-3: all ranks call this
+    adapter = adapter_state_dict(model, info.zero_stage == 3) if is_peft(model) else None  # collective too
     if info.is_main:
-        module = unwrap(model)
+        module = base_module(model)  # a LoRA model's transformers model: saves the merged weights as its own
         state = {k: v.detach().cpu().contiguous() for k, v in params.items()}
         for name, buf in module.named_buffers():  # persistent buffers (rare in LMs) travel too
             if name in module.state_dict():
@@ -65,6 +71,8 @@ def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: di
             for k, v in extra_config.items():
                 setattr(module.config, k, v)
         module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if adapter is not None:  # loads with PeftModel.from_pretrained(base model, "<path>/adapter")
+            unwrap(model).save_pretrained(tmp / ADAPTER_DIR, state_dict=adapter)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if path.exists():
@@ -72,6 +80,12 @@ def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: di
         tmp.rename(path)
     info.barrier()
     return path
+
+
+def _frozen(engine) -> bool:
+    """True when some weights are not trained (LoRA's base model): they are left out of resumable checkpoints and,
+    on resume, are those read from the model path again."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -202,7 +216,7 @@ class Checkpointer:
             return 0, {}
         for name, engine in engines.items():
             load_path, _ = engine.load_checkpoint(str(self.path), tag=name, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True, load_module_strict=not _frozen(engine))
             if load_path is None:
                 raise ValueError(f"resume: {self.path} has no state for the {name!r} model")
         extra = dict(self.state["extra"])
@@ -286,7 +300,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         info.barrier()
         for name, engine in engines.items():
-            engine.save_checkpoint(str(tmp), tag=name, save_latest=False)
+            engine.save_checkpoint(str(tmp), tag=name, save_latest=False, exclude_frozen_parameters=_frozen(engine))
         torch.save({"rng": rng, "local": local}, tmp / f"rank{info.rank}.pt")
         if info.is_main:
             torch.save({"step": step, "world_size": info.world_size, "args": dataclasses.asdict(self.args),

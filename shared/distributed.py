@@ -245,8 +245,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def full_named_parameters(model: torch.nn.Module, info: DistInfo) -> list[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter; ZeRO-3 shards are gathered on every rank.
 
-    Parameters are gathered and copied one at a time, so peak extra memory is one full model copy."""
+    Parameters are gathered and copied one at a time, so peak extra memory is one full model copy. A LoRA (peft)
+    model gives its merged weights W + BA under the base model's names (shared/lora.py)."""
+    from shared.lora import is_peft, merged_named_parameters
+
     module = unwrap(model)
+    if is_peft(module):
+        return merged_named_parameters(module, info.zero_stage == 3)
     if info.zero_stage != 3:
         return [(n, p.detach()) for n, p in module.named_parameters()]
     import deepspeed
@@ -355,7 +360,7 @@ ARG_RANGES: dict[str, tuple] = {
         "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
         "warmup_steps", "eval_num_prompts", "eval_num_pairs", "num_sample_pairs", "num_sample_completions",
         "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
-        "max_refill_rounds",
+        "max_refill_rounds", "lora_r",
         "max_grad_norm", "beta", "kl_coef",
         "num_prompts", "num_bootstrap", "stop_after_prompts",  # evaluate.py: 0 is all prompts / no CI / no stop
         "epsilon_high", "dpop_lambda", "center_rewards_coefficient", "unit_entropy_threshold", "alpha")},
@@ -366,7 +371,7 @@ ARG_RANGES: dict[str, tuple] = {
     **{k: (0, False, 1, True) for k in ("top_p", "generation_top_p", "vllm_gpu_memory_utilization", "cvar_level")},
     "confidence": (0, False, 1, False),
     **{k: (0, True, 1, True) for k in ("gamma", "lam", "drca_beta", "epsilon_low")},  # epsilon_low 1: no lower bound
-    **{k: (0, True, 1, False) for k in ("warmup_ratio",)},
+    **{k: (0, True, 1, False) for k in ("warmup_ratio", "lora_dropout")},
     "label_smoothing": (0, True, 0.5, False),
     # numpy takes seeds below 2**32, and each rank adds rank * 100003 (a prime) to its seed
     "seed": (0, True, 2**31 - 1, True),

@@ -256,7 +256,10 @@ class HFGenerator:
 
     def __init__(self, model: torch.nn.Module, tokenizer, synced_gpus: bool = False,
                  stop_token_ids: list[int] | None = None, stop=()):
-        self.model = model  # unwrapped HF module (a DeepSpeed engine's .module)
+        from shared.lora import base_module
+
+        # unwrapped HF module (a DeepSpeed engine's .module); a LoRA model's transformers model, adapters active
+        self.model = base_module(model)
         self.tokenizer, self.synced_gpus = tokenizer, synced_gpus
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])

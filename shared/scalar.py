@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from shared.lora import base_module
+
 
 def load_scalar_model(path: str, dtype: torch.dtype):
     """A backbone with a 1-output linear head; a causal-LM checkpoint gets a freshly initialised head."""
@@ -34,8 +36,9 @@ def load_scalar_model(path: str, dtype: torch.dtype):
 
 
 def head(model) -> torch.nn.Module:
-    """The model's scalar head (`score` for Llama/Qwen/Mistral, `classifier` for others)."""
-    module = getattr(model, "module", model)
+    """The model's scalar head (`score` for Llama/Qwen/Mistral, `classifier` for others); with LoRA, the wrapper
+    holding its trained copy."""
+    module = base_module(model)
     for name in ("score", "classifier", "v_head"):
         if hasattr(module, name):
             return getattr(module, name)
@@ -44,7 +47,7 @@ def head(model) -> torch.nn.Module:
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Head output at every position, [B, L] (fp32)."""
-    module = getattr(model, "module", model)
+    module = base_module(model)  # a DeepSpeed engine's module; a LoRA model's transformers model
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     base = getattr(module, module.base_model_prefix)
     hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state

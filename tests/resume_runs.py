@@ -28,6 +28,8 @@ RL_SMALL = ["--model_name_or_path", "builtin:tiny-sft", "--local_num_prompts", "
             "--max_new_tokens", "8", "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "2",
             "--sample_every", "1", "--generator", "hf", "--max_prompt_length", "24"]
 
+LORA = ["--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-3"]
+
 
 def write_datasets(out: Path) -> dict[str, str]:
     """Small local JSONL datasets (each with one prompt over the length limit, which is dropped and counted)."""
@@ -105,14 +107,21 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
                               "--num_samples_per_prompt", "4", "--local_micro_batch_size", "4", "--num_epochs", "2",
                               "--max_new_tokens", "8", "--eval_num_prompts", "8", "--eval_num_samples", "2",
                               "--max_prompt_length", "24", "--early_stop", "choose_best"], 3),
+        # LoRA (shared/lora.py): checkpoints hold the adapters and their optimizer state only; grpo's KL reference
+        # is the policy with its adapters disabled
+        "sft_lora": ("sft", ["--model_name_or_path", "builtin:tiny", "--dataset", d["sft"], "--total_episodes", "40",
+                             "--local_micro_batch_size", "8", "--eval_num_prompts", "8", "--eval_every", "2",
+                             "--max_prompt_length", "24", "--reward_fn", "builtin", *LORA], 2),
+        "grpo_lora": ("grpo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes",
+                               "80", "--num_generations", "4", "--beta", "0.05", *LORA], 3),
         "repulse": ("repulse", ["--total_episodes", "240", "--num_generations", "20", "--local_micro_batch_size", "20",
                                 "--eval_num_samples", "40", "--eval_every", "2", "--sample_every", "2"], 3),
     }
 
 
 # two ranks double the batch: these cases get more episodes, so that K steps stop before the end
-TWO_RANKS = {"sft": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160", "vineppo": "160", "dpo": "384",
-             "rm": "384", "repulse": "480", "restem": "128"}
+TWO_RANKS = {"sft": "80", "sft_lora": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160",
+             "grpo_lora": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480", "restem": "128"}
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:
@@ -129,9 +138,10 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     found = {}
-    for sub in ("final", "critic"):
-        if (out / sub / "model.safetensors").exists():
-            found.update({f"{sub}/{k}": v for k, v in load_file(out / sub / "model.safetensors").items()})
+    for sub, name in (("final", "model.safetensors"), ("critic", "model.safetensors"),
+                      ("final/adapter", "adapter_model.safetensors")):  # a LoRA run's adapter too
+        if (out / sub / name).exists():
+            found.update({f"{sub}/{k}": v for k, v in load_file(out / sub / name).items()})
     return found
 
 
@@ -156,7 +166,8 @@ def compare(name: str, script: str, flags: list[str], k: int, base: Path, rank: 
     wa, wb = weights(a), weights(b)
     out = {"rows_equal": ra == rb, "n_rows": [len(ra), len(rb)], "rows_at_stop": rows_at_stop, "first_diff": diff,
            "weights_equal": wa.keys() == wb.keys() and all(torch.equal(wa[key], wb[key]) for key in wa),
-           "weights": sorted({key.split("/")[0] for key in wa}), "best": (a / "best" / "best.json").exists(),
+           "weights": sorted({key.split("/")[0] for key in wa}), "adapter": any(".lora_" in key for key in wa),
+           "best": (a / "best" / "best.json").exists(),
            "stopped_at": stopped_at, "finished": (b / "checkpoints" / "finished.json").exists(),
            "first_row": ra[0], "last_row": ra[-1]}
     if name == "grpo":  # the comparison can fail: another seed gives other metrics

@@ -50,21 +50,23 @@ def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
     launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo",
-            "dpo_self_generated", "rm", "repulse", "drca", "restem"], timeout=1500)
+            "dpo_self_generated", "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"], timeout=1800)
     return out, json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm",
-                                  "repulse", "drca", "restem"])
+                                  "repulse", "drca", "restem", "sft_lora", "grpo_lora"])
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
-    weight, bit for bit (also the critic of ppo.py); the resumed run finished."""
+    weight, bit for bit (also the critic of ppo.py; with LoRA the merged export and the adapter, from checkpoints
+    that hold only the adapters and their optimizer state); the resumed run finished."""
     r = resumed[1][case]
     assert r["stopped_at"] >= 2 and r["rows_at_stop"] < r["n_rows"][1]  # it really stopped, then continued
     assert r["rows_equal"], f"first differing row: {r['first_diff']}"
     assert r["weights_equal"] and "final" in r["weights"] and r["best"] and r["finished"]
     if case in ("ppo", "drca"):
         assert "critic" in r["weights"]
+    assert r["adapter"] == case.endswith("_lora")
 
 
 def test_resume_at_an_epoch_boundary_continues_training(resumed):
