@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 export PATH="$PWD/.venv/bin:$PATH" VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 # two workers, one per core, one thread each (the models here are small: two single-threaded tests at once get more
-# done than one test on two threads); tests sharing a module fixture stay on one worker (tests/conftest.py)
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+# done than one test on two threads); a file's tests stay on one worker, the longest files first (tests/conftest.py)
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 [ "$rc" -eq 5 ] && echo "pytest collected no tests: failing" >&2
 exit "$rc"

@@ -118,12 +118,17 @@ def init_distributed() -> DistInfo:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // local_world
         torch.set_num_threads(max(1, threads))
+    stage, base = launch_zero_stage()
+    return DistInfo(rank, world, local_rank, device, stage, base)
+
+
+def launch_zero_stage() -> tuple[int, dict]:
+    """(ZeRO stage, DeepSpeed JSON) as the launcher set them (accelerate's environment; 0 and {} without one)."""
     base: dict = {}
     cfg_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or os.environ.get("DEEPSPEED_CONFIG_FILE")
     if cfg_file and cfg_file.lower() != "none":
         base = json.loads(Path(cfg_file).read_text())
-    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", base.get("zero_optimization", {}).get("stage", 0)))
-    return DistInfo(rank, world, local_rank, device, stage, base)
+    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", base.get("zero_optimization", {}).get("stage", 0))), base
 
 
 def seed_everything(seed: int) -> None:

@@ -17,7 +17,7 @@ Everything else goes through the usual plumbing, which recognises a peft model:
 Why merged weights rather than vLLM's LoRA adapter path: the engine then runs the plain base architecture (no LoRA
 kernels, no `enable_lora` / `max_lora_rank` engine settings, the same code path as full fine-tuning, the same log-
 probs as the trainer to fp32 rounding); the cost is one W + BA per targeted layer per sync, which is small next to
-a rollout (measured in docs/bench/lora_memory). vLLM's adapter path would send only A and B, a gain for multi-GPU
+a rollout (scripts/bench_lora_memory.py measures it). vLLM's adapter path would send only A and B, a gain for multi-GPU
 models where weight traffic matters, not measured here.
 """
 
@@ -57,6 +57,14 @@ def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
     model, built from its config on the meta device (no weights read)."""
     if not getattr(args, "lora_r", 0):
         return
+    from shared.distributed import launch_zero_stage
+
+    if not seq_cls and launch_zero_stage()[0] == 3:
+        # the lean log-probs recompute the output head in the backward pass (activation checkpointing); ZeRO-3
+        # releases a frozen head's gathered weight before that backward reads it (torch CheckpointError), and
+        # keeping it gathered (DeepSpeed's ds_persist) did not help: not supported until that is solved
+        raise ValueError("lora_r: LoRA under ZeRO-3 is not supported yet for this script (the frozen output head is "
+                         "released during the backward pass); launch with scripts/accelerate/zero2.yaml or zero0.yaml")
     try:
         import peft  # noqa: F401
     except ImportError:

@@ -102,6 +102,17 @@ def test_lora_flags_are_checked_at_start_up(sft_path):
             check_args(grpo.Args(**{flag: value}))
 
 
+def test_lora_under_zero3_is_a_start_up_error_except_for_scalar_models(sft_path, monkeypatch):
+    """Not supported yet (the frozen output head is released by ZeRO-3 before the recomputed log-prob chunks' backward
+    reads it): an error naming the flag and the launch configs that work, before anything is written."""
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(ValueError, match=r"lora_r: LoRA under ZeRO-3 is not supported yet .*zero2.yaml"):
+        check_lora(LORA, sft_path)
+    check_lora(LORA, sft_path, seq_cls=True)  # reward models and critics: their trained head is not frozen
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    check_lora(LORA, sft_path)
+
+
 def test_a_bad_target_module_is_one_line_before_anything_is_written(tmp_path):
     import tyro
 
@@ -295,32 +306,32 @@ def test_lora_grpo_learns_on_the_builtin_task(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_resumes_exactly_with_two_processes_under_zero3_and_zero2(tmp_path):
-    """tests/resume_runs.py with 2 processes: grpo with LoRA under ZeRO-3 (partitioned base and adapters: W, A, B
-    gathered for every merge; the KL reference through the disabled adapters) and sft with LoRA under ZeRO-2
-    (partitioned adapter optimizer state): straight == stopped + resumed, identical weights on both ranks."""
+def test_lora_resumes_exactly_with_two_processes_under_zero2(tmp_path):
+    """tests/resume_runs.py with 2 processes under ZeRO-2 (partitioned adapter optimizer state): grpo with LoRA (the KL
+    reference through the disabled adapters) and sft with LoRA: straight == stopped + resumed, identical weights on
+    both ranks."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           "scripts/accelerate/zero3.yaml", "tests/resume_runs.py", str(tmp_path), "grpo_lora@zero3",
+                           "scripts/accelerate/zero2.yaml", "tests/resume_runs.py", str(tmp_path), "grpo_lora@zero2",
                            "sft_lora@zero2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for case, r in results.items():
         assert r["rows_equal"], (case, r["first_diff"])
         assert r["weights_equal"] and r["adapter"] and r["finished"] and r["rows_at_stop"] < r["n_rows"][1], case
-    last = results["grpo_lora@zero3"]["last_row"]
+    last = results["grpo_lora@zero2"]["last_row"]
     assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
 
 
 @pytest.mark.slow
-def test_lora_grpo_with_vllm_under_zero3_two_processes(tmp_path):
-    """Each rank's vLLM engine receives the merged weights gathered from the ZeRO-3 shards: its greedy completions
-    equal the trained model's at the end (check/engine_greedy_match), and the ranks agree on the weights."""
+def test_lora_grpo_with_vllm_under_zero2_two_processes(tmp_path):
+    """Each rank's vLLM engine receives the merged weights: its greedy completions equal the trained model's at the
+    end (check/engine_greedy_match), and the ranks agree on the weights."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           "scripts/accelerate/zero3.yaml", "algorithms/grpo.py", "--output_dir", str(tmp_path),
+                           "scripts/accelerate/zero2.yaml", "algorithms/grpo.py", "--output_dir", str(tmp_path),
                            "--lora_r", "8", "--learning_rate", "1e-3", "--beta", "0.05", "--total_episodes", "256",
                            "--local_num_prompts", "8", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
                            "--eval_every", "0", "--dev_num_prompts", "8"], cwd=ROOT, env=env, capture_output=True,
