@@ -7,7 +7,7 @@ bash scripts/setup.sh || exit 1
 export PATH="$PWD/.venv/bin:$PATH" VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 # two workers, one per core, one thread each (the models here are small: two single-threaded tests at once get more
 # done than one test on two threads); a file's tests stay on one worker, the longest files first (tests/conftest.py)
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 [ "$rc" -eq 5 ] && echo "pytest collected no tests: failing" >&2
 exit "$rc"

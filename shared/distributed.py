@@ -98,6 +98,12 @@ def init_distributed() -> DistInfo:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # DeepSpeed caches a clone of the default group; one left from a previous default group in this process (an
+        # in-process vLLM engine tears its group down: tests) is no longer registered, and DeepSpeed would fail on it
+        import sys
+
+        if "deepspeed.utils.groups" in sys.modules:
+            sys.modules["deepspeed.utils.groups"]._WORLD_GROUP = None
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = datetime.timedelta(minutes=30)
         if os.environ["WORLD_SIZE"] == "1":
