@@ -305,7 +305,7 @@ def main(args: Args) -> str:
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
             batch = [examples[i] for i in local_idx]
             num_tokens = info.all_reduce(torch.tensor([sum(len(r) for _, r in batch)])).item()  # all ranks
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)  # the loss's device (GPU: no sync)
             for m in range(args.gradient_accumulation_steps):
                 micro = batch[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
                 input_ids, attn, resp = data_utils.pad_batch([p for p, _ in micro], [r for _, r in micro],

@@ -148,8 +148,8 @@ def environment(require_gpu: bool = False) -> dict:
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        env["git_commit"] = None
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (a GPU machine): the caller's
+        env["git_commit"] = os.environ.get("CLEANRLHF_GIT_COMMIT")  # commit, passed by scripts/gpu_check.sh
     return env
 
 

@@ -1,6 +1,7 @@
-"""GRPO learning on a real pretrained chat model, SmolLM2-135M-Instruct, on CPU (a benchmark, not a test).
+"""GRPO learning on a real pretrained chat model, SmolLM2-135M-Instruct, on CPU or one GPU (a benchmark, not a test).
 
     python scripts/bench_real_model_grpo.py                        # 3 seeds, ~50 min each on 2 CPU cores; JSON + PNG
+    python scripts/bench_real_model_grpo.py --generator hf --plot docs/img/real_model_grpo_gpu.png  # a GPU without vLLM
     python scripts/bench_real_model_grpo.py --seeds 1              # one seed
     python scripts/bench_real_model_grpo.py --stop_after_steps 10  # a time-limited slice; rerun the same to continue
     python scripts/bench_real_model_grpo.py --write_data data/     # only write the task's GSM8K-format files
@@ -57,22 +58,29 @@ def grpo_args(a, seed: int, dataset: Path, run_dir: Path) -> list[str]:
             "--num_minibatches", "1", "--num_iterations", "1", "--local_micro_batch_size", "32",
             "--max_new_tokens", "32", "--eval_every", str(a.eval_every), "--eval_num_prompts", "100",
             "--eval_num_samples", "4", "--dev_num_prompts", "0", "--save_every", "5", "--sample_every", "5",
+            "--generator", a.generator,
             *(["--stop_after_steps", str(a.stop_after_steps)] if a.stop_after_steps else [])]
 
 
-def greedy_accuracy(model_path: str, dataset: Path) -> dict:
-    """Greedy (T = 0) held-out accuracy of a checkpoint with the same prompts, chat template and grader."""
+def greedy_accuracy(model_path: str, dataset: Path, generator: str = "vllm") -> dict:
+    """Greedy (T = 0) held-out accuracy of a checkpoint with the same prompts, chat template and grader, generated
+    by the scripts' vLLM or HF backend (bf16 on GPU, fp32 on CPU)."""
     import torch
 
     from shared import data
-    from shared.distributed import load_tokenizer
-    from shared.generation import VLLMGenerator, completion_decoder, stop_token_ids
+    from shared.distributed import default_dtype, load_causal_lm, load_tokenizer
+    from shared.generation import HFGenerator, VLLMGenerator, completion_decoder, stop_token_ids
     from shared.rewards import compute_rewards, load_reward_fn
 
     tok = load_tokenizer(model_path)
     test = data.load_prompts(str(dataset), "test", tok, "question", "answer", PROMPT_TEMPLATE, True, 256)
-    gen = VLLMGenerator(model_path, tok, torch.float32, seed=0, max_model_len=512,
-                        stop_token_ids=stop_token_ids(model_path, tok))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if generator == "hf":
+        gen = HFGenerator(load_causal_lm(model_path, default_dtype(device)).to(device), tok,
+                          stop_token_ids=stop_token_ids(model_path, tok))
+    else:
+        gen = VLLMGenerator(model_path, tok, default_dtype(device), seed=0, max_model_len=512,
+                            stop_token_ids=stop_token_ids(model_path, tok))
     outs = gen.generate(test.prompt_ids, n=1, temperature=0.0, top_p=1.0, max_new_tokens=32, seed=0)
     comps = [g[0] for g in outs]
     decode = completion_decoder(tok)
@@ -86,7 +94,7 @@ def greedy_accuracy(model_path: str, dataset: Path) -> dict:
             "examples": [decode(c.token_ids) for c in comps[:5]]}
 
 
-def plot(seeds: dict, greedy_start: dict, path: Path) -> None:
+def plot(seeds: dict, greedy_start: dict, path: Path, device: str = "CPU") -> None:
     """Held-out sampled accuracy against steps and minutes: every seed (thin), their mean (thick); greedy marks."""
     import matplotlib
 
@@ -114,11 +122,11 @@ def plot(seeds: dict, greedy_start: dict, path: Path) -> None:
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize=7)
     axes[0].grid(alpha=0.3)
-    axes[1].set_xlabel("wall-clock minutes (2 CPU cores)")
+    axes[1].set_xlabel("wall-clock minutes (2 CPU cores)" if device == "CPU" else f"wall-clock minutes ({device})")
     axes[1].set_ylabel("held-out sampled accuracy")
     axes[1].legend(fontsize=7)
     axes[1].grid(alpha=0.3)
-    fig.suptitle("GRPO on SmolLM2-135M-Instruct (builtin:smollm2-135m), chat sums, CPU", fontsize=10)
+    fig.suptitle(f"GRPO on SmolLM2-135M-Instruct (builtin:smollm2-135m), chat sums, {device}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -145,7 +153,7 @@ def run_seed(a, seed: int, dataset: Path) -> dict | None:
     result = {
         "seed": seed, "grpo_command": command, "curve": evals,
         "sampled_start": evals[0]["accuracy"], "sampled_final": evals[-1]["accuracy"],
-        "greedy_final": greedy_accuracy(str(run_dir / "final"), dataset),
+        "greedy_final": greedy_accuracy(str(run_dir / "final"), dataset, a.generator),
         "train_reward": [{"step": r["step"], "reward": r["objective/scores"], "length": r["val/sequence_lengths"],
                           "stop_rate": r["val/stop_rate"]} for r in steps],
         "seconds_per_step": bc.summarize(bc.iteration_times([r["time"] for r in steps])[1:]),
@@ -165,6 +173,8 @@ def main() -> None:
     p.add_argument("--learning_rate", type=float, default=1e-5)
     p.add_argument("--total_episodes", type=int, default=3200, help="completions (25 steps of 128)")
     p.add_argument("--eval_every", type=int, default=5)
+    p.add_argument("--generator", choices=["vllm", "hf"], default="vllm",
+                   help="grpo.py's generation backend, also for the greedy evaluations (hf: a machine without vLLM)")
     p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "real_model_grpo")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "real_model_grpo_cpu.png")
@@ -183,13 +193,18 @@ def main() -> None:
         seeds[seed] = result
     from shared.models import resolve_model_path
 
-    greedy_start = greedy_accuracy(resolve_model_path("builtin:smollm2-135m"), dataset)
+    greedy_start = greedy_accuracy(resolve_model_path("builtin:smollm2-135m"), dataset, a.generator)
     spread = lambda xs: {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
+    env = bc.environment()
+    env_gpu = env.get("gpu")
+    extra = f" --generator {a.generator}" if a.generator != "vllm" else ""
+    extra += f" --plot {a.plot.relative_to(ROOT) if a.plot.is_relative_to(ROOT) else a.plot}" if env_gpu else ""
     result = {
-        "benchmark": "real_model_grpo", "env": bc.environment(),
+        "benchmark": "real_model_grpo", "env": env,
         "command": f"python scripts/bench_real_model_grpo.py --seeds {' '.join(map(str, a.seeds))} --learning_rate "
-                   f"{a.learning_rate} --total_episodes {a.total_episodes}",
-        "model": "builtin:smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized, fp32)",
+                   f"{a.learning_rate} --total_episodes {a.total_episodes}{extra}",
+        "model": "builtin:smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized, "
+                 f"{'bf16' if env_gpu else 'fp32'})", "generator": a.generator,
         "task": "chat sums a+b, a,b in 0..19: 300 train / 100 held-out prompts, GSM8K-format file, --reward_fn math",
         "settings": {k: str(v) for k, v in vars(a).items()},
         "sampled_accuracy": {"start": spread([r["sampled_start"] for r in seeds.values()]),
@@ -201,7 +216,7 @@ def main() -> None:
         "seeds": {str(k): v for k, v in seeds.items()},
     }
     path = bc.write_result("real_model_grpo", result, a.results, latest=False)
-    plot(seeds, greedy_start, a.plot)
+    plot(seeds, greedy_start, a.plot, "CPU" if not env_gpu else env_gpu)
     s = result["sampled_accuracy"]
     print(f"[bench] held-out sampled accuracy {s['start']['mean']:.3f} -> {s['final']['mean']:.3f} (mean of "
           f"{len(seeds)} seeds, final {s['final']['min']:.3f}-{s['final']['max']:.3f}); {path}; {a.plot}")
