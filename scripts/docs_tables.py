@@ -564,9 +564,68 @@ def memory_estimate(d: dict) -> str:
     lines += ["", f"**Estimates, computed, not measured**: one GPU, sequences of {st['seq_len']} tokens "
                   f"({st['completion_len']} completion), {st['num_completions']} completions generated at once (KV "
                   f"cache), gradient checkpointing {'on' if st['gradient_checkpointing'] else 'off'}, bf16 weights "
-                  f"with fp32 master weights and Adam, beta {st['beta']} (no reference copy), a colocated vLLM copy, "
-                  f"lean log-probs in chunks of {st['logits_chunk']:,} tokens. `{d['command'].strip()}` (formulas in "
-                  f"its docstring), {d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"with fp32 master weights, fp32 gradient accumulation and Adam, beta {st['beta']} (no reference "
+                  f"copy), a colocated vLLM copy, lean log-probs in chunks of {st['logits_chunk']:,} tokens. "
+                  f"`{d['command'].strip()}` (formulas in its docstring), {d['env']['time']}, commit "
+                  f"{d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def memory_measured(d: dict) -> str:
+    """estimate_memory.py --compare: the trainer-alone estimate of each configuration gpu_bench.py measured."""
+    lines = ["| model | micro-batch x tokens | measured peak | estimate | estimate / measured | of which training "
+             "state (24 bytes per parameter) |", "|---|---|---|---|---|---|"]
+    for r in d["compare"]["rows"]:
+        lines.append(f"| {r['model']} | {r['micro_batch']} x {r['seq_len']:,} | {r['measured_gib']:.2f} GiB | "
+                     f"{r['estimate_gib']:.2f} GiB | {r['estimate_gib'] / r['measured_gib']:.2f} | "
+                     f"{r['training_state_gib']:.2f} GiB |")
+    lines += ["", f"Measured: `torch.cuda.max_memory_allocated()` of the trainer alone (no vLLM engine, no reference), "
+                  f"from `{d['compare']['file']}` (scripts/gpu_bench.py); estimate: the same configuration by the formulas "
+                  f"of scripts/estimate_memory.py without the engine's terms. `{d['command'].strip()}`, "
+                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
+
+def gpu_bench(d: dict) -> str:
+    """scripts/gpu_bench.py: GRPO training steps and HF-backend generation on one GPU, bf16."""
+    env, st = d["env"], d["settings"]
+    lines = ["| model (parameters) | micro-batch x tokens | step time | tokens/s | MFU (datasheet peak) | MFU (measured "
+             "matmul peak) | peak memory |", "|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        for t in r.get("train", []):
+            head = f"| {r['model']} ({r['parameters'] / 1e9:.2f} B) | {t['micro_batch']} x {t['seq_len']:,} | "
+            if "oom" in t:
+                lines.append(head + "out of memory | | | | |")
+                continue
+            lines.append(head + f"{1000 * t['step_s']:.0f} ms | {t['tokens_per_s']:,.0f} | {pct(t['mfu_datasheet'])} | "
+                         f"{pct(t['mfu_measured_matmul'])} | {t['peak_allocated_gib']:.1f} GiB |")
+    lines += ["", "| model | HF generation: prompts x samples x new tokens | seconds | tokens/s | peak memory |",
+              "|---|---|---|---|---|"]
+    for r in d["results"]:
+        g = r.get("generate") or {}
+        if "tokens_per_s" in g:
+            lines.append(f"| {r['model']} | {g['prompts']} x {g['samples']} x {g['new_tokens']} ({g['prompt_len']}-token "
+                         f"prompts) | {g['seconds']:.1f} | {g['tokens_per_s']:,.0f} | {g['peak_allocated_gib']:.1f} GiB |")
+    attn = sorted({r.get("attention", "?") for r in d["results"]})
+    lines += ["", f"{env['gpu']} ({env['gpu_memory_gib']:.0f} GiB), bf16, attention {', '.join(attn)}; a bf16 8192^3 "
+                  f"matmul ran at {env['matmul_bf16_tflops']:.0f} TFLOP/s (datasheet {env['datasheet_bf16_tflops']}). "
+                  f"Training: one micro-batch of {st['seq_len']:,}-token rows ({st['prompt_len']} prompt) per optimizer "
+                  f"step, gradient checkpointing on, median of {st['steps']} steps after 2 warm-up steps; peak memory = "
+                  f"`max_memory_allocated` (weights and optimizer state included). torch {env['torch']}, transformers "
+                  f"{env['transformers']}, deepspeed {env['deepspeed']}. `{d['command']}` (run by scripts/gpu_check.sh), "
+                  f"{env['time']}, commit {env['git_commit']}."]
+    return "\n".join(lines)
+
+
+def gpu_tests(d: dict) -> str:
+    """The GPU tests' outcome, as scripts/gpu_check.sh stored it in gpu_bench.py's JSON."""
+    t = d["tests"]
+    lines = ["| test (tests/test_gpu.py) | outcome |", "|---|---|"]
+    outcome = {**{n: "passed" for n in t["passed_tests"]}, **{n: "**failed**" for n in t["failed_tests"]}}
+    lines += [f"| `{n.split('::', 1)[1]}` | {v} |" for n, v in sorted(outcome.items())]
+    lines += ["", f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; {d['env']['gpu']}, "
+                  f"{d['env']['time']}: `bash scripts/gpu_check.sh`, which ran `pytest -m gpu` and stored its report "
+                  f"with `{d['command']}`."]
     return "\n".join(lines)
 
 
@@ -604,7 +663,8 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
-             "lora_learning": lora_learning, "lora_memory": lora_memory}
+             "lora_learning": lora_learning, "lora_memory": lora_memory, "memory_measured": memory_measured,
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning"}  # renderers that read several files (a list of their contents)
 
 

@@ -116,3 +116,58 @@ def test_invocation_names_the_script_relative_to_the_repository():
     assert bc.invocation([script, "--seeds", "1", "2", "--extra", "--lr", "1e-4"]) == \
         "python scripts/compare_drca_ppo.py --seeds 1 2 --extra --lr 1e-4"
     assert bc.invocation(["/elsewhere/x.py", "a b"]) == "python /elsewhere/x.py 'a b'"
+
+
+def test_gpu_bench_without_a_gpu_is_a_one_line_error(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--gpu: no CUDA device visible"):
+        load("gpu_bench").main(["--out", "/nonexistent/never_written"])
+
+
+def test_gpu_bench_model_flops_by_hand():
+    """6 x (layer matmul parameters) x tokens + 6 x head x response tokens + 6 x layers x hidden x seq x tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    # per layer: q 8x8, k 8x4, v 8x4, o 8x8, gate/up 8x16 each, down 16x8 = 64+32+32+64+128+128+128 = 576
+    layers, head = 2 * 576, 100 * 8
+    b, s, p = 3, 10, 4
+    expected = 6 * layers * b * s + 6 * head * b * (s - p) + 6 * 2 * 8 * s * b * s
+    assert load("gpu_bench").model_flops_per_step(model, b, s, p) == expected
+
+
+def test_gpu_bench_datasheet_peaks_and_junit_summary(tmp_path):
+    gb = load("gpu_bench")
+    assert gb.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4 and gb.datasheet_peak("Some GPU") is None
+    (tmp_path / "r.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_gpu" name="a"/>'
+        '<testcase classname="tests.test_gpu" name="b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="c"><skipped/></testcase></testsuite></testsuites>')
+    s = gb.junit_summary(tmp_path / "r.xml")
+    assert (s["passed"], s["failed"], s["skipped"]) == (1, 1, 1) and s["failed_tests"] == ["tests.test_gpu::b"]
+    assert "error" in gb.junit_summary(tmp_path / "missing.xml")
+
+
+def test_memory_estimate_by_hand():
+    """24 bytes per trained parameter of training state, the larger of the step buffers and activations + logits."""
+    from types import SimpleNamespace
+
+    em = load("estimate_memory")
+    cfg = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "vocab_size": 100, "tie_word_embeddings": True}
+    P = em.shapes(cfg)["params"]
+    # per layer 576 matmul weights + q/k/v biases (8 + 4 + 4) + two norms (16) = 608; embedding 800; final norm 8
+    assert P == 2 * 608 + 800 + 8
+    a = SimpleNamespace(seq_len=10, completion_len=6, num_completions=4, logits_chunk=512, beta=0.0,
+                        gradient_checkpointing=True)
+    e = em.estimate(cfg, a, 3, 0, True, engine=False)
+    act = 2 * 3 * 10 * 8 * 2 + 2 * 3 * 10 * (9 * 8 + 3 * 16)
+    logits = 3 * 4 * min(512, 3 * 6) * 100
+    assert e["total_gb"] * 1e9 == pytest.approx(2 * P + 12 * P + 6 * P + max(4 * P, act + logits))
+    with_engine = em.estimate(cfg, a, 3, 0, True, engine=True)
+    kv = 4 * 10 * 2 * 2 * 4 * 2  # completions x seq x layers x (K, V) x kv_dim x 2 bytes
+    assert with_engine["total_gb"] * 1e9 == pytest.approx(e["total_gb"] * 1e9 + 2 * P + kv)
