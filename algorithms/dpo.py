@@ -107,6 +107,10 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend for self-generated pairs and evaluation: `vllm` (colocated) or `hf`"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
     lora_r: int = 0
@@ -400,7 +404,9 @@ def main(args: Args) -> str:
     if args.eval_num_prompts or args.pair_source == "self_generated" or has_dev and reward_fn is not None:
         generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
                                    dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length,
-                                   world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop)
+                                   world_size=info.world_size, zero_stage=info.zero_stage,
+                                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                   enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     pad_id = tokenizer.pad_token_id
     timer = Timer()
 
@@ -425,6 +431,7 @@ def main(args: Args) -> str:
                                       temperature=args.generation_temperature, top_p=args.generation_top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919,
                                       index_offset=info.rank * per_rank)
+            generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU; each evaluation syncs the weights first
             local_pairs, stats = [], torch.zeros(4, dtype=torch.float64)  # prompts, samples, correct, usable
             error = None  # a reward function that raises on one rank: all ranks stop together (no hang)
             for i, group in zip(mine, outs):
@@ -584,6 +591,8 @@ def main(args: Args) -> str:
             if info.is_main:
                 tracker.log_samples([{"prompt": eval_data.rows[i]["prompt"], "completion": decode(g[0].token_ids),
                                       "answer": eval_data.rows[i]["answer"]} for i, g in enumerate(outs)], step)
+        if generator is not None:
+            generator.sleep(level=2)  # until the next evaluation, which syncs the weights first
         policy.train()
         metrics.update(best.update(metrics, step, policy))  # keeps the best policy in output_dir/best
         tracker.log(metrics, step)
@@ -635,11 +644,10 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, local={"window": window}, sampler=sampler,
                         guard=guard, best=best):
         evaluate(args.num_steps)
-    tracker.log(check_ranks(policy, info, local_idx), args.num_steps)
-
-    final = ""
+    final = ""  # saved before the end-of-run rank check, so a failure there loses nothing
     if args.save_model:
         final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+    tracker.log(check_ranks(policy, info, local_idx), args.num_steps)
     ckpt.finish()
     tracker.close()
     return final

@@ -713,7 +713,7 @@ def main(args: Args) -> str:
                                       temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=info.rank * args.local_num_prompts)
-            generator.sleep()
+            generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
         comps = [c for group in outs for c in group]
         responses = [c.token_ids for c in comps]
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
@@ -881,16 +881,16 @@ def main(args: Args) -> str:
                         sampler=sampler, guard=guard, best=best, first_eval=first):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
+    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
     tracker.write(f"held-out accuracy {first.get('eval/accuracy', float('nan')):.3f} -> "
                   f"{metrics.get('eval/accuracy', float('nan')):.3f}, reward {first['eval/reward']:.3f} -> "
                   f"{metrics['eval/reward']:.3f} in {metrics['time/total']:.0f}s")
-    final = ""
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
     ckpt.finish()
     tracker.close()
     return final

@@ -547,7 +547,9 @@ def main(args: Args) -> str:
             outs = generator.generate(prompts, n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=rnd * args.num_prompts + info.rank * args.local_num_prompts)
-            generator.sleep()  # frees the GPU for training when --vllm_enable_sleep (no-op otherwise)
+            # frees the GPU for training when --vllm_enable_sleep (no-op otherwise); level 2 discards the engine's
+            # weights, which the sync after the update replaces (dynamic sampling may generate again before it: 1)
+            generator.sleep(level=1 if args.dynamic_sampling else 2)
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
 
@@ -769,14 +771,14 @@ def main(args: Args) -> str:
                         sampler=sampler, guard=guard, best=best, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
+    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
     tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
                   f"in {metrics['time/total']:.0f}s")
-    final = ""
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
     ckpt.finish()
     tracker.close()
     return final

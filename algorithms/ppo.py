@@ -499,7 +499,7 @@ def main(args: Args) -> str:
                                       temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=info.rank * args.local_num_prompts)
-            generator.sleep()
+            generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
         comps = [c for group in outs for c in group]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
@@ -657,15 +657,15 @@ def main(args: Args) -> str:
                         sampler=sampler, guard=guard, best=best, kl_coef=kl_coef, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
+    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
     tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
                   f"in {metrics['time/total']:.0f}s")
-    final = ""
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
     ckpt.finish()
     tracker.close()
     return final

@@ -108,6 +108,8 @@ class Args:
     """backend sampling p_theta: `hf` (model.generate) or `vllm`; q_xi is always sampled with `hf` (one engine/rank)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forwards"""
     save_model: bool = True
@@ -443,7 +445,8 @@ def main(args: Args) -> str:
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage,
-                               gpu_memory_utilization=args.vllm_gpu_memory_utilization, stop=args.stop)
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     stop_ids = stop_token_ids(model_path, tokenizer)  # EOS and generation_config's eos ids
     q_generator = HFGenerator(proposal.module, tokenizer, synced_gpus=info.zero_stage == 3, stop_token_ids=stop_ids,
                               stop=args.stop) if sample_q else None
@@ -554,6 +557,7 @@ def main(args: Args) -> str:
                 comps_q, ids_q, attn_q, mask_q, r_q = rollout(q_generator, local_idx, train_data, N,
                                                               args.seed * 7_919 + step + 500_000_003, offset,
                                                               ckpt.user_code(step, engines, tracker))
+            generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU; the sync after the update reloads it
         r_p, mask_p = r_p.to(info.device), mask_p
         # 2. log-probs at sampling time (the current p and q, before either update)
         with timer("logprob"):
@@ -670,6 +674,9 @@ def main(args: Args) -> str:
     metrics = evaluate(args.num_steps, lambda: ckpt.user_code(args.num_steps, engines, tracker, trained=True,
                                                               sampler=sampler, guard=guard, best=best, first=first))
     metrics["time/total"] = time.time() - start
+    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
     metrics.update(check_ranks(policy, info, local_idx))
     if proposal is not None:
         metrics["check/proposal_ranks_identical_weights"] = check_ranks(proposal, info, [])["check/ranks_identical_weights"]
@@ -677,9 +684,6 @@ def main(args: Args) -> str:
     summary = " ".join(f"{k} {first[k]:.4g} -> {metrics[k]:.4g}" for k in
                        ("exact/log_p_bad", "eval/p_bad", "eval/mean_reward") if k in metrics)
     tracker.write(f"{summary} in {metrics['time/total']:.0f}s")
-    final = ""
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
     ckpt.finish()
     tracker.close()
     return final

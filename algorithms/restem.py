@@ -85,6 +85,8 @@ class Args:
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
 
@@ -288,7 +290,7 @@ def main(args: Args) -> str:
         vllm = make_generator("vllm", model_path=model_path, model=policy.module, tokenizer=tokenizer, dtype=dtype,
                               seed=local_seed, max_model_len=max_len, world_size=info.world_size,
                               zero_stage=info.zero_stage, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                              stop=args.stop)
+                              enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     decode = completion_decoder(tokenizer, args.stop)
 
     def generator_for(engine):
@@ -301,8 +303,11 @@ def main(args: Args) -> str:
         return vllm
 
     def evaluate(engine, sets: dict) -> dict:  # grader accuracy and pass@k (shared/evaluation.py), same seed always
-        return evaluate_accuracy(generator_for(engine), sets, reward_fn, decode, info, args.eval_num_samples,
-                                 args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
+        generator = generator_for(engine)
+        metrics = evaluate_accuracy(generator, sets, reward_fn, decode, info, args.eval_num_samples,
+                                    args.eval_temperature, args.max_new_tokens, seed=args.seed + 1_000_003)
+        generator.sleep()  # --vllm_enable_sleep: free the GPU for training (level 1: the weights wait in CPU memory)
+        return metrics
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR schedule, prompt position, RNG and the iteration's state
     S = args.steps_per_iteration
@@ -335,11 +340,13 @@ def main(args: Args) -> str:
             with timer("generate"):
                 global_idx = prompt_sampler.next_indices(args.num_prompts)
                 local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-                outs = generator_for(policy).generate([train_data.prompt_ids[i] for i in local_idx],
-                                                      n=args.num_samples_per_prompt, temperature=args.temperature,
-                                                      top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                                      seed=args.seed * 7_919 + it,
-                                                      index_offset=info.rank * args.local_num_prompts)
+                generator = generator_for(policy)
+                outs = generator.generate([train_data.prompt_ids[i] for i in local_idx],
+                                          n=args.num_samples_per_prompt, temperature=args.temperature,
+                                          top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                          seed=args.seed * 7_919 + it,
+                                          index_offset=info.rank * args.local_num_prompts)
+                generator.sleep()  # --vllm_enable_sleep: free the GPU while the M-step trains
             with timer("reward"):
                 rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
                 comps = [c for group in outs for c in group]

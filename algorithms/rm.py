@@ -368,11 +368,10 @@ def main(args: Args) -> str:
     if ckpt.stopping:
         return ckpt.stop(tracker)
     final_metrics = evaluate(args.num_steps)
-    tracker.log(check_ranks(model, info, local_idx), args.num_steps)
-
     # the stats make scores normalised ((r - mean) / std) wherever shared/scalar.py::score_last_token reads them
     stats = {"reward_mean": final_metrics["eval/reward_mean"], "reward_std": max(final_metrics["eval/reward_std"], 1e-6)}
     final = save_hf(model, tokenizer, os.path.join(args.output_dir, "final"), info, extra_config=stats)
+    tracker.log(check_ranks(model, info, local_idx), args.num_steps)  # after the save: a failure here loses nothing
     tracker.write(f"saved {final} (reward_mean {stats['reward_mean']:.3f}, reward_std {stats['reward_std']:.3f})")
     ckpt.finish()
     tracker.close()

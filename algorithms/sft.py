@@ -81,6 +81,10 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["hf", "vllm"] = "hf"
     """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
     lora_r: int = 0
@@ -279,13 +283,15 @@ def main(args: Args) -> str:
     # generation engine (evaluation only)
     generator = make_generator(args.generator, model_path=model_path, model=model.module, tokenizer=tokenizer,
                                dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length, world_size=info.world_size,
-                               zero_stage=info.zero_stage, stop=args.stop)
+                               zero_stage=info.zero_stage, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
 
     def run_eval(step: int) -> None:
         generator.sync_weights(full_named_parameters(model, info))
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn,
                                     completion_decoder(tokenizer, args.stop), info, 1, args.eval_temperature,
                                     args.max_new_tokens, seed=args.seed + 7)
+        generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU until the next evaluation, which syncs first
         metrics.update(best.update(metrics, step, model))  # keeps the best model (on dev) in output_dir/best
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] held-out accuracy {metrics['eval/accuracy']:.3f}")

@@ -475,7 +475,7 @@ def main(args: Args) -> str:
                     [r[2]["answer"] for r, _ in flat], [cont.finished for _, cont in flat], [r[2] for r, _ in flat])
             values = torch.tensor(mc_rewards).view(len(requests), args.num_mc_rollouts).mean(1).tolist() \
                 if requests else []
-            generator.sleep()
+            generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
 
         # 5. advantages: step TD on the MC values, broadcast to tokens, whitened over the batch (all ranks)
         advantages = torch.zeros_like(mask)
@@ -599,14 +599,14 @@ def main(args: Args) -> str:
                         sampler=sampler, guard=guard, best=best, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
+    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    if args.save_model:
+        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
     tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
                   f"in {metrics['time/total']:.0f}s")
-    final = ""
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
     ckpt.finish()
     tracker.close()
     return final

@@ -57,11 +57,12 @@ def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: di
     Written to `<path>.tmp`, renamed into place when complete. Under ZeRO-3 every rank must call it. A LoRA model:
     the merged weights as the base model's checkpoint, and the adapter (peft format) in `<path>/adapter`."""
     path = Path(path)
-    params = dict(full_named_parameters(model, info))  # collective under ZeRO-3: all ranks call this
+    # collective under ZeRO-3 (all ranks iterate; one parameter gathered at a time): rank 0 keeps a CPU copy, the
+    # other ranks drop each tensor at once, so no GPU holds a second full copy of the model
+    state = {k: v.detach().cpu().contiguous() for k, v in full_named_parameters(model, info) if info.is_main}
     adapter = adapter_state_dict(model, info.zero_stage == 3) if is_peft(model) else None  # collective too
     if info.is_main:
         module = base_module(model)  # a LoRA model's transformers model: saves the merged weights as its own
-        state = {k: v.detach().cpu().contiguous() for k, v in params.items()}
         for name, buf in module.named_buffers():  # persistent buffers (rare in LMs) travel too
             if name in module.state_dict():
                 state.setdefault(name, buf.detach().cpu())

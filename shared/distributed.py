@@ -21,6 +21,7 @@ import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -129,12 +130,39 @@ def init_distributed() -> DistInfo:
 
 
 def launch_zero_stage() -> tuple[int, dict]:
-    """(ZeRO stage, DeepSpeed JSON) as the launcher set them (accelerate's environment; 0 and {} without one)."""
+    """(ZeRO stage, DeepSpeed JSON) as the launcher set them (accelerate's environment; 0 and {} without one).
+
+    Every option of an accelerate config is either honoured or refused with a one-line error, never ignored:
+    `offload_optimizer_device` / `offload_param_device` (cpu or nvme) become DeepSpeed's ZeRO-Offload settings (the
+    optimizer state, and under ZeRO-3 the parameters, live in CPU memory; the scripts' torch AdamW then steps on the
+    CPU); `zero3_init_flag: true` (build the model already partitioned) and `mixed_precision: fp16` are refused, since
+    every rank loads the full model before ZeRO-3 partitions it, and the scripts train in bf16 on GPU (fp32 on CPU)."""
     base: dict = {}
     cfg_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or os.environ.get("DEEPSPEED_CONFIG_FILE")
     if cfg_file and cfg_file.lower() != "none":
         base = json.loads(Path(cfg_file).read_text())
-    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", base.get("zero_optimization", {}).get("stage", 0))), base
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", base.get("zero_optimization", {}).get("stage", 0)))
+    env = os.environ.get
+    if env("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false") == "true":
+        raise ValueError("accelerate config: zero3_init_flag: true is not supported (each rank loads the full model, "
+                         "then ZeRO-3 partitions it); set it to false")
+    if env("ACCELERATE_MIXED_PRECISION", "no") == "fp16":
+        raise ValueError("accelerate config: mixed_precision: fp16 is not supported (the scripts train in bf16 on GPU "
+                         "and fp32 on CPU); use 'no' or 'bf16'")
+    for key, field in (("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer"),
+                       ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param")):
+        device = env(key, "none")
+        if device in ("", "none"):
+            continue
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f"accelerate config: {field}_device: {device!r} is not one of none, cpu, nvme")
+        if field == "offload_param" and stage != 3:
+            raise ValueError(f"accelerate config: offload_param_device: {device} needs zero_stage 3 (got {stage})")
+        if stage == 0:
+            raise ValueError(f"accelerate config: {field}_device: {device} needs zero_stage 1, 2 or 3 (got 0)")
+        base.setdefault("zero_optimization", {}).setdefault(field, {"device": device, "pin_memory": True})
+        base.setdefault("zero_force_ds_cpu_optimizer", False)  # the scripts' own torch AdamW steps on the CPU
+    return stage, base
 
 
 def seed_everything(seed: int) -> None:
@@ -253,25 +281,29 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def full_named_parameters(model: torch.nn.Module, info: DistInfo) -> list[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter; ZeRO-3 shards are gathered on every rank.
+def full_named_parameters(model: torch.nn.Module, info: DistInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, full tensor) for every parameter, one at a time; ZeRO-3 shards are gathered on every rank.
 
-    Parameters are gathered and copied one at a time, so peak extra memory is one full model copy. A LoRA (peft)
-    model gives its merged weights W + BA under the base model's names (shared/lora.py)."""
+    Under ZeRO-3 each parameter is gathered, copied and released before the next, so a consumer that uses each tensor
+    and drops it (the vLLM engine's weight sync, the rank check's hash, saving on rank 0) holds one extra parameter at
+    a time, never a full copy of the model. Every rank must consume the whole iterator (each gather is a collective).
+    A LoRA (peft) model gives its merged weights W + BA under the base model's names (shared/lora.py)."""
     from shared.lora import is_peft, merged_named_parameters
 
     module = unwrap(model)
     if is_peft(module):
-        return merged_named_parameters(module, info.zero_stage == 3)
+        yield from merged_named_parameters(module, info.zero_stage == 3)
+        return
     if info.zero_stage != 3:
-        return [(n, p.detach()) for n, p in module.named_parameters()]
+        for name, p in module.named_parameters():
+            yield name, p.detach()
+        return
     import deepspeed
 
-    out = []
     for name, p in module.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-            out.append((name, p.detach().clone()))
-    return out
+            full = p.detach().clone()
+        yield name, full
 
 
 def optimizer_step(engine) -> float | None:

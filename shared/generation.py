@@ -9,10 +9,14 @@ Prompts are arbitrary token prefixes, so VinePPO can roll out from partial respo
 one budget per prompt (a rollout from a partial response gets what is left of the length limit).
 
 `vllm`: an in-process vLLM engine colocated with the trainer on each rank (VLLM_ENABLE_V1_MULTIPROCESSING=0;
-`external_launcher` when several ranks). Weights are updated in place with vLLM's `reload_weights`, then the
-prefix cache is reset. Returned log-probs are vLLM's *processed* log-probs (after temperature and top-p),
-i.e. those of the distribution actually sampled. On GPU, sleep mode frees the GPU memory
-between rollouts when `enable_sleep_mode` is set.
+`external_launcher` when several ranks). Weights are updated in place with vLLM's `reload_weights`, streamed one
+tensor at a time from `full_named_parameters` (under ZeRO-3 one parameter is gathered at a time, so no rank holds a
+second full copy of the model), then the prefix cache is reset. Returned log-probs are vLLM's *processed* log-probs
+(after temperature and top-p), i.e. those of the distribution actually sampled. On GPU, with `enable_sleep_mode`
+(the scripts' `--vllm_enable_sleep`), `sleep()` frees the engine's GPU memory while the trainer works: level 1
+offloads the weights to CPU memory and drops the KV cache; level 2 also discards the weights, for the scripts whose
+next use of the engine is a full `sync_weights` after the update. The engine wakes itself on the next `generate` or
+`sync_weights`, after returning PyTorch's cached blocks to the driver.
 
 `hf`: `model.generate` on the live training model (always in sync; `synced_gpus` under ZeRO-3); log-probs
 from the processed scores, so they mean the same thing as vLLM's.
@@ -164,6 +168,7 @@ class VLLMGenerator:
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         self.stop = tuple(stop)
         self.sleep_enabled = kwargs["enable_sleep_mode"]
+        self.asleep = self.weights_discarded = False
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
@@ -171,6 +176,10 @@ class VLLMGenerator:
 
         if not prompts:
             return []
+        self.wake_up()
+        if self.weights_discarded:
+            raise RuntimeError("the vLLM engine slept at level 2 (weights discarded) and was not given the weights "
+                               "again: call sync_weights before generate")
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         # vLLM stops on the tokenizer's EOS and on stop_token_ids (kept in token_ids) and, when stop strings are
         # given, on those (detokenizing as it goes); `_finish` then cuts with the same rule as the HF backend
@@ -194,19 +203,29 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights in place (names as in the HF model), then drop stale prefix-cache entries."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_params)})
+        """Load new weights in place (names as in the HF model), then drop stale prefix-cache entries. The tensors are
+        consumed one at a time as they are produced (the engine is in this process), never all held at once."""
+        self.wake_up()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_params)})
         self.llm.reset_prefix_cache()
+        self.weights_discarded = False
 
-    def sleep(self) -> None:
-        """Free the engine's GPU memory during training (level 1: weights offloaded, KV cache dropped)."""
-        if self.sleep_enabled:
-            self.llm.sleep(level=1)
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory while the trainer works (a no-op without enable_sleep_mode, and on CPU).
+        Level 1: weights offloaded to CPU memory, KV cache dropped. Level 2: weights discarded too (no CPU copy): only
+        where the engine's next use is `sync_weights` of every parameter, as after every update of the scripts; a
+        `generate` before that is an error, not stale samples."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep, self.weights_discarded = True, level == 2
 
     def wake_up(self) -> None:
-        """Call before `sync_weights` and before generating."""
-        if self.sleep_enabled:
+        """Re-allocate the engine's memory after `sleep` (called by `generate` and `sync_weights` themselves)."""
+        if self.asleep:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the trainer's cached, unused blocks go back to the driver for the engine
             self.llm.wake_up()
+            self.asleep = False
 
 
 class _SampledLogprobs:
@@ -339,7 +358,7 @@ class HFGenerator:
     def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass  # generates with the training weights themselves
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 1) -> None:
         pass
 
     def wake_up(self) -> None:

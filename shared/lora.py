@@ -118,13 +118,14 @@ def _gathered(params, zero3: bool):
         yield
 
 
-def merged_named_parameters(model, zero3: bool = False) -> list[tuple[str, torch.Tensor]]:
+def merged_named_parameters(model, zero3: bool = False):
     """(name, full tensor) of the merged model, under the base model's parameter names (those vLLM and a
     transformers checkpoint use): each LoRA-targeted weight is W + delta, delta = peft's `get_delta_weight`
     (scaling * B @ A), computed out of place (the training weights are untouched, as `merge_adapter` /
     `unmerge_adapter` would not leave them: W + BA - BA != W in floating point); the trained copy of a
     `modules_to_save` module (a reward model's head) replaces the original. Equal, bit for bit, to the weights of
-    peft's `merge_and_unload()`. ZeRO-3: W, A and B of one layer are gathered together, one layer at a time."""
+    peft's `merge_and_unload()`. A generator: one tensor at a time. ZeRO-3: W, A and B of one layer are gathered
+    together, one layer at a time, and released before the tensor is yielded."""
     from peft.tuners.lora import LoraLayer
 
     base = base_module(model)
@@ -132,7 +133,6 @@ def merged_named_parameters(model, zero3: bool = False) -> list[tuple[str, torch
     for _, m in base.named_modules():
         if isinstance(m, LoraLayer):
             lora_of[id(m.get_base_layer())] = m
-    out = []
     for name, p in base.named_parameters():
         if ".lora_" in name or ".original_module." in name:
             continue  # adapter factors (merged below) and the frozen original of a trained head
@@ -142,7 +142,8 @@ def merged_named_parameters(model, zero3: bool = False) -> list[tuple[str, torch
         lora = lora_of.get(id(owner))
         if lora is None or leaf != "weight" or lora.merged or lora.disable_adapters:
             with _gathered([p], zero3):
-                out.append((clean, p.detach().clone() if zero3 else p.detach()))
+                full = p.detach().clone() if zero3 else p.detach()
+            yield clean, full
             continue
         adapters = [a for a in lora.active_adapters if a in lora.lora_A]
         factors = [q for a in adapters for q in (lora.lora_A[a].weight, lora.lora_B[a].weight)]
@@ -150,8 +151,7 @@ def merged_named_parameters(model, zero3: bool = False) -> list[tuple[str, torch
             merged = p.detach().clone()
             for a in adapters:
                 merged += lora.get_delta_weight(a)  # the same in-place add as peft's merge
-            out.append((clean, merged))
-    return out
+        yield clean, merged
 
 
 def adapter_state_dict(model, zero3: bool = False) -> dict[str, torch.Tensor]:

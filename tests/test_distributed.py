@@ -103,3 +103,54 @@ def test_max_over_ranks_in_one_process_calls_no_collective(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a one-process group, as every script makes
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
     assert max_over_ranks(3) == 3
+
+
+def _launch(monkeypatch, **env):
+    from shared.distributed import launch_zero_stage
+
+    for key in ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                "ACCELERATE_DEEPSPEED_ZERO3_INIT", "ACCELERATE_MIXED_PRECISION",
+                "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return launch_zero_stage()
+
+
+def test_accelerate_offload_options_become_deepspeed_settings(monkeypatch):
+    """#22: an accelerate config's offload options were silently ignored; now they are DeepSpeed's ZeRO-Offload."""
+    assert _launch(monkeypatch) == (0, {})
+    assert _launch(monkeypatch, ACCELERATE_DEEPSPEED_ZERO_STAGE="3", ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="none",
+                   ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE="none", ACCELERATE_DEEPSPEED_ZERO3_INIT="false") == (3, {})
+    stage, cfg = _launch(monkeypatch, ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
+                         ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="cpu", ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE="cpu")
+    assert stage == 3 and cfg == {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                                        "offload_param": {"device": "cpu", "pin_memory": True}},
+                                  "zero_force_ds_cpu_optimizer": False}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}, "needs zero_stage 3"),
+    ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "0", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, "zero_stage 1, 2 or 3"),
+    ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "gpu"}, "not one of"),
+    ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}, "zero3_init_flag"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16"),
+])
+def test_accelerate_options_the_scripts_cannot_honour_are_one_line_errors(monkeypatch, env, message):
+    with pytest.raises(ValueError, match=message):
+        _launch(monkeypatch, **env)
+
+
+def test_full_named_parameters_is_lazy_and_complete(tiny_model):
+    """The weight sync streams: a generator of (name, tensor), every parameter once, in named_parameters order."""
+    import types
+
+    from shared.distributed import full_named_parameters
+
+    model, _ = tiny_model
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), zero_stage=0, ds_base_config={})
+    stream = full_named_parameters(model, info)
+    assert isinstance(stream, types.GeneratorType)
+    got = list(stream)
+    assert [n for n, _ in got] == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(t, p) for (_, t), (_, p) in zip(got, model.named_parameters()))

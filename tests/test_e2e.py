@@ -473,3 +473,32 @@ def test_dpo_on_pairs_without_gold_answers(tmp_path):
     assert len(evals) == 3 and all("dev/rewards/accuracies" in r for r in evals)
     assert json.loads((out / "best" / "best.json").read_text())["metric"] == "dev/rewards/accuracies"
     assert "no 'answer' column" in log
+
+
+def test_optimizer_offload_from_an_accelerate_config_is_honoured(tmp_path):
+    """#22: `offload_optimizer_device: cpu` in an accelerate config (exported as ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_
+    DEVICE) was silently ignored; now it is DeepSpeed's ZeRO-Offload, and training matches the run without it."""
+    common = ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_prompts", "4", "--eval_every",
+              "0", "--save_every", "0", "--best_metric", ""]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+    for name, offload in (("plain", "none"), ("offload", "cpu")):
+        proc = subprocess.run([sys.executable, "algorithms/sft.py", "--output_dir", str(tmp_path / name), *common],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**env, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": offload})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the engine the scripts build (shared/distributed.py prepare) offloads under that environment, and only then
+    probe = ("import torch; from shared.distributed import init_distributed, prepare; from shared.tiny import tiny_config; "
+             "from transformers import LlamaForCausalLM; info = init_distributed(); "
+             "m = LlamaForCausalLM(tiny_config(101, 1, 2, 0)); "
+             "e, _, _ = prepare(m, torch.optim.AdamW(m.parameters()), None, info, 1, 1, 1.0, torch.float32); "
+             "print('OFFLOAD', e.zero_cpu_offload())")
+    for offload, expected in (("none", "OFFLOAD False"), ("cpu", "OFFLOAD True")):
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**env, "PYTHONPATH": str(ROOT), "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": offload})
+        assert expected in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("plain", "offload"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    loss = [[r["loss/sft"] for r in metrics(tmp_path / n) if "loss/sft" in r] for n in ("plain", "offload")]
+    assert loss[0] == pytest.approx(loss[1], rel=1e-6)

@@ -266,3 +266,66 @@ def test_hf_generator_with_no_prompts(model_and_prompts):
     model, tok, _ = model_and_prompts
     assert HFGenerator(model, tok).generate([], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0) == []
     assert HFGenerator(model, tok).generate([], n=2, temperature=1.0, top_p=1.0, max_new_tokens=[], seed=0) == []
+
+
+class _StubLLM:
+    """What VLLMGenerator calls on vllm.LLM, recorded: sleep / wake_up / the weight iterator it was given."""
+
+    def __init__(self):
+        self.calls, self.pulled = [], []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self):
+        self.calls.append("wake")
+
+    def collective_rpc(self, method, kwargs):
+        weights = kwargs["weights_iterator"]
+        assert not isinstance(weights, list)  # streamed, not materialised first
+        for name, _ in weights:
+            self.pulled.append(name)
+        self.calls.append("reload")
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append("generate")
+        return []
+
+
+def _stub_engine(sleep_enabled=True):
+    gen = VLLMGenerator.__new__(VLLMGenerator)
+    gen.llm, gen.sleep_enabled, gen.asleep, gen.weights_discarded = _StubLLM(), sleep_enabled, False, False
+    gen.stop_token_ids, gen.stop, gen.tokenizer = [2], (), None
+    return gen
+
+
+def test_vllm_sleep_wakes_itself_and_level_2_requires_a_sync():
+    gen = _stub_engine()
+    gen.sleep(level=1)
+    gen.sleep(level=1)  # already asleep: nothing
+    gen.generate([[1, 2]], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=0)  # wakes itself
+    assert gen.llm.calls == ["sleep1", "wake", "generate"]
+    gen.sleep(level=2)  # weights discarded: generating before the next sync would sample from garbage
+    with pytest.raises(RuntimeError, match="sync_weights before generate"):
+        gen.generate([[1, 2]], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=0)
+    pulled = []
+
+    def stream():  # the sync consumes the tensors one by one as they are produced
+        for name in ("a", "b"):
+            pulled.append(name)
+            yield name, torch.zeros(1)
+
+    gen.sync_weights(stream())
+    assert pulled == gen.llm.pulled == ["a", "b"]
+    gen.generate([[1, 2]], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=0)
+    assert gen.llm.calls == ["sleep1", "wake", "generate", "sleep2", "wake", "reload", "generate"]
+
+
+def test_vllm_sleep_is_a_no_op_without_sleep_mode():
+    gen = _stub_engine(sleep_enabled=False)
+    gen.sleep(level=2)
+    gen.generate([[1, 2]], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=0)
+    assert gen.llm.calls == ["generate"]
