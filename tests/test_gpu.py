@@ -183,4 +183,5 @@ def test_evaluate_py_on_gpu(tmp_path):
     _run([sys.executable, "algorithms/evaluate.py", "--model_name_or_path", MODEL, "--output_dir", str(tmp_path),
           "--generator", "hf", "--num_prompts", "8", "--num_samples", "4", "--max_new_tokens", "16"])
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_prompts"] == 8 and len((tmp_path / "completions.jsonl").read_text().splitlines()) >= 8 * 4
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert summary["num_prompts"] == 8 and len(rows) == 8 and all(len(r["samples"]) == 4 for r in rows)
