@@ -256,6 +256,56 @@ def lora_memory(d: dict) -> str:
     return "\n".join(lines)
 
 
+
+GRPO_DEFAULT_BATCH = 512  # grpo.py's default batch in one process, 64 prompts x 8 completions (tests/test_docs.py);
+# a headline file from before bench_headline.py stored `samples` per evaluation has only the step
+
+
+def restem_vs_grpo(files: list[dict]) -> str:
+    """docs/restem.md: RestEM (bench_headline.py, the second file) against GRPO's default run (the first file) at equal
+    training samples: GRPO's held-out accuracy read off its curve at RestEM's total samples, per seed."""
+    (grpo, dg), (rest, dr) = [(d["results"][n], d) for d, n in zip(files, ("grpo", "restem"))]
+    k = "eval/accuracy"
+    samples = lambda pt: pt.get("samples", pt["step"] * GRPO_DEFAULT_BATCH)  # noqa: E731
+    seeds = [s for s in rest["seeds"] if s in grpo["seeds"]]
+    n = {samples(rest["seeds"][s]["curve"][-1]) for s in seeds}
+    if len(n) != 1:
+        raise SystemExit(f"restem_vs_grpo: the RestEM runs end at different sample counts {sorted(n)}")
+    n = n.pop()
+    rows, gains, ends = [], {"grpo": [], "restem": []}, {"grpo": [], "restem": []}
+    for s in seeds:
+        g, r = grpo["seeds"][s], rest["seeds"][s]
+        at = next((pt for pt in g["curve"] if samples(pt) == n), None)
+        if at is None:
+            raise SystemExit(f"restem_vs_grpo: GRPO seed {s} has no evaluation at {n} samples")
+        gg, rg = at[k] - g["start"][k], r["final"][k] - r["start"][k]
+        gains["grpo"].append(gg)
+        gains["restem"].append(rg)
+        ends["grpo"].append(at[k])
+        ends["restem"].append(r["final"][k])
+        rows.append(f"| {s} | {g['start'][k]:.3f} -> {at[k]:.3f} (step {at['step']}) | {gg:+.3f} | "
+                    + " -> ".join(f"{pt[k]:.3f}" for pt in r["curve"])
+                    + f" | {rg:+.3f} | {rg - gg:+.3f} | {r['wall_s_this_invocation'] / 60:.1f} |")
+    m = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    sp = lambda xs: f"{m(xs):+.3f} ({min(xs):+.3f} to {max(xs):+.3f})"  # noqa: E731
+    diffs = [b - a for a, b in zip(gains["grpo"], gains["restem"])]
+    after = ", ".join(f"{pt['samples']:,}" for pt in rest["seeds"][seeds[0]]["curve"][1:])
+    lines = [f"| seed | GRPO: start -> at {n:,} samples | GRPO gain | RestEM: start -> after each iteration ({after} "
+             "samples) | RestEM gain | RestEM gain - GRPO gain | RestEM minutes |", "|---|---|---|---|---|---|---|",
+             *rows,
+             f"| mean (min-max) | {m([grpo['seeds'][s]['start'][k] for s in seeds]):.3f} -> {m(ends['grpo']):.3f} | "
+             f"{sp(gains['grpo'])} | {m([rest['seeds'][s]['start'][k] for s in seeds]):.3f} -> {m(ends['restem']):.3f} "
+             f"| {sp(gains['restem'])} | {sp(diffs)} | {rest['minutes']['mean']:.1f} |"]
+    wins = sum(x > 0 for x in diffs)
+    lines += ["", f"Held-out grader accuracy (500 prompts x 4 samples, T = 1). RestEM's gain is larger than GRPO's in "
+                  f"{wins} of {len(diffs)} seeds. GRPO's full default run ({samples(grpo['seeds'][seeds[0]]['curve'][-1]):,} "
+                  f"samples) ends at {_spread3(grpo['final'][k])}."]
+    for what, d in (("GRPO", dg), ("RestEM", dr)):
+        r = d["results"]["grpo" if what == "GRPO" else "restem"]
+        lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}, "
+                      f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
+
 # --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
 def g3(x: float) -> str:
     """Three significant digits, trailing zeros kept (0.640, 1.03, 11.1)."""
@@ -613,8 +663,8 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
-             "lora_learning": lora_learning, "lora_memory": lora_memory}
-MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning"}  # renderers that read several files (a list of their contents)
+             "lora_learning": lora_learning, "lora_memory": lora_memory, "restem_vs_grpo": restem_vs_grpo}
+MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
 def render_file(path: Path) -> tuple[str, str]:
