@@ -5,6 +5,8 @@
     python scripts/bench_headline.py --stop_after_steps 50         # spread over sessions: rerun to continue
     python scripts/bench_headline.py --algorithms grpo --flags "--lora_r 16 --learning_rate 1e-3" \
         --out runs/bench/lora_learning --results docs/bench/lora_learning   # a variant: the default run + flags
+    python scripts/bench_headline.py --algorithms restem --flags "--total_episodes 12800 --local_num_prompts 800" \
+        --out runs/bench/restem --results docs/bench/restem   # RestEM at GRPO's first evaluation (12,800 samples)
 
 Every run is the script with no flags but `--seed` and `--output_dir` (and `--flags`, if given), i.e. exactly
 `python algorithms/<name>.py`
@@ -14,7 +16,8 @@ A finished run is kept in <out>/<name>/seed<k>.json and not run again; `--stop_a
 checkpoint (rerun the same command to continue).
 
 Reported per run, from its metrics.jsonl: the held-out metric at step 0 and at the end (`eval/accuracy`: grader
-accuracy for sft/grpo/dpo, pairwise accuracy for rm; dpo also `eval/rewards/accuracies`), the step that the dev
+accuracy for sft/grpo/dpo/restem, pairwise accuracy for rm; dpo also `eval/rewards/accuracies`; for grpo and restem
+the training samples drawn before each evaluation, from the run's args.json), the step that the dev
 slice selected for output_dir/best and the held-out value at that step, the process's wall time, peak RSS.
 Rerunning the same command after all runs finished only re-aggregates their stored results. Over seeds: mean,
 min, max. Writes docs/bench/headline/<device>_<time>.json, rendered into README.md and docs/*.md by
@@ -36,21 +39,36 @@ import bench_common as bc  # noqa: E402
 ROOT = bc.ROOT
 # the held-out metrics reported per script (the first is the headline); all are higher-is-better
 METRICS = {"sft": ["eval/accuracy"], "grpo": ["eval/accuracy", "eval/pass@4"],
-           "dpo": ["eval/accuracy", "eval/rewards/accuracies"], "rm": ["eval/accuracy"]}
+           "dpo": ["eval/accuracy", "eval/rewards/accuracies"], "rm": ["eval/accuracy"],
+           "restem": ["eval/accuracy", "eval/pass@4"]}
+
+
+def samples_before(name: str, row: dict, args: dict) -> int | None:
+    """Completions the run had sampled for training when it logged this evaluation row (RL scripts; else None):
+    grpo: step * batch_size; restem: its evaluations follow whole iterations of num_prompts * K samples."""
+    if name == "grpo":
+        return row["step"] * args["batch_size"]
+    if name == "restem":
+        done = row["restem/iteration"] + 1 if "restem/iteration" in row else 0  # step 0: the base, none sampled
+        return done * args["num_prompts"] * args["num_samples_per_prompt"]
+    return None
 
 
 def spread(xs: list[float]) -> dict:
     return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def summarize_run(rows: list[dict], keys: list[str]) -> dict:
-    """Start / final / best-selected values of the held-out metrics of one run's metrics.jsonl rows."""
+def summarize_run(rows: list[dict], keys: list[str], name: str = "", args: dict | None = None) -> dict:
+    """Start / final / best-selected values of the held-out metrics of one run's metrics.jsonl rows (with the run's
+    args.json, each evaluation also records the training samples drawn before it, for grpo and restem)."""
     evals = [r for r in rows if keys[0] in r]
+    samples = {r["step"]: samples_before(name, r, args) for r in evals} if args else {}
     best = next((r for r in reversed(rows) if "best/step" in r), None)
     at_best = next((r for r in evals if best and r["step"] == best["best/step"]), None)
     return {
         "steps": max(r["step"] for r in rows),
-        "curve": [{"step": r["step"], **{k: r.get(k) for k in keys}} for r in evals],
+        "curve": [{"step": r["step"], **({"samples": samples[r["step"]]} if samples.get(r["step"]) is not None
+                                         else {}), **{k: r.get(k) for k in keys}} for r in evals],
         "start": {k: evals[0].get(k) for k in keys}, "final": {k: evals[-1].get(k) for k in keys},
         "best_step": best["best/step"] if best else None,
         "at_best": {k: at_best.get(k) for k in keys} if at_best else None,
@@ -75,7 +93,8 @@ def run_one(a, name: str, seed: int) -> dict | None:
         print(f"[bench] {name} seed {seed} stopped after a slice; rerun the same command to continue", flush=True)
         return None
     result = {"seed": seed, "command": f"python algorithms/{name}.py --seed {seed} {a.flags}".strip(),
-              **summarize_run(bc.read_jsonl(run_dir / "metrics.jsonl"), METRICS[name]),
+              **summarize_run(bc.read_jsonl(run_dir / "metrics.jsonl"), METRICS[name], name,
+                              json.loads((run_dir / "args.json").read_text())),
               "peak_rss_mb": child["peak_rss_mb"], "wall_s_this_invocation": child["wall_s"],
               "loadavg_at_end": list(os.getloadavg())}  # other jobs on the machine stretch the wall time
     cache.write_text(json.dumps(result, indent=1))

@@ -1,6 +1,6 @@
 """Benchmark (not a test): what LoRA saves on a real model, builtin:smollm2-135m (SmolLM2-135M-Instruct, fp32 on CPU).
 
-    python scripts/bench_lora_memory.py                       # full fine-tuning vs --lora_r 16, 4 GRPO steps each (~5 min)
+    python scripts/bench_lora_memory.py                       # full fine-tuning vs --lora_r 16, 4 GRPO steps each (~20 min, 2 cores)
     python scripts/bench_lora_memory.py --lora_r 8 --steps 3
 
 Two measurements:
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
                           lambda r: f"peak RSS {r['peak_rss_mb']:.0f} MiB, {r['wall_s']:.0f} s")
     result = {"benchmark": "lora_memory", "env": env, "model": MODEL,
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-              "command": "python scripts/bench_lora_memory.py " + " ".join(argv or sys.argv[1:]),
+              "command": ("python scripts/bench_lora_memory.py " + " ".join(argv or sys.argv[1:])).strip(),
               "model_alone": alone, "grpo_runs": runs, "loadavg_at_end": list(__import__("os").getloadavg())}
     path = bc.write_result("lora_memory", result, a.out, latest=False)
     full, lora = runs["full"][0], runs["lora"][0]

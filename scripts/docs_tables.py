@@ -206,17 +206,25 @@ def lora_learning(files: list[dict]) -> str:
     k = "eval/accuracy"
     seeds = [s for s in full["seeds"] if s in lora["seeds"]]
     gain = lambda x: x["final"][k] - x["start"][k]  # noqa: E731
-    lines = ["| seed | full fine-tuning: start -> end | LoRA: start -> end | LoRA gain / full gain | minutes, full / "
-             "LoRA |", "|---|---|---|---|---|"]
+    goal = 0.5  # issue #20: LoRA's held-out gain at least half of full fine-tuning's, at the same samples
+    lines = ["| seed | full fine-tuning: start -> end | LoRA: start -> end | LoRA gain / full gain | goal (>= "
+             f"{goal}) | minutes, full / LoRA |", "|---|---|---|---|---|---|"]
+    met = 0
     for s in seeds:
         f, lo = full["seeds"][s], lora["seeds"][s]
+        ratio = gain(lo) / gain(f)
+        met += ratio >= goal
         lines.append(f"| {s} | {f['start'][k]:.3f} -> {f['final'][k]:.3f} | {lo['start'][k]:.3f} -> "
-                     f"{lo['final'][k]:.3f} | {gain(lo) / gain(f):.2f} | {f['wall_s_this_invocation'] / 60:.1f} / "
-                     f"{lo['wall_s_this_invocation'] / 60:.1f} |")
+                     f"{lo['final'][k]:.3f} | {ratio:.2f} | {'met' if ratio >= goal else 'missed'} | "
+                     f"{f['wall_s_this_invocation'] / 60:.1f} / {lo['wall_s_this_invocation'] / 60:.1f} |")
+    pooled = sum(gain(lora["seeds"][s]) for s in seeds) / sum(gain(full["seeds"][s]) for s in seeds)
     lines.append(f"| mean (min-max) | {full['start'][k]['mean']:.3f} -> {_spread3(full['final'][k])} | "
-                 f"{lora['start'][k]['mean']:.3f} -> {_spread3(lora['final'][k])} | "
-                 f"{sum(gain(lora['seeds'][s]) for s in seeds) / sum(gain(full['seeds'][s]) for s in seeds):.2f} | "
-                 f"{full['minutes']['mean']:.1f} / {lora['minutes']['mean']:.1f} |")
+                 f"{lora['start'][k]['mean']:.3f} -> {_spread3(lora['final'][k])} | {pooled:.2f} (mean gains) | "
+                 f"{'met' if pooled >= goal else 'missed'} | {full['minutes']['mean']:.1f} / {lora['minutes']['mean']:.1f} |")
+    lines += ["", f"Held-out grader accuracy ({k}); a gain is a run's end minus its own start. Goal (LoRA's gain at "
+                  f"least {goal} of full fine-tuning's, the same seed and samples): met in {met} of {len(seeds)} "
+                  "seeds" + ("; the two sets of runs are from different commits (below)."
+                             if df["env"]["git_commit"] != dl["env"]["git_commit"] else ".")]
     for what, r, d in (("Full fine-tuning", full, df), ("LoRA", lora, dl)):
         lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}, {d['env']['time']}, commit "
                       f"{d['env']['git_commit']}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
@@ -242,10 +250,61 @@ def lora_memory(d: dict) -> str:
               f"| process wall time | {f['wall_s']:.0f} s | {lo['wall_s']:.0f} s |"]
     r = d["settings"]["lora_r"]
     lines += ["", f"{d['model']}, fp32, LoRA r = {r}, alpha {d['settings']['lora_alpha']}, all linear layers. "
-                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}, load "
-                  f"at the end {d['loadavg_at_end'][0]:.1f}."]
+                  f"`{d['command'].strip()}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}, "
+                  f"1-minute load average at the start {d['env']['loadavg_at_start'][0]:.1f}, at the end "
+                  f"{d['loadavg_at_end'][0]:.1f} (times depend on it, memory does not)."]
     return "\n".join(lines)
 
+
+
+GRPO_DEFAULT_BATCH = 512  # grpo.py's default batch in one process, 64 prompts x 8 completions (tests/test_docs.py);
+# a headline file from before bench_headline.py stored `samples` per evaluation has only the step
+
+
+def restem_vs_grpo(files: list[dict]) -> str:
+    """docs/restem.md: RestEM (bench_headline.py, the second file) against GRPO's default run (the first file) at equal
+    training samples: GRPO's held-out accuracy read off its curve at RestEM's total samples, per seed."""
+    (grpo, dg), (rest, dr) = [(d["results"][n], d) for d, n in zip(files, ("grpo", "restem"))]
+    k = "eval/accuracy"
+    samples = lambda pt: pt.get("samples", pt["step"] * GRPO_DEFAULT_BATCH)  # noqa: E731
+    seeds = [s for s in rest["seeds"] if s in grpo["seeds"]]
+    n = {samples(rest["seeds"][s]["curve"][-1]) for s in seeds}
+    if len(n) != 1:
+        raise SystemExit(f"restem_vs_grpo: the RestEM runs end at different sample counts {sorted(n)}")
+    n = n.pop()
+    rows, gains, ends = [], {"grpo": [], "restem": []}, {"grpo": [], "restem": []}
+    for s in seeds:
+        g, r = grpo["seeds"][s], rest["seeds"][s]
+        at = next((pt for pt in g["curve"] if samples(pt) == n), None)
+        if at is None:
+            raise SystemExit(f"restem_vs_grpo: GRPO seed {s} has no evaluation at {n} samples")
+        gg, rg = at[k] - g["start"][k], r["final"][k] - r["start"][k]
+        gains["grpo"].append(gg)
+        gains["restem"].append(rg)
+        ends["grpo"].append(at[k])
+        ends["restem"].append(r["final"][k])
+        rows.append(f"| {s} | {g['start'][k]:.3f} -> {at[k]:.3f} (step {at['step']}) | {gg:+.3f} | "
+                    + " -> ".join(f"{pt[k]:.3f}" for pt in r["curve"])
+                    + f" | {rg:+.3f} | {rg - gg:+.3f} | {r['wall_s_this_invocation'] / 60:.1f} |")
+    m = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    sp = lambda xs: f"{m(xs):+.3f} ({min(xs):+.3f} to {max(xs):+.3f})"  # noqa: E731
+    diffs = [b - a for a, b in zip(gains["grpo"], gains["restem"])]
+    after = ", ".join(f"{pt['samples']:,}" for pt in rest["seeds"][seeds[0]]["curve"][1:])
+    lines = [f"| seed | GRPO: start -> at {n:,} samples | GRPO gain | RestEM: start -> after each iteration ({after} "
+             "samples) | RestEM gain | RestEM gain - GRPO gain | RestEM minutes |", "|---|---|---|---|---|---|---|",
+             *rows,
+             f"| mean (min-max) | {m([grpo['seeds'][s]['start'][k] for s in seeds]):.3f} -> {m(ends['grpo']):.3f} | "
+             f"{sp(gains['grpo'])} | {m([rest['seeds'][s]['start'][k] for s in seeds]):.3f} -> {m(ends['restem']):.3f} "
+             f"| {sp(gains['restem'])} | {sp(diffs)} | {rest['minutes']['mean']:.1f} |"]
+    wins = sum(x > 0 for x in diffs)
+    lines += ["", f"Held-out grader accuracy (500 prompts x 4 samples, T = 1). RestEM's gain is larger than GRPO's in "
+                  f"{wins} of {len(diffs)} seeds. GRPO's full default run ({samples(grpo['seeds'][seeds[0]]['curve'][-1]):,} "
+                  f"samples) ends at {_spread3(grpo['final'][k])}."]
+    for what, d in (("GRPO", dg), ("RestEM", dr)):
+        r = d["results"]["grpo" if what == "GRPO" else "restem"]
+        lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}, "
+                      f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+    return "\n".join(lines)
 
 # --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
 def g3(x: float) -> str:
@@ -664,8 +723,8 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "memory_measured": memory_measured,
-             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests}
-MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning"}  # renderers that read several files (a list of their contents)
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "restem_vs_grpo": restem_vs_grpo}
+MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
 def render_file(path: Path) -> tuple[str, str]:

@@ -171,3 +171,19 @@ def test_memory_estimate_by_hand():
     with_engine = em.estimate(cfg, a, 3, 0, True, engine=True)
     kv = 4 * 10 * 2 * 2 * 4 * 2  # completions x seq x layers x (K, V) x kv_dim x 2 bytes
     assert with_engine["total_gb"] * 1e9 == pytest.approx(e["total_gb"] * 1e9 + 2 * P + kv)
+
+
+def test_headline_curve_records_the_training_samples_before_each_evaluation():
+    """bench_headline.py: grpo's evaluation at step s follows s batches; restem's follow whole iterations (its step 0
+    row is the base, no samples yet), which is what docs/restem.md compares at."""
+    bh = load("bench_headline")
+    rows = [{"step": 0, "eval/accuracy": 0.5, "eval/pass@4": 0.9}, {"step": 3, "loss": 1.0},
+            {"step": 10, "eval/accuracy": 0.6, "eval/pass@4": 0.9, "restem/iteration": 0},
+            {"step": 20, "eval/accuracy": 0.7, "eval/pass@4": 0.95, "restem/iteration": 1, "best/step": 20}]
+    keys = bh.METRICS["restem"]
+    out = bh.summarize_run(rows, keys, "restem", {"num_prompts": 800, "num_samples_per_prompt": 8})
+    assert [pt["samples"] for pt in out["curve"]] == [0, 6400, 12800]
+    assert out["start"]["eval/accuracy"] == 0.5 and out["final"]["eval/accuracy"] == 0.7
+    out = bh.summarize_run(rows, keys, "grpo", {"batch_size": 512})
+    assert [pt["samples"] for pt in out["curve"]] == [0, 5120, 10240]
+    assert "samples" not in bh.summarize_run(rows, keys)["curve"][0]  # without args.json: as before

@@ -166,3 +166,11 @@ def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_
            "env": {"device": "CPU X x2", "time": "2026-01-01 00:00:00", "git_commit": "abc1234"}}
     assert "`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2, 2026-01-01 00:00:00, commit abc1234." in \
         docs_tables.drca_vs_ppo(new)
+
+
+def test_grpo_default_batch_of_the_restem_comparison_is_grpo_s_default():
+    """docs_tables.restem_vs_grpo reads an older GRPO headline file's samples as step x GRPO_DEFAULT_BATCH."""
+    import importlib
+
+    a = importlib.import_module("algorithms.grpo").Args()
+    assert a.local_num_prompts * a.num_generations == docs_tables.GRPO_DEFAULT_BATCH
