@@ -150,7 +150,7 @@ class Args:
     local_micro_batch_size: int = 256
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
     micro_batching: Literal["padded", "sorted", "packed"] = "padded"
-    """rows of a training/log-prob forward: `padded` (slices of the batch, padded to its longest row), `sorted` (each minibatch ordered by length, each micro-batch cut to its longest row) or `packed` (a micro-batch's rows in one row, no padding); docs/grpo.md"""
+    """rows of a training/log-prob forward: `padded` (slices of the batch, padded to its longest row), `sorted` (each minibatch ordered by length, each micro-batch cut to its longest row) or `packed` (a micro-batch's sequences packed several to a row, no padding); docs/grpo.md"""
     num_iterations: int = 2
     """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
     temperature: float = 1.0
@@ -412,21 +412,36 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 def packed_forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                            temperature: float, with_entropy: bool = False, chunk_size: int = 512):
-    """forward_logprobs of the same right-padded rows, [B, L-1], computed padding-free: the rows' tokens are
-    concatenated into one row of N = sum of lengths tokens, with position ids restarting at 0 for each sequence and
-    no attention mask. Then transformers (masking_utils.find_packed_sequence_indices, for sdpa, eager and flex
-    attention; flash attention reads the same position ids) starts a new sequence wherever a position id does not
-    follow its predecessor, and confines attention to each sequence. That needs use_cache=False: with a cache
-    (the config's default) the mask code skips that detection and attention crosses sequences (checked at start-up
-    by check_packing, tested in tests/test_packing.py)."""
+                            temperature: float, with_entropy: bool = False, chunk_size: int = 512,
+                            width: int | None = None):
+    """forward_logprobs of the same right-padded rows [B, L], as [B, L-1], computed with (almost) no padding: the
+    sequences are packed, longest first, into rows of `width` tokens (default: the longest sequence), several per
+    row, each with position ids restarting at 0, and no attention mask. transformers then starts a new sequence
+    wherever a position id does not follow its predecessor (masking_utils.find_packed_sequence_indices: sdpa, eager,
+    flex attention; flash attention's varlen path reads the same position ids) and confines attention to each
+    sequence. That needs use_cache=False: with a cache (the config's default) the mask code skips the detection and
+    attention crosses sequences (check_packing at start-up; tests/test_packing.py). Rows no wider than the longest
+    sequence, rather than one row of all B sequences: sdpa and eager attend densely over a row under the mask, so
+    their attention costs width^2 per row, B^2 times more in one row (docs/grpo.md). The free tail of a packed row
+    (shorter than any sequence that did not fit) is padding that no real token attends to (it comes last)."""
+    B, L = input_ids.shape
     real = attention_mask.bool()  # right padding: a row's tokens are its first n_i columns
-    position_ids = (attention_mask.cumsum(1) - 1)[real][None]  # [1, N]: 0..n_1-1, 0..n_2-1, ...
-    out = model(input_ids=input_ids[real][None], position_ids=position_ids, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1)
+    lengths = attention_mask.sum(1).tolist()
+    width = width or max(lengths)
+    place = data_utils.pack_rows(lengths, width)  # (packed row, offset) of each sequence
+    num_rows = max(r for r, _ in place) + 1
+    # flat index in the packed [num_rows, width] batch of each (row, column) of the padded one
+    start = torch.tensor([r * width + o for r, o in place], device=input_ids.device)
+    flat = (start[:, None] + torch.arange(L, device=input_ids.device)[None])[real]  # [N]
+    ids = input_ids.new_zeros(num_rows * width)
+    ids[flat] = input_ids[real]
+    position_ids = torch.arange(width, device=input_ids.device).repeat(num_rows)  # the free tails: a sequence of
+    position_ids[flat] = (attention_mask.cumsum(1) - 1)[real]  # their own; every packed sequence: 0..n_i-1
+    out = model(input_ids=ids.view(num_rows, width), position_ids=position_ids.view(num_rows, width),
+                use_cache=False, output_hidden_states=True, logits_to_keep=1)
     keep = response_mask[:, 1:].bool()  # [B, L-1]: position t of a row predicts its token t+1
-    # the kept positions of the packed row, in the row-major order of keep: [N, H] -> [n_kept, H]
-    hidden = out.hidden_states[-1][0][torch.nn.functional.pad(keep, (0, 1))[real]]
+    # the kept positions, in the row-major order of keep (as forward_logprobs): [num_rows * width, H] -> [n_kept, H]
+    hidden = out.hidden_states[-1].reshape(num_rows * width, -1)[flat[torch.nn.functional.pad(keep, (0, 1))[real]]]
     targets = input_ids[:, 1:][keep]
     lm_head = model.get_output_embeddings()
     num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))  # as in forward_logprobs
@@ -450,7 +465,7 @@ def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.T
     --micro_batching, so that the rest of the step does not depend on it:
       padded: forward_logprobs on the rows as they are (padded to the whole batch's longest row)
       sorted: forward_logprobs on the columns up to the micro-batch's own longest row, zeros after it
-      packed: packed_forward_logprobs (one row, no padding)"""
+      packed: packed_forward_logprobs (several sequences per row, position ids restarting, no padding)"""
     if layout == "packed":
         return packed_forward_logprobs(model, input_ids, attention_mask, response_mask, temperature, with_entropy)
     if layout == "padded":
@@ -466,14 +481,15 @@ def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def check_packing(model, a: list[int], b: list[int], tol: float) -> None:
     """--micro_batching packed, at start-up: a one-line error unless the model keeps packed sequences apart.
-    Sequence b is packed after a + b, then after b + a (same length, other tokens); its log-probs must not move
+    Sequence b is packed in one row after a + b, then after b + a (same length, other tokens); its log-probs must not move
     (attention does not cross sequences) and must equal b's alone (the model reads the restarted position ids),
     to within tol (fp32: 1e-4)."""
     device = next(model.parameters()).device
     rows = lambda seqs: data_utils.pad_batch([x[:1] for x in seqs], [x[1:] for x in seqs], 0, device)  # noqa: E731
     with torch.no_grad():
-        first = packed_forward_logprobs(model, *rows([a + b, b]), 1.0)[0][1, : len(b) - 1]
-        swapped = packed_forward_logprobs(model, *rows([b + a, b]), 1.0)[0][1, : len(b) - 1]
+        width = len(a) + 2 * len(b)  # both in one packed row
+        first = packed_forward_logprobs(model, *rows([a + b, b]), 1.0, width=width)[0][1, : len(b) - 1]
+        swapped = packed_forward_logprobs(model, *rows([b + a, b]), 1.0, width=width)[0][1, : len(b) - 1]
         alone = forward_logprobs(model, *rows([b]), 1.0)[0][0]
     moved, off = (first - swapped).abs().max().item(), (first - alone).abs().max().item()
     if not max(moved, off) <= tol:

@@ -471,3 +471,19 @@ def micro_batches(rows: list[int], lengths: list[int], num: int, layout: str) ->
             tokens[k] += lengths[i]
         return out
     raise ValueError(f"micro_batching: expected padded, sorted or packed, got {layout!r}")
+
+
+def pack_rows(lengths: list[int], width: int) -> list[tuple[int, int]]:
+    """First-fit decreasing: place sequences of `lengths` tokens into as few rows of `width` tokens as this finds,
+    longest first, each into the first row with room. Returns (row, offset of its first token) per sequence."""
+    if lengths and max(lengths) > width:
+        raise ValueError(f"pack_rows: a sequence of {max(lengths)} tokens does not fit a row of {width}")
+    used: list[int] = []
+    place = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
+        row = next((r for r, u in enumerate(used) if u + lengths[i] <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        place[i] = (row, used[row])
+        used[row] += lengths[i]
+    return place

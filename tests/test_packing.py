@@ -85,6 +85,21 @@ def test_logprobs_and_entropies_equal_the_padded_computation(tiny_model, batch, 
         assert logp.shape == ent.shape == (len(rows), input_ids.shape[1] - 1)
         torch.testing.assert_close(logp, ref_logp[rows], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, ref_ent[rows], atol=1e-5, rtol=0)
+    # packed into rows as wide as the longest sequence (the default), here 3 rows for 4 sequences; and into one row
+    # (rows 0, 1, 2, 3 of the batch: 41, 31, 7, 29 tokens; 7 goes after 31, in row 1)
+    assert data.pack_rows([41, 31, 7, 29], 41) == [(0, 0), (1, 0), (1, 31), (2, 0)]
+    logp, ent = packed_forward_logprobs(model, input_ids, attn, resp, 0.7, True, width=int(attn.sum()))
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+
+def test_pack_rows_hand_computed():
+    # longest first into the first row with room: 9 -> row 0 (9/10); 6 -> row 1 (6); 4 -> row 1 (10); 3 -> row 2;
+    # 1 -> row 0 (10); 1 -> row 2 (4)
+    assert data.pack_rows([4, 9, 1, 6, 3, 1], 10) == [(1, 6), (0, 0), (0, 9), (1, 0), (2, 0), (2, 3)]
+    assert data.pack_rows([3, 3], 6) == [(0, 0), (0, 3)]
+    with pytest.raises(ValueError, match="does not fit"):
+        data.pack_rows([7], 6)
 
 
 def _step(model, batch, layout, aggregation, num_micro=2, beta=0.1):
@@ -153,7 +168,8 @@ class _WithCache(torch.nn.Module):
 def _second_row_logprobs(model, first, second):
     input_ids, attn, resp = data.pad_batch([first[:1], second[:1]], [first[1:], second[1:]], 0)
     with torch.no_grad():
-        return packed_forward_logprobs(model, input_ids, attn, resp, 1.0)[0][1, : len(second) - 1]
+        return packed_forward_logprobs(model, input_ids, attn, resp, 1.0, width=len(first) + len(second))[0][
+            1, : len(second) - 1]  # both sequences in one packed row
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
