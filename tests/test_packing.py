@@ -231,3 +231,28 @@ def test_grpo_runs_in_every_layout_with_the_same_first_step(tmp_path):
         assert first[layout]["val/sequence_lengths"] == first["padded"]["val/sequence_lengths"]
         assert first[layout]["optim/grad_norm"] == pytest.approx(first["padded"]["optim/grad_norm"], rel=1e-3)
         assert first[layout]["objective/kl"] == pytest.approx(first["padded"]["objective/kl"], abs=1e-4)
+
+
+# ---------------------------------------------------------------- the benchmark's summary (scripts/bench_packing.py)
+def test_bench_summary_ratios_are_per_repeat_medians_over_padded():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_packing", Path(__file__).resolve().parents[1] /
+                                                  "scripts" / "bench_packing.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(train, logprob):  # two timed steps of one repeat
+        return {"step_s": [t + 1 for t in train], "phases_s": {ph: [0.0, 0.0] for ph in bench.PHASES} | {
+            "train": train, "logprob": logprob}, "completion_length_mean": [90.0, 100.0, 110.0],
+            "stop_rate": [0.9] * 3, "peak_rss_mb": 1000.0}
+
+    runs = {"padded": [run([4.0, 6.0], [1.0, 1.0]), run([8.0, 8.0], [2.0, 2.0])],
+            "sorted": [run([2.0, 3.0], [0.5, 0.5]), run([2.0, 2.0], [0.5, 1.5])],
+            "packed": [{"error": "boom"}]}
+    out = bench.summarize(runs)
+    assert out["contenders"]["padded"]["train_s"] == {"min": 4.0, "median": 7.0, "max": 8.0, "n": 4}
+    # per repeat: train medians 2.5 / 5 and 2 / 8; logprob 0.5 / 1 and 1 / 2
+    assert out["ratios"]["sorted/padded train"] == {"min": 0.25, "median": 0.375, "max": 0.5, "n": 2}
+    assert out["ratios"]["sorted/padded logprob"]["median"] == 0.5
+    assert out["contenders"]["packed"] == {"error": "boom"} and "packed/padded train" not in out["ratios"]
