@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/packing", help="JSON summary directory")
     p.add_argument("--keep", type=Path, default=None, help="keep the runs' directories (metrics, logs) here")
+    p.add_argument("--from_runs", type=Path, default=None,
+                   help="summarise the finished runs kept by an interrupted `--keep DIR` run (complete repeats only; "
+                        "no peak RSS) instead of running")
     a = p.parse_args(argv)
     if a.quick:
         a.repeats, a.steps, a.num_prompts, a.max_new_tokens = 1, 3, 8, 64
@@ -79,7 +82,10 @@ def grpo_argv(a, layout: str, out: Path) -> list[str]:
 
 
 def run_layout(a, layout: str, out: Path) -> dict:
-    child = bc.run_child(grpo_argv(a, layout, out), out)
+    return read_layout({**bc.run_child(grpo_argv(a, layout, out), out)}, out)
+
+
+def read_layout(child: dict, out: Path) -> dict:
     rows = bc.read_jsonl(out / "metrics.jsonl")
     steps = [r for r in rows if "time/train" in r]
     timed = steps[1:]  # the first step (warm-up) is only the reference point of the step times
@@ -126,11 +132,23 @@ def main(argv=None) -> dict:
     print(f"[bench_packing] {env['device']}; {a.repeats} repeats x {a.steps} steps of {a.num_prompts} prompts x "
           f"{a.num_generations}, up to {a.max_new_tokens} new tokens, {a.gradient_accumulation_steps} micro-batches "
           f"of {a.micro_batch_size} per optimizer step; load {env['loadavg_at_start']}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:
-        base = a.keep or Path(tmp)
-        runs = bc.run_repeats(list(LAYOUTS), a.repeats, lambda name, rep: run_layout(a, name, base / f"{name}_rep{rep}"),
-                              lambda r: f"median train {statistics.median(r['phases_s']['train']):.2f}s, logprob "
-                                        f"{statistics.median(r['phases_s']['logprob']):.2f}s")
+    if a.from_runs:  # the repeats every layout finished (a run is finished when its process wrote final metrics)
+        done = lambda d: (d / "metrics.jsonl").exists() and "time/total" in (d / "metrics.jsonl").read_text()  # noqa: E731
+        reps = 0
+        while all(done(a.from_runs / f"{n}_rep{reps}") for n in LAYOUTS):
+            reps += 1
+        a.repeats = reps
+        runs = {n: [read_layout({"peak_rss_mb": None}, a.from_runs / f"{n}_rep{r}") for r in range(reps)]
+                for n in LAYOUTS}
+        env["note"] = (f"summarised with --from_runs from the {reps} repeats every layout finished; env is the "
+                       "summary's, not the runs'")
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:
+            base = a.keep or Path(tmp)
+            runs = bc.run_repeats(list(LAYOUTS), a.repeats,
+                                  lambda name, rep: run_layout(a, name, base / f"{name}_rep{rep}"),
+                                  lambda r: f"median train {statistics.median(r['phases_s']['train']):.2f}s, logprob "
+                                            f"{statistics.median(r['phases_s']['logprob']):.2f}s")
     import os
 
     summary = summarize(runs)
