@@ -149,6 +149,8 @@ class Args:
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: int = 256
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
+    micro_batching: Literal["padded", "sorted", "packed"] = "padded"
+    """rows of a training/log-prob forward: `padded` (slices of the batch, padded to its longest row), `sorted` (each minibatch ordered by length, each micro-batch cut to its longest row) or `packed` (a micro-batch's sequences packed, longest first, several to a row as wide as its longest sequence, position ids restarting); docs/grpo.md"""
     num_iterations: int = 2
     """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
     temperature: float = 1.0
@@ -409,6 +411,94 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return logp, entropy
 
 
+def packed_forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                            temperature: float, with_entropy: bool = False, chunk_size: int = 512,
+                            width: int | None = None):
+    """forward_logprobs of the same right-padded rows [B, L], as [B, L-1], computed with (almost) no padding: the
+    sequences are packed, longest first, into rows of `width` tokens (default: the longest sequence), several per
+    row, each with position ids restarting at 0, and no attention mask. transformers then starts a new sequence
+    wherever a position id does not follow its predecessor (masking_utils.find_packed_sequence_indices: sdpa, eager,
+    flex attention; flash attention's varlen path reads the same position ids) and confines attention to each
+    sequence. That needs use_cache=False: with a cache (the config's default) the mask code skips the detection and
+    attention crosses sequences (check_packing at start-up; tests/test_packing.py). Rows no wider than the longest
+    sequence, rather than one row of all B sequences: sdpa and eager attend densely over a row under the mask, so
+    their attention costs width^2 per row, B^2 times more in one row (docs/grpo.md). The free tail of a packed row
+    (shorter than any sequence that did not fit) is padding that no real token attends to (it comes last)."""
+    B, L = input_ids.shape
+    real = attention_mask.bool()  # right padding: a row's tokens are its first n_i columns
+    lengths = attention_mask.sum(1).tolist()
+    width = width or max(lengths)
+    place = data_utils.pack_rows(lengths, width)  # (packed row, offset) of each sequence
+    num_rows = max(r for r, _ in place) + 1
+    # flat index in the packed [num_rows, width] batch of each (row, column) of the padded one
+    start = torch.tensor([r * width + o for r, o in place], device=input_ids.device)
+    flat = (start[:, None] + torch.arange(L, device=input_ids.device)[None])[real]  # [N]
+    ids = input_ids.new_zeros(num_rows * width)
+    ids[flat] = input_ids[real]
+    position_ids = torch.arange(width, device=input_ids.device).repeat(num_rows)  # the free tails: a sequence of
+    position_ids[flat] = (attention_mask.cumsum(1) - 1)[real]  # their own; every packed sequence: 0..n_i-1
+    out = model(input_ids=ids.view(num_rows, width), position_ids=position_ids.view(num_rows, width),
+                use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t of a row predicts its token t+1
+    # the kept positions, in the row-major order of keep (as forward_logprobs): [num_rows * width, H] -> [n_kept, H]
+    hidden = out.hidden_states[-1].reshape(num_rows * width, -1)[flat[torch.nn.functional.pad(keep, (0, 1))[real]]]
+    targets = input_ids[:, 1:][keep]
+    lm_head = model.get_output_embeddings()
+    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))  # as in forward_logprobs
+    chunks = []
+    for k in range(num_chunks):
+        s = slice(k * chunk_size, (k + 1) * chunk_size)
+        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature, with_entropy,
+                                 use_reentrant=False))
+    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
+    logp[keep] = torch.cat([lp for lp, _ in chunks])
+    entropy = None
+    if with_entropy:
+        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32)
+        entropy[keep] = torch.cat([ent for _, ent in chunks])
+    return logp, entropy
+
+
+def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                         layout: str, temperature: float, with_entropy: bool = False):
+    """Log-probs (and entropies) of one micro-batch's right-padded rows [B, L], as [B, L-1] in every layout of
+    --micro_batching, so that the rest of the step does not depend on it:
+      padded: forward_logprobs on the rows as they are (padded to the whole batch's longest row)
+      sorted: forward_logprobs on the columns up to the micro-batch's own longest row, zeros after it
+      packed: packed_forward_logprobs (several sequences per row, position ids restarting, no padding)"""
+    if layout == "packed":
+        return packed_forward_logprobs(model, input_ids, attention_mask, response_mask, temperature, with_entropy)
+    if layout == "padded":
+        return forward_logprobs(model, input_ids, attention_mask, response_mask, temperature, with_entropy)
+    if layout != "sorted":
+        raise ValueError(f"micro_batching: expected padded, sorted or packed, got {layout!r}")
+    n = int(attention_mask.sum(1).max())  # columns past the longest row hold padding only
+    logp, entropy = forward_logprobs(model, input_ids[:, :n], attention_mask[:, :n], response_mask[:, :n],
+                                     temperature, with_entropy)
+    pad = (0, input_ids.shape[1] - n)
+    return torch.nn.functional.pad(logp, pad), None if entropy is None else torch.nn.functional.pad(entropy, pad)
+
+
+def check_packing(model, a: list[int], b: list[int], tol: float) -> None:
+    """--micro_batching packed, at start-up: a one-line error unless the model keeps packed sequences apart.
+    Sequence b is packed in one row after a + b, then after b + a (same length, other tokens); its log-probs must not move
+    (attention does not cross sequences) and must equal b's alone (the model reads the restarted position ids),
+    to within tol (fp32: 1e-4)."""
+    device = next(model.parameters()).device
+    rows = lambda seqs: data_utils.pad_batch([x[:1] for x in seqs], [x[1:] for x in seqs], 0, device)  # noqa: E731
+    with torch.no_grad():
+        width = len(a) + 2 * len(b)  # both in one packed row
+        first = packed_forward_logprobs(model, *rows([a + b, b]), 1.0, width=width)[0][1, : len(b) - 1]
+        swapped = packed_forward_logprobs(model, *rows([b + a, b]), 1.0, width=width)[0][1, : len(b) - 1]
+        alone = forward_logprobs(model, *rows([b]), 1.0)[0][0]
+    moved, off = (first - swapped).abs().max().item(), (first - alone).abs().max().item()
+    if not max(moved, off) <= tol:
+        impl = getattr(model.config, "_attn_implementation", "?")
+        raise ValueError(f"micro_batching: packed: {type(model).__name__} (attention {impl}) does not keep packed "
+                         f"sequences apart (a sequence's log-probs moved by {moved:.3g} when the one before it "
+                         f"changed, {off:.3g} from its own); use --micro_batching sorted")
+
+
 def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
     """[B, L-1] loss mask aligned with forward_logprobs (position t predicts token t+1): 1 on completion tokens,
     EOS included; rows of truncated completions (no EOS) are zeroed when mask_truncated (DAPO overlong filter)."""
@@ -492,6 +582,10 @@ def main(args: Args) -> str:
     # models and optimizer
     dtype = default_dtype(info.device)
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    if args.micro_batching == "packed":  # a model that cannot pack: one line now, not wrong gradients later
+        a = train_data.prompt_ids[0]
+        b = next((p for p in train_data.prompt_ids if p != a), a)
+        check_packing(policy, a, b, 1e-4 if dtype == torch.float32 else 5e-2)
     policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
@@ -629,6 +723,7 @@ def main(args: Args) -> str:
         input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
                                                       for _ in range(args.num_generations)],
                                                      [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+        lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
         finished = torch.tensor([c.finished for c in comps])
@@ -661,13 +756,16 @@ def main(args: Args) -> str:
         reuse = args.num_iterations > 1 or args.num_minibatches > 1
         old_logp = torch.zeros_like(mask)
         ref_logp = torch.zeros_like(mask)
-        with timer("logprob"), torch.no_grad():
-            for s in range(0, args.local_batch_size, args.local_micro_batch_size):
-                sl = slice(s, s + args.local_micro_batch_size)
+        with timer("logprob"), torch.no_grad():  # micro-batches of the whole batch, laid out as in training
+            for idx in data_utils.micro_batches(list(range(args.local_batch_size)), lengths,
+                                                args.local_batch_size // args.local_micro_batch_size,
+                                                args.micro_batching):
                 if reuse:
-                    old_logp[sl] = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl], args.temperature)[0]
+                    old_logp[idx] = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
+                                                         args.micro_batching, args.temperature)[0]
                 if ref_policy is not None:
-                    ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], resp[sl], args.temperature)[0]
+                    ref_logp[idx] = micro_batch_logprobs(ref_policy, input_ids[idx], attn[idx], resp[idx],
+                                                         args.micro_batching, args.temperature)[0]
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
         stats = {k: [] for k in ("pg", "kl", "clip", "ratio", "ratio_var", "approxkl", "entropy", "tis", "lpdiff")}
@@ -679,11 +777,12 @@ def main(args: Args) -> str:
                     mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
                     mb_tokens = mask[mb_idx].sum()
                     global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
-                    for m in range(args.gradient_accumulation_steps):
-                        idx = mb_idx[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
+                    # exactly gradient_accumulation_steps micro-batches (DeepSpeed's boundary; ZeRO-3's collectives)
+                    for idx in data_utils.micro_batches(mb_idx.tolist(), lengths, args.gradient_accumulation_steps,
+                                                        args.micro_batching):
                         m_mask = mask[idx]
-                        logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.temperature, True)
+                        logp, entropy = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
+                                                             args.micro_batching, args.temperature, True)
                         logp_old = old_logp[idx] if reuse else logp.detach()
                         surrogate = cispo_surrogate if args.policy_loss == "cispo" else clipped_surrogate
                         pg, is_clipped, ratio = surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,

@@ -713,6 +713,36 @@ def sums_calibration(d: dict) -> str:
     return "\n".join(lines)
 
 
+def packing(d: dict) -> str:
+    """bench_packing.py: grpo.py's log-prob and training phase times per --micro_batching layout."""
+    st, c, r = d["settings"], d["contenders"], d["ratios"]
+    span = lambda x: f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})"  # noqa: E731
+    ratio = lambda k: f"{r[k]['median']:.2f} ({r[k]['min']:.2f}-{r[k]['max']:.2f})" if k in r else "1"  # noqa: E731
+    lines = ["| `--micro_batching` | logprob phase, s | train phase, s | whole step, s | generate phase, s (the same "
+             "work in every layout) | logprob / padded | train / padded | step / padded | peak RSS |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in ("padded", "sorted", "packed"):
+        x = c[name]
+        lines.append(f"| `{name}` | {span(x['logprob_s'])} | {span(x['train_s'])} | {span(x['step_s'])} | "
+                     f"{span(x['generate_s'])} | {ratio(f'{name}/padded logprob')} | {ratio(f'{name}/padded train')} | "
+                     f"{ratio(f'{name}/padded step')} | "
+                     f"{'-' if x['peak_rss_mb']['max'] is None else format(x['peak_rss_mb']['max'], ',.0f') + ' MB'} |")
+    p = c["padded"]
+    load = max(d["env"]["loadavg_at_start"][0], d.get("loadavg_at_end", [0])[0])
+    load = (f"1-minute load average at most {load:.1f}" if "note" not in d["env"] else
+            "summarised afterwards from the runs kept by an interrupted run (`--from_runs`), 1-minute load average "
+            f"{d['env']['loadavg_at_start'][0]:.1f} then; no peak RSS")
+    lines += ["", f"Phase and step times: median (min-max) over the {p['train_s']['n']} timed steps of "
+                  f"{st['repeats']} repeats (the first step of each run dropped); ratios: per repeat, median phase "
+                  f"time over `padded`'s in the same repeat, median (min-max) over the repeats. {st['model']}, "
+                  f"{st['num_prompts']} prompts x {st['num_generations']} completions of up to "
+                  f"{st['max_new_tokens']} new tokens (mean length {p['completion_length_mean']['median']:.0f}, "
+                  f"{100 * (1 - p['stop_rate']['median']):.0f}% cut at the limit), {st['num_minibatches']} "
+                  f"minibatches x {st['num_iterations']} passes, {st['gradient_accumulation_steps']} micro-batches of "
+                  f"{st['micro_batch_size']} per optimizer step, beta {st['beta']:g}; {load}. " + _provenance(d, "python scripts/bench_packing.py")]
+    return "\n".join(lines)
+
+
 RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
@@ -723,7 +753,7 @@ RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_m
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "memory_measured": memory_measured,
-             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "restem_vs_grpo": restem_vs_grpo}
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 

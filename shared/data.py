@@ -442,3 +442,48 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
     if device is not None:
         input_ids, attention_mask, response_mask = (t.to(device) for t in (input_ids, attention_mask, response_mask))
     return input_ids, attention_mask, response_mask
+
+
+def micro_batches(rows: list[int], lengths: list[int], num: int, layout: str) -> list[list[int]]:
+    """Split `rows` (indices into a padded batch) into exactly `num` micro-batches, for grpo.py's --micro_batching.
+
+    `lengths[i]` is the token count (prompt + completion) of batch row i. The number of micro-batches never
+    depends on the lengths: DeepSpeed's gradient-accumulation boundary and ZeRO-3's per-forward collectives
+    count on the same number of forwards on every rank.
+      padded: consecutive slices of `rows` as given, len(rows) / num rows each (the order the caller drew)
+      sorted: the same slices of `rows` ordered by length, longest first (ties keep their order), so that each
+              micro-batch holds rows of similar length and its padding can be cut to its own longest row
+      packed: rows given, longest first, to the micro-batch with the fewest tokens so far (ties: the first),
+              so that every micro-batch holds about sum(lengths) / num tokens; row counts may differ"""
+    if num < 1 or len(rows) % num:
+        raise ValueError(f"micro_batches: {len(rows)} rows do not split into {num} micro-batches of equal size")
+    size = len(rows) // num
+    if layout == "padded":
+        return [list(rows[k * size : (k + 1) * size]) for k in range(num)]
+    by_length = sorted(rows, key=lambda i: -lengths[i])  # stable: equal lengths keep the caller's order
+    if layout == "sorted":
+        return [by_length[k * size : (k + 1) * size] for k in range(num)]
+    if layout == "packed":
+        out, tokens = [[] for _ in range(num)], [0] * num
+        for i in by_length:
+            k = tokens.index(min(tokens))
+            out[k].append(i)
+            tokens[k] += lengths[i]
+        return out
+    raise ValueError(f"micro_batching: expected padded, sorted or packed, got {layout!r}")
+
+
+def pack_rows(lengths: list[int], width: int) -> list[tuple[int, int]]:
+    """First-fit decreasing: place sequences of `lengths` tokens into as few rows of `width` tokens as this finds,
+    longest first, each into the first row with room. Returns (row, offset of its first token) per sequence."""
+    if lengths and max(lengths) > width:
+        raise ValueError(f"pack_rows: a sequence of {max(lengths)} tokens does not fit a row of {width}")
+    used: list[int] = []
+    place = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
+        row = next((r for r, u in enumerate(used) if u + lengths[i] <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        place[i] = (row, used[row])
+        used[row] += lengths[i]
+    return place
