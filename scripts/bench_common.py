@@ -310,9 +310,26 @@ def stat_row(name: str, xs: list[float], unit: str = "", **extra) -> dict:
             **extra}
 
 
-def write_result(name: str, result: dict, out_dir: Path | None = None, latest: bool = True) -> Path:
+def builtin_models(cache: Path | None = None) -> dict:
+    """SHA-256 of the weights of each built-in tiny model built in `cache` (default: $CLEANRLHF_CACHE), from its
+    build.json, and whether it is the one shared/tiny.py expects: the start model a result was measured on."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from shared import tiny
+
+    records = {name: tiny.build_record(name, cache) for name in tiny.EXPECTED_SHA256}
+    return {f"builtin:{name}": {"weights_sha256": r["weights_sha256"],
+                                "expected": r["weights_sha256"] == tiny.EXPECTED_SHA256[name]}
+            for name, r in records.items() if r}
+
+
+def write_result(name: str, result: dict, out_dir: Path | None = None, latest: bool = True,
+                 cache: Path | None = None) -> Path:
     """Write the JSON summary to runs/bench/<name>/<device-tag>_<time>.json (and latest_<tag>.json unless `latest` is
-    off, as for results stored under docs/); return the path."""
+    off, as for results stored under docs/); return the path. The built-in models built in `cache` (the runs' model
+    cache; default $CLEANRLHF_CACHE) are named in env.builtin_models (shared/tiny.py: deterministic builds)."""
+    if isinstance(result.get("env"), dict) and "builtin_models" not in result["env"]:
+        result["env"]["builtin_models"] = builtin_models(cache)
     out_dir = Path(out_dir or ROOT / "runs" / "bench" / name)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if result.get("env", {}).get("cuda") else "cpu"

@@ -139,7 +139,7 @@ def main() -> None:
            "note": "default flags on the built-in task" + (f", plus {a.flags}" if a.flags else "")
                    + ", fresh model cache (the warm start is built first)",
            "results": results}
-    path = bc.write_result("headline", out, a.results, latest=False)
+    path = bc.write_result("headline", out, a.results, latest=False, cache=a.out / "cache")
     print(f"[bench] wrote {path}")
 
 

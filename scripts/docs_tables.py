@@ -32,6 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
+
+def commit(d: dict) -> str:
+    """`commit abc1234`, and the built-in models the result was measured on (shared/tiny.py's deterministic builds:
+    the first 8 hex digits of each one's weights hash) when the file records them."""
+    models = d["env"].get("builtin_models") or {}
+    named = ", ".join(f"{k.split(':')[1]} {v['weights_sha256'][:8]}" for k, v in models.items()
+                      if k != "builtin:tiny")
+    return f"commit {d['env']['git_commit']}" + (f", built-in models {named}" if named else "")
+
 def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -73,7 +82,7 @@ def real_model_grpo(d: dict) -> str:
                      f"{r['total_minutes']:.0f} min, {t['median']:.0f} s per step (median, evaluation and checkpoint "
                      f"steps included; parts: {split}), peak memory (RSS) of the training process "
                      f"{r['peak_rss_mb'] / 1024:.1f} GiB" + (f"; {r['note']}" if r.get("note") else ""))
-    lines += ["", f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+    lines += ["", f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -83,7 +92,7 @@ def graders(d: dict) -> str:
         wrong = ", ".join(f"{w['case']} (says {w['got']})" for w in r["wrong"]) or "-"
         lines.append(f"| `{name}` | {r['correct']} / {d['num_cases']} | {wrong} | {r['seconds']:.1f} |")
     lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}. "
-                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -100,7 +109,7 @@ def generation(d: dict) -> str:
              f"| in-place weight sync ({d['num_parameters'] / 1e6:.2f} M parameters) | {d['sync_s']['median']:.3f} s |",
              "", f"{st['num_prompts']} prompts x {st['n']} samples x up to {st['max_new_tokens']} new tokens, "
                  f"{st['repeats']} repeats, model {st['model']}. `python scripts/bench_generation.py`, "
-                 f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+                 f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -111,7 +120,7 @@ def hf_memory(d: dict) -> str:
         f"| {st['num_prompts']} prompts x {st['n']} samples x {st['max_new_tokens']} new tokens, vocabulary "
         f"{st['vocab']:,} | {d['generated_tokens']:,} | {d['peak_rss_before_mb']:.0f} MB | {d['peak_rss_mb']:.0f} MB | "
         f"+{d['peak_rss_growth_mb']:.0f} MB |", "",
-        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."])
+        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."])
 
 
 def logprob_memory(d: dict) -> str:
@@ -127,7 +136,7 @@ def logprob_memory(d: dict) -> str:
                      f"{lean['peak_tensor_mb']:,.0f} MB ({lean['peak_tensor_mb'] / full['peak_tensor_mb']:.2f}x) | "
                      f"+{full['peak_rss_growth_mb']:,.0f} MB -> +{lean['peak_rss_growth_mb']:,.0f} MB |")
     lines += ["", f"`{d['command']}`, {d['settings']['model']} (V = {d['results'][0]['vocab']:,}), "
-                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -175,7 +184,7 @@ def headline(files: list[dict]) -> str:
         seeds = sorted({s for n, (r, dd) in rows.items() if dd is d for s in r["seeds"]})
         load = max(x["loadavg_at_end"][0] for n, (r, dd) in rows.items() if dd is d for x in r["seeds"].values())
         lines.append(f"[{i}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}, "
-                     f"{d['env']['time']}, commit {d['env']['git_commit']}.")
+                     f"{d['env']['time']}, {commit(d)}.")
     return "\n\n".join(["\n".join(lines[: len(order) + 2]), *lines[len(order) + 3 :]])
 
 
@@ -195,7 +204,7 @@ def headline_runs(d: dict, name: str) -> str:
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
     lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}, "
-                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -226,8 +235,8 @@ def lora_learning(files: list[dict]) -> str:
                   "seeds" + ("; the two sets of runs are from different commits (below)."
                              if df["env"]["git_commit"] != dl["env"]["git_commit"] else ".")]
     for what, r, d in (("Full fine-tuning", full, df), ("LoRA", lora, dl)):
-        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}, {d['env']['time']}, commit "
-                      f"{d['env']['git_commit']}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
+        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}, {d['env']['time']}, "
+                      f"{commit(d)}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
     return "\n".join(lines)
 
 
@@ -250,7 +259,7 @@ def lora_memory(d: dict) -> str:
               f"| process wall time | {f['wall_s']:.0f} s | {lo['wall_s']:.0f} s |"]
     r = d["settings"]["lora_r"]
     lines += ["", f"{d['model']}, fp32, LoRA r = {r}, alpha {d['settings']['lora_alpha']}, all linear layers. "
-                  f"`{d['command'].strip()}`, {d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}, "
+                  f"`{d['command'].strip()}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}, "
                   f"1-minute load average at the start {d['env']['loadavg_at_start'][0]:.1f}, at the end "
                   f"{d['loadavg_at_end'][0]:.1f} (times depend on it, memory does not)."]
     return "\n".join(lines)
@@ -303,7 +312,7 @@ def restem_vs_grpo(files: list[dict]) -> str:
     for what, d in (("GRPO", dg), ("RestEM", dr)):
         r = d["results"]["grpo" if what == "GRPO" else "restem"]
         lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}, "
-                      f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+                      f"{d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 # --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
@@ -457,8 +466,8 @@ def bench_grpo_phases(d: dict) -> str:
         cells = " | ".join(f"{ph[key]:.3f} | {100 * ph[key] / sum(ph.values()):.0f}%" for _, ph in runs)
         lines.append(f"| {label.format(batch=st['batch'], opt=st['optimizer_steps_per_iteration'])} | {cells} |")
     lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
-                  f"`python scripts/bench_grpo.py`, {d['env']['device']}, {d['env']['time']}, commit "
-                  f"{d['env']['git_commit']}."]
+                  f"`python scripts/bench_grpo.py`, {d['env']['device']}, {d['env']['time']}, "
+                  f"{commit(d)}."]
     return "\n".join(lines)
 
 
@@ -469,7 +478,7 @@ def bench_grpo_profile(d: dict, n: int = 15) -> str:
         lines.append(f"| `{r['function']}` | {r['calls']:,} | {r['self_s']:.2f} s | {r['cum_s']:.2f} s |")
     lines += ["", f"Steps 2..{d['settings']['steps']} of one extra `ours` run (vLLM backend), top {n} of "
                   f"{len(d['profile']['top_self_time'])} stored. `python scripts/bench_grpo.py --profile`, "
-                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -482,7 +491,7 @@ def generation_sweep(d: dict) -> str:
                      f"{r['hf_tokens_per_s']['median']:,.0f} | {r['vllm/hf']['median']:.2f} |")
     lines += ["", f"Medians of {d['sweep'][0]['vllm/hf']['n']} calls each, up to {d['settings']['max_new_tokens']} "
                   f"new tokens, model {d['settings']['model']}. `python scripts/bench_generation.py`, "
-                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -504,7 +513,7 @@ def bench_vineppo_phases(d: dict) -> str:
                   f"tokens, K = {st['num_mc_rollouts']}, {st['num_ppo_epochs']} epochs x {st['num_minibatches']} "
                   f"minibatches; medians over the timed steps of {st['repeats']} repeats; deduplication kept "
                   f"{100 * u['min']:.0f}-{100 * u['max']:.0f}% of the states. `python scripts/bench_vineppo.py`, "
-                  f"{d['env']['device']}, {d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -512,7 +521,7 @@ def bench_vineppo_phases(d: dict) -> str:
 def _provenance(d: dict, command: str) -> str:
     e = d.get("env")
     if e:
-        return f"`{d.get('command', command)}`, {e['device']}, {e['time']}, commit {e['git_commit']}."
+        return f"`{d.get('command', command)}`, {e['device']}, {e['time']}, {commit(d)}."
     return f"`{command}` (this file records no machine, time or commit)."
 
 
@@ -625,8 +634,8 @@ def memory_estimate(d: dict) -> str:
                   f"cache), gradient checkpointing {'on' if st['gradient_checkpointing'] else 'off'}, bf16 weights "
                   f"with fp32 master weights, fp32 gradient accumulation and Adam, beta {st['beta']} (no reference "
                   f"copy), a colocated vLLM copy, lean log-probs in chunks of {st['logits_chunk']:,} tokens. "
-                  f"`{d['command'].strip()}` (formulas in its docstring), {d['env']['time']}, commit "
-                  f"{d['env']['git_commit']}."]
+                  f"`{d['command'].strip()}` (formulas in its docstring), {d['env']['time']}, "
+                  f"{commit(d)}."]
     return "\n".join(lines)
 
 
@@ -641,7 +650,7 @@ def memory_measured(d: dict) -> str:
     lines += ["", f"Measured: `torch.cuda.max_memory_allocated()` of the trainer alone (no vLLM engine, no reference), "
                   f"from `{d['compare']['file']}` (scripts/gpu_bench.py); estimate: the same configuration by the formulas "
                   f"of scripts/estimate_memory.py without the engine's terms. `{d['command'].strip()}`, "
-                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 
@@ -694,8 +703,8 @@ def drca_localisation(d: dict) -> str:
     lines = ["| counterfactual | slips located (`eval/localisation`) | a line picked at random |", "|---|---|---|"]
     lines += [f"| `{r['counterfactual']}` | {r['localisation']:.3f} | {r['chance']:.3f} |" for r in d["rows"]]
     lines += ["", f"{st['num_pairs']:,} held-out slip pairs, policy {st['model']}, reward model {st['reward_model']}, "
-                  f"dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, commit "
-                  f"{d['env']['git_commit']}."]
+                  f"dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, "
+                  f"{commit(d)}."]
     return "\n".join(lines)
 
 
@@ -709,7 +718,7 @@ def sums_calibration(d: dict) -> str:
         lines.append(f"| `{name}`{seed} | {r['terms'] - 1} | {r['final_accuracy']:.3f} | {r['minutes']:.1f} |")
     lines += ["", f"sft.py's default recipe from `builtin:tiny` on each task, with `--max_new_tokens 3N`; sampled (T = 1, "
                   f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}, "
-                  f"{d['env']['time']}, commit {d['env']['git_commit']}."]
+                  f"{d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
 

@@ -5,11 +5,19 @@
 defaults) from `builtin:tiny-sft` on the built-in preference pairs. All are created on first use and cached under
 `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`), guarded by a file lock so concurrent ranks or test
 processes build each one exactly once.
+
+The builds are deterministic, so that every machine starts from the same weights: each runs in a child process on
+CPU with one thread, ATen's kernels pinned to AVX2 and MKL's to its AVX2 reproducible path (`BUILD_ENV`), and seed 1.
+Each model directory gets `build.json` with the SHA-256 of its weights; `EXPECTED_SHA256` holds the values this
+code gives on x86-64 (tests/test_builtin_models.py checks them), and every stored benchmark names the hashes of the
+built-in models it ran on (`scripts/bench_common.py`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,7 +33,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # Bump when the architecture, tokenizer or warm-start recipe changes, so stale caches are not reused.
-BUILTIN_VERSION = "v1"
+BUILTIN_VERSION = "v2"  # v2: deterministic builds (BUILD_ENV)
+# The environment of every build: CPU only, one thread (a reduction's order depends on the thread count), ATen's
+# vectorised kernels and MKL's BLAS pinned to AVX2 (which every x86-64 server has), so an AVX-512 machine computes
+# the same sums in the same order as an AVX2 one.
+BUILD_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+             "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "PYTHONHASHSEED": "0"}
+# SHA-256 of model.safetensors of each build on x86-64 (torch 2.13.0, transformers 5.19.0); a change of the build
+# recipe or of the stack that moves them is a new start model: bump BUILTIN_VERSION and re-measure stored results.
+EXPECTED_SHA256 = {
+    "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
+    "tiny-sft": "bd9048d791ac76b8ef4c7c2b59239c1afc3e454289ac2727e1ca5a47ba0f3772",
+    "tiny-rm": "90eb117a82e8a21c67dd37ec45dadb2ab9f7d760ae068e7329e287f637a93dc4",
+}
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,12 +132,54 @@ def build_atomically(final: Path, build) -> Path:
     return final
 
 
+def weights_sha256(model_dir: str | Path) -> str:
+    """SHA-256 of a model directory's `model.safetensors` (the weights; config and tokenizer are fixed by code)."""
+    digest = hashlib.sha256()
+    with open(Path(model_dir) / "model.safetensors", "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_build_record(model_dir: Path, name: str) -> None:
+    """`build.json`: the weights' hash, whether it is the expected one, and the build environment."""
+    sha = weights_sha256(model_dir)
+    record = {"name": f"builtin:{name}", "version": BUILTIN_VERSION, "weights_sha256": sha,
+              "expected_sha256": EXPECTED_SHA256.get(name) or None, "build_env": BUILD_ENV}
+    (model_dir / "build.json").write_text(json.dumps(record, indent=1) + "\n")
+    if EXPECTED_SHA256.get(name) and sha != EXPECTED_SHA256[name]:
+        print(f"[cleanrlhf] warning: builtin:{name} built with weights {sha[:12]}, not the expected "
+              f"{EXPECTED_SHA256[name][:12]} (another CPU architecture or library version): results will differ "
+              "from the stored ones", file=sys.stderr, flush=True)
+
+
+def build_record(name: str, cache: Path | None = None) -> dict | None:
+    """The `build.json` of built-in model `name` (`tiny`, `tiny-sft`, `tiny-rm`) in `cache` (default: the cache),
+    if it was built there."""
+    path = Path(cache or cache_dir()) / f"{name}-{BUILTIN_VERSION}" / "build.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _run_build(cmd: list[str], what: str) -> None:
+    """Run a build command in the deterministic environment; its console is shown only if it fails."""
+    proc = subprocess.run(cmd, env={**_clean_env(), **BUILD_ENV}, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"building {what} failed (exit {proc.returncode})")
+
+
 def builtin_tiny() -> Path:
-    """Path of the random-init tiny model, created on first use."""
+    """Path of the random-init tiny model, created on first use (in a child process: BUILD_ENV)."""
     with cache_lock("tiny") as root:
         final = root / f"tiny-{BUILTIN_VERSION}"
         if not (final / "config.json").exists():
-            build_atomically(final, save_random_tiny)
+
+            def build(tmp: Path):
+                code = f"from shared.tiny import save_random_tiny; save_random_tiny({str(tmp)!r})"
+                _run_build([sys.executable, "-c", code], str(final))
+                write_build_record(tmp, "tiny")
+
+            build_atomically(final, build)
         return final
 
 
@@ -142,13 +204,11 @@ def _built_by(name: str, script: str, base: Path) -> Path:
                        "--save_every", "0", "--best_metric", "", "--dev_num_prompts", "0"]  # only the final model,
                 # trained on the whole train split (no dev slice: nothing selects a best checkpoint here)
                 # its console stays out of the caller's (one progress bar per run); shown only if it fails
-                proc = subprocess.run(cmd, env=_clean_env(), cwd=PROJECT_ROOT, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-                    raise RuntimeError(f"building {final} with algorithms/{script} failed (exit {proc.returncode})")
+                _run_build(cmd, f"{final} with algorithms/{script}")
                 # the scripts write their final checkpoint under output_dir/final
                 for item in (tmp / "final").iterdir():
                     shutil.move(str(item), tmp / item.name)
+                write_build_record(tmp, name)
 
             build_atomically(final, build)
         return final

@@ -1,0 +1,102 @@
+"""Benchmark (not a test): grpo.py's variants against its default run on the built-in task, equal samples, 3 seeds.
+
+    python scripts/bench_grpo_variants.py                                  # all variants, seeds 1 2 3 (~1.7 h, 2 cores)
+    python scripts/bench_grpo_variants.py --variants default gspo --seeds 1  # a subset
+    python scripts/bench_grpo_variants.py --stop_after_steps 100             # spread over sessions: rerun to continue
+
+Every run is `python algorithms/grpo.py --seed k` plus the variant's flags (VARIANTS below: each paper's own
+settings where it gives them, e.g. GSPO's clip range), so all of them train on 102,400 samples (800 steps of
+128 completions) from the same start model (builtin:tiny-sft, built once in <out>/cache). Dynamic sampling trains on
+as many batches but samples more to fill them: the table gives its generated samples, and its held-out accuracy at
+the last evaluation before it had generated the other variants' 102,400 (equal generated samples) beside the final.
+Runs go variant by variant, seeds inside (a finished run is cached in <out>/<variant>/seed<k>.json and not rerun).
+Writes docs/bench/grpo_variants/<device>_<time>.json, rendered into docs/grpo.md by scripts/docs_tables.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+import bench_headline as bh  # noqa: E402
+
+ROOT = bc.ROOT
+VARIANTS = {
+    "default": "",
+    "rloo": "--advantage_estimator rloo",
+    "reinforce_pp_baseline": "--advantage_estimator reinforce_pp_baseline",
+    "cispo": "--policy_loss cispo --epsilon_low 1 --epsilon_high 0.28",  # MiniMax-M1: no lower clip of the weight
+    "gspo": "--importance_level sequence --epsilon_low 3e-4 --epsilon_high 4e-4",  # the GSPO paper's clip range
+    "dynamic_sampling": "--dynamic_sampling",
+}
+
+
+def generated_samples(run_dir: Path, batch_size: int) -> dict[int, int]:
+    """Completions generated before each step's end, all rounds included: {step: cumulative samples}."""
+    total, out = 0, {0: 0}
+    for row in bc.read_jsonl(run_dir / "metrics.jsonl"):
+        if "objective/scores" in row:  # one row per training step
+            total += batch_size * (1 + int(row.get("dynamic_sampling/extra_rounds", 0)))
+            out[row["step"]] = total
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "grpo_variants", help="work directory")
+    p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "grpo_variants")
+    a = p.parse_args()
+    env = bc.environment()  # at the start: env.time is the start time
+    results = {}
+    for name in a.variants:
+        runs = {}
+        sub = SimpleNamespace(out=a.out / name, flags=VARIANTS[name], stop_after_steps=a.stop_after_steps)
+        sub.out.mkdir(parents=True, exist_ok=True)
+        cache = a.out / "cache"  # one start model for all variants (bench_headline.run_one uses <out>/cache)
+        if not (sub.out / "cache").exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            (sub.out / "cache").symlink_to(cache.resolve())
+        for seed in a.seeds:
+            r = bh.run_one(sub, "grpo", seed)
+            if r is None:
+                return
+            run_dir = sub.out / "grpo" / f"seed{seed}"
+            args = json.loads((run_dir / "args.json").read_text())
+            gen = generated_samples(run_dir, args["batch_size"])
+            for point in r["curve"]:
+                point["generated_samples"] = gen.get(point["step"])
+            budget = args["total_episodes"]
+            equal = [pt for pt in r["curve"] if pt["generated_samples"] is not None
+                     and pt["generated_samples"] <= budget]
+            r["generated_samples"] = max(gen.values())
+            r["at_equal_generated"] = {"step": equal[-1]["step"], "generated_samples": equal[-1]["generated_samples"],
+                                       "eval/accuracy": equal[-1]["eval/accuracy"]}
+            runs[str(seed)] = r
+        keys = bh.METRICS["grpo"]
+        results[name] = {
+            "flags": VARIANTS[name], "command": f"python algorithms/grpo.py {VARIANTS[name]}".strip(),
+            "start": {k: bh.spread([r["start"][k] for r in runs.values()]) for k in keys},
+            "final": {k: bh.spread([r["final"][k] for r in runs.values()]) for k in keys},
+            "at_equal_generated": bh.spread([r["at_equal_generated"]["eval/accuracy"] for r in runs.values()]),
+            "generated_samples": bh.spread([r["generated_samples"] for r in runs.values()]),
+            "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
+            "seeds": runs,
+        }
+    out = {"benchmark": "grpo_variants", "env": env, "command": bc.invocation(),
+           "note": "grpo.py's default run (102,400 samples) with each variant's flags, same start model; "
+                   "at_equal_generated: held-out accuracy at the last evaluation before 102,400 generated samples",
+           "results": results}
+    path = bc.write_result("grpo_variants", out, a.results, latest=False, cache=a.out / "cache")
+    print(f"[bench] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
