@@ -752,7 +752,33 @@ def packing(d: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+def grpo_variants(d: dict) -> str:
+    """scripts/bench_grpo_variants.py: held-out accuracy of each grpo.py variant against the default run, equal
+    samples, mean (min-max) over seeds, and each seed's difference to the default run of the same seed."""
+    k, res = "eval/accuracy", d["results"]
+    span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
+    base = res.get("default")
+    lines = ["| variant | flags | start | final | final - default, per seed | generated samples | at 102,400 generated "
+             "| minutes |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        if base and name != "default":
+            diffs = [r["seeds"][s]["final"][k] - base["seeds"][s]["final"][k] for s in r["seeds"] if s in base["seeds"]]
+            diff = " / ".join(f"{x:+.3f}" for x in diffs) + f" (better on {sum(x > 0 for x in diffs)} of {len(diffs)})"
+        else:
+            diff = "-"
+        gen = r["generated_samples"]
+        lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {span(r['start'][k])} | **{span(r['final'][k])}** | "
+                     f"{diff} | {gen['mean']:,.0f} | {span(r['at_equal_generated'])} | {r['minutes']['mean']:.1f} |")
+    n = {len(r["seeds"]) for r in res.values()}
+    lines += ["", f"`eval/accuracy` (500 held-out problems x 4 samples) before training and after 102,400 trained "
+                  f"samples (200 steps of 64 prompts x 8 completions), mean (min-max) over {'/'.join(map(str, sorted(n)))} seeds; `at 102,400 "
+                  "generated`: at the last evaluation (every 25 steps) before the run had generated 102,400 completions, "
+                  "which differs from the final only for dynamic sampling; minutes: wall time of a run on 2 cores "
+                  "(shared with other jobs, so upper bounds). " + _provenance(d, "python scripts/bench_grpo_variants.py")]
+    return "\n".join(lines)
+
+
+RENDERERS = {"grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,
