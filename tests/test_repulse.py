@@ -270,7 +270,17 @@ def _instrumented_run(tmp_path, monkeypatch, *flags):
             events.append(("step", name(engine)))
             return super().step(engine)
 
-    for attr, fn in (("prepare", prepare), ("forward_logprobs", forward_logprobs), ("NonFiniteGuard", Guard)):
+    class Checkpointer(repulse.Checkpointer):  # marks where each training iteration starts and ends
+        def step_start(self, *a, **k):
+            events.append(("iteration",))
+            return super().step_start(*a, **k)
+
+        def step_end(self, *a, **k):
+            events.append(("end",))
+            return super().step_end(*a, **k)
+
+    for attr, fn in (("prepare", prepare), ("forward_logprobs", forward_logprobs), ("NonFiniteGuard", Guard),
+                     ("Checkpointer", Checkpointer)):
         monkeypatch.setattr(repulse, attr, fn)
     for fn_name in ("snis_weights", "ctl_weights"):
         real = getattr(repulse, fn_name)
@@ -290,21 +300,20 @@ def test_q_is_updated_before_p_and_both_steps_use_the_samples_drawn_before_eithe
     exactly the sample sets drawn at the start of the iteration. Catches: p updated first, weights recomputed with an
     updated q or p, re-sampling between the updates."""
     events = _instrumented_run(tmp_path, monkeypatch)
-    gens = [i for i, e in enumerate(events) if e == ("generate",)]
-    # step 0's evaluation samples twice (eval, dev); then 2 samplings (p, q) per iteration; the final evaluation twice
-    iterations = [(gens[k], gens[k + 2] if k + 2 < len(gens) - 2 else gens[-2]) for k in range(2, len(gens) - 2, 2)]
-    assert len(iterations) == 2  # 64 samples, 2 x 16 per iteration
-    for start, stop in iterations:
-        it = events[start:stop]
+    starts = [i for i, e in enumerate(events) if e == ("iteration",)]
+    ends = [i for i, e in enumerate(events) if e == ("end",)]
+    assert len(starts) == len(ends) == 2  # 64 samples, 2 x 16 per iteration
+    for start, stop in zip(starts, ends):
+        it = events[start + 1 : stop]
         steps = [i for i, e in enumerate(it) if e[0] == "step"]
-        assert steps, it
-        first_step = steps[0]
-        assert [e for e in it[first_step:] if e[0] in ("generate", "snis_weights", "ctl_weights")] == [], it
-        assert [e for e in it[first_step:] if e[0] == "fwd" and not e[2]] == [], it  # no log-prob recomputed after
         q_steps = [i for i in steps if it[i] == ("step", "q")]
         p_steps = [i for i in steps if it[i] == ("step", "p")]
-        assert q_steps and p_steps and max(q_steps) < min(p_steps), it  # q first
-        assert it[1] == ("generate",)  # both samplings first: p's then q's
+        assert q_steps and p_steps and max(q_steps) < min(p_steps), it  # every q step before the first p step
+        first_step = steps[0]
+        assert it[:2] == [("generate",), ("generate",)]  # both samplings first (p's, then q's) ...
+        assert [e for e in it if e == ("generate",)] == it[:2], it  # ... and no other
+        assert [e for e in it[first_step:] if e[0] in ("snis_weights", "ctl_weights")] == [], it
+        assert [e for e in it[first_step:] if e[0] == "fwd" and not e[2]] == [], it  # no log-prob recomputed after
         stored = [e for e in it if e[0] == "fwd" and not e[2]]
         assert [e[1] for e in stored] == ["p", "q", "p"]  # log p on S_p, log q on S_q, log p on S_q
         s_p, s_q = stored[0][3], stored[1][3]
