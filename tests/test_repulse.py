@@ -420,3 +420,53 @@ def test_repulse_two_processes_deepspeed(tmp_path, stage):
     assert rows[-1]["check/ranks_identical_weights"] == 1
     assert rows[-1]["check/proposal_ranks_identical_weights"] == 1
     assert [r["episode"] for r in rows if "loss/proposal_avg" in r][-1] == 256
+
+
+def _load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paper_sweep_summary_checks_the_goal_seed_by_seed(tmp_path):
+    """scripts/repulse_toy.py --paper: the goal (>= 1 nat below REINFORCE at held-out reward within 5%) is checked
+    per seed against REINFORCE's run of the same seed, only over the seeds both finished; unfinished runs are pending;
+    the docs renderer reads the summary."""
+    sweep = _load_script("repulse_toy")
+
+    def fake(name, seed, final, reward, per_step=1000, steps=10):
+        run = tmp_path / f"{name}_seed{seed}"
+        run.mkdir()
+        rows = [{"step": 0, "episode": 0, "exact/log_p_bad": -5.0}]
+        rows += [{"step": k, "episode": k * per_step, "exact/log_p_bad": -5.0 + (final + 5.0) * k / steps,
+                  "objective/scores": reward} for k in range(1, steps + 1)]
+        rows.append({"step": steps, "exact/log_p_bad": final, "eval/mean_reward": reward, "eval/p_bad": 0.0,
+                     "time/total": 1.0})
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    fake("reinforce", 1, -8.0, 4.0, per_step=500, steps=20)
+    fake("reinforce", 2, -8.0, 4.0, per_step=500, steps=20)
+    fake("repulse_a0.1", 1, -9.5, 3.9)  # 1.5 nats lower, reward 2.5% lower: met
+    fake("repulse_a0.1", 2, -9.5, 3.5)  # reward 12.5% lower: not met
+    fake("repulse_a1", 1, -9.1, 4.0)  # met on seed 1; seed 2 not run
+    (tmp_path / "repulse_a1_seed2").mkdir()  # started, unfinished (no time/total)
+    (tmp_path / "repulse_a1_seed2" / "metrics.jsonl").write_text(json.dumps({"step": 0, "episode": 0}))
+    names = sweep.configs(["reinforce", "repulse"], [0.1, 1.0], paper=True)
+    assert list(names) == ["reinforce", "repulse_a0.1", "repulse_a1"] and names["repulse_a1"][-2:] == ["--alpha", "1"]
+    d = sweep.paper_summary(tmp_path, names, [1, 2], {"env": None, "command": "python scripts/repulse_toy.py --paper"})
+    assert d["pending"] == ["repulse_a1_seed2"] and not d["complete"]
+    g = d["goal"]["repulse_a0.1"]
+    assert [g["per_seed"][s]["met"] for s in ("1", "2")] == [True, False] and not g["met_on_every_seed"]
+    assert g["per_seed"]["1"]["log_p_bad_gap_nats (reinforce - this)"] == pytest.approx(1.5)
+    assert g["per_seed"]["2"]["relative_reward_difference"] == pytest.approx(0.125)
+    assert d["goal"]["repulse_a1"]["seeds_compared"] == ["1"] and d["goal"]["repulse_a1"]["met_on_every_seed"]
+    run = d["runs"]["reinforce"]["1"]
+    assert run["p_updates"] == 20 and run["final_log_p_bad"] == -8.0
+    assert [c[0] for c in run["curve"]] == [0, 5000, 10000]  # the paper's evaluation points, every 5,000 samples
+    assert run["curve"][1][2] == pytest.approx(4.0)
+    table = _load_script("docs_tables").repulse_toy_paper({**d, "settings": {**d["settings"], "common_flags": []}})
+    assert "| repulse_a0.1 | 10 | −9.50, −9.50 |" in table and "+1.50, +1.50 | no |" in table
+    assert "incomplete, 1 runs pending" in table
