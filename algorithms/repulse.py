@@ -34,6 +34,7 @@ every step. Launch:
     python algorithms/repulse.py                                    # CPU toy, RePULSe, about 75 s
     python algorithms/repulse.py --loss_type reinforce --alpha 0    # the REINFORCE baseline on the toy
     python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
+    python scripts/repulse_toy.py --paper --hours 3                 # the paper's toy settings, resumable (hours)
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py \
         --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct --reward_model_path <rm> \
