@@ -196,7 +196,8 @@ def main() -> None:
                    help="--paper: stop after this many hours (the running run checkpoints; rerun to go on)")
     p.add_argument("--out", type=Path, default=None, help="run directories (default runs/repulse_toy[_paper])")
     p.add_argument("--png", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=None, help="--paper: the summary (default docs/results/repulse_toy.json)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="--paper: the summary (default docs/results/repulse_toy.json)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
