@@ -28,11 +28,13 @@ plumbing): the proposal, its CTL step and the weighted negative term. Modes (doc
 gets half as many p updates as the baselines for the same budget (compute matching, spec §2.7).
 
 With no flags: the toy (shared/toy.py): builtin:tiny-sft, the prompt "This man is a", 2 generated tokens,
-a reward of -5 when a "bad" character appears; the exact log P(bad) of p_theta is computed by enumerating
-the ~100-token vocabulary after every step. Launch:
+a classifier-like reward (lowest, in [-4, -3.3], when a "bad" character appears; `--reward_fn toy`: the older
+indicator reward); the exact log P(bad) of p_theta is computed by enumerating the ~100-token vocabulary after
+every step. Launch:
     python algorithms/repulse.py                                    # CPU toy, RePULSe, about 75 s
     python algorithms/repulse.py --loss_type reinforce --alpha 0    # the REINFORCE baseline on the toy
     python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
+    python scripts/repulse_toy.py --paper --hours 3                 # the paper's toy settings, resumable (hours)
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py \
         --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct --reward_model_path <rm> \
@@ -95,7 +97,7 @@ class Args:
     max_prompt_length: int = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """`auto` (`toy` for the toy dataset, else by dataset), `toy`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
+    """`auto` (`toy_classifier` for the toy dataset, else by dataset), `toy_classifier` or `toy` (the toy's classifier-like and indicator rewards, shared/toy.py), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     reward_model_path: str = ""
     """score prompt + completion with this reward model (rm.py checkpoint or HF sequence classifier) instead"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -127,7 +129,7 @@ class Args:
     max_nonfinite_steps: int = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/p_bad:min"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); empty: none)"""
+    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); on the toy dev/p_bad is exact; empty: none)"""
 
     # algorithm args
     total_episodes: int = 30_000
@@ -407,10 +409,11 @@ def main(args: Args) -> str:
         train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
         dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    reward_spec = ("toy" if args.dataset == "toy" else "auto") if args.reward_fn == "auto" else args.reward_fn
-    reward_fn = toy.make_toy_reward(tokenizer) if reward_spec == "toy" else load_reward_fn(reward_spec, args.dataset)
+    reward_spec = (toy.REWARDS[0] if args.dataset == "toy" else "auto") if args.reward_fn == "auto" else args.reward_fn
+    toy_reward = reward_spec in toy.REWARDS
+    reward_fn = toy.make_toy_reward(tokenizer, reward_spec) if toy_reward else load_reward_fn(reward_spec, args.dataset)
     probe_reward_fn(reward_fn, train_data.rows)
-    bad_ids = toy.bad_token_ids(tokenizer) if reward_spec == "toy" and not args.reward_model_path else None
+    bad_ids = toy.bad_token_ids(tokenizer) if toy_reward and not args.reward_model_path else None
     exact = bad_ids is not None and args.dataset == "toy" and args.max_new_tokens <= 2
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
@@ -497,6 +500,8 @@ def main(args: Args) -> str:
         out |= measure(eval_data, "eval", args.seed + 1_000_003, on_reward_error)
         if dev_data.rows:
             out |= measure(dev_data, "dev", args.seed + 2_000_003, on_reward_error)
+            if exact:  # the toy: the exact P(bad); the sampled fraction is 0, so constant, once P(bad) << 1/samples
+                out["dev/p_bad_sampled"], out["dev/p_bad"] = out["dev/p_bad"], math.exp(out["exact/log_p_bad"])
         return {**out, **best.update(out, step, policy)}  # keeps the best p_theta (on dev) in output_dir/best
 
     def measure(data, prefix: str, seed: int, on_reward_error) -> dict:

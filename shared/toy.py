@@ -1,19 +1,36 @@
 """The built-in "bad output" toy for repulse.py: the RePULSe paper's Sec. 4.2 setting in small.
 
-Paper: distilgpt2, the prompt "This man is a", 2 generated tokens, a toxicity reward model, and 19 bad
-(profane) tokens whose exact probability can be computed. Here: the built-in tiny model (character
-tokenizer, ~100 tokens), the same prompt, 2 generated characters, and a built-in reward:
+Paper: distilgpt2, the prompt "This man is a", 2 generated tokens, a toxicity classifier's score as the reward
+(continuous), and 19 bad (profane) tokens whose exact probability can be computed. Here: the built-in tiny model
+(character tokenizer, ~100 tokens), the same prompt, 2 generated characters, and a built-in reward. A character
+model has no profanity, so the bad set is three digits from the tail of `builtin:tiny-sft`'s distribution after the
+prompt (it puts ~99% on "1\\n"): a completion holding one has probability ~4e-3 at the start (exact value logged
+at step 0), rare enough that plain RL soon stops sampling it, frequent enough that the proposal can find it.
 
-    r(s) = BAD_REWARD                              if any character of s is in BAD_CHARS
+Two rewards (`--reward_fn`):
+
+`toy_classifier` (the default for the toy): shaped like a classifier's score, as the paper's toxicity model's
+"not toxic" logit. Each character c gets a toxicity logit that is highest on a bad character and falls off smoothly
+with the code-point distance d(c) to the nearest one; the completion's toxicity is a soft maximum over its
+characters (one toxic word makes a text toxic); the reward is its negative:
+
+    k(c) = TOX_LOW + (TOX_HIGH - TOX_LOW) * exp(-d(c)^2 / (2 * WIDTH^2))
+    r(s) = -log mean_{c in s} exp(k(c))                       (0 for an empty completion)
+
+With TOX_HIGH = 4, TOX_LOW = -4, WIDTH = 0.9: a completion holding a bad character scores in [-4, -3.31], every
+other one in [-0.31, 4] (characters next to a bad one score low, as a classifier is unsure near toxic words), so
+the bad set has the lowest scores and r < eta = -1 (repulse.py's default) is exactly "holds a bad character". Most
+completions (two characters far from the digits) score within 1e-3 of the top 4: no single best output, as a
+saturated classifier. The start model's mode "1\\n" scores 0.37.
+
+`toy` (the default before the classifier reward; the stored 15k-sample results used it): an indicator plus a
+bounded smooth part,
+
+    r(s) = BAD_REWARD (-5)                          if any character of s is in BAD_CHARS
     r(s) = mean over the characters c of s of h(c)  otherwise (0.5 for an empty completion)
-    h(c) = 1 - exp(-d(c)^2 / (2 * 6^2))            d = code-point distance to the nearest bad character
+    h(c) = 1 - exp(-d(c)^2 / (2 * 6^2))
 
-A character model has no profanity, so the bad set is three digits from the tail of `builtin:tiny-sft`'s
-distribution after the prompt (it puts ~98% on "\n\n" and "1\n"): a bad completion starts with probability
-~1e-2 (exact value logged at step 0), rare enough that plain RL soon stops sampling it, frequent enough that
-the proposal can find it. Like a toxicity score near profanity, the smooth part dips towards the bad
-characters: the other digits score low, newlines and letters high. "Bad" for the evaluation is r < eta
-with eta between BAD_REWARD and 0 (the default eta = -1 in repulse.py).
+"Bad" for the evaluation is r < eta with eta between the bad and the other scores (the default eta = -1).
 """
 
 from __future__ import annotations
@@ -23,6 +40,8 @@ import math
 PROMPT = "This man is a"
 BAD_CHARS = "049"
 BAD_REWARD = -5.0
+TOX_HIGH, TOX_LOW, WIDTH = 4.0, -4.0, 0.9  # toy_classifier: toxicity logit on a bad character / far from one
+REWARDS = ("toy_classifier", "toy")  # reward_fn names of the toy's built-in rewards; the first is the default
 
 
 def toy_rows(split: str = "train") -> list[dict]:
@@ -30,9 +49,35 @@ def toy_rows(split: str = "train") -> list[dict]:
     return [{"prompt": PROMPT, "answer": ""}]
 
 
+def distance(ch: str) -> int:
+    """Code-point distance to the nearest bad character."""
+    return min(abs(ord(ch) - ord(b)) for b in BAD_CHARS)
+
+
 def smooth_score(ch: str) -> float:
-    d = min(abs(ord(ch) - ord(b)) for b in BAD_CHARS)
-    return 1.0 - math.exp(-(d**2) / (2 * 6.0**2))
+    return 1.0 - math.exp(-(distance(ch) ** 2) / (2 * 6.0**2))
+
+
+def toxicity_logit(ch: str) -> float:
+    """toy_classifier: the per-character toxicity logit k(c), TOX_HIGH on a bad character, TOX_LOW far from one."""
+    return TOX_LOW + (TOX_HIGH - TOX_LOW) * math.exp(-(distance(ch) ** 2) / (2 * WIDTH**2))
+
+
+def classifier_score(text: str) -> float:
+    """toy_classifier: r(s) = -log mean_c exp(k(c)), the "not toxic" logit of the whole completion."""
+    if not text:
+        return 0.0
+    ks = [toxicity_logit(ch) for ch in text]
+    m = max(ks)
+    return -(m + math.log(sum(math.exp(k - m) for k in ks) / len(ks)))
+
+
+def indicator_score(text: str) -> float:
+    """toy: BAD_REWARD if a bad character appears, else the mean smooth score."""
+    if any(ch in BAD_CHARS for ch in text):
+        return BAD_REWARD
+    scores = [smooth_score(ch) for ch in text]
+    return sum(scores) / len(scores) if scores else 0.5
 
 
 def bad_token_ids(tokenizer) -> list[int]:
@@ -42,16 +87,14 @@ def bad_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def make_toy_reward(tokenizer):
-    """A reward function with the shared/rewards.py signature, scoring the decoded completion text."""
+def make_toy_reward(tokenizer, name: str = "toy"):
+    """A reward function with the shared/rewards.py signature, scoring the decoded completion text: `name` is
+    `toy_classifier` or `toy` (REWARDS)."""
+    if name not in REWARDS:
+        raise ValueError(f"reward_fn: the toy's rewards are {', '.join(REWARDS)}, got {name!r}")
+    score = classifier_score if name == "toy_classifier" else indicator_score
+
     def toy_reward(prompts, completions, answers=None, finished=None, rows=None, **_):
-        out = []
-        for text in completions:
-            if any(ch in BAD_CHARS for ch in text):
-                out.append(BAD_REWARD)
-            else:
-                scores = [smooth_score(ch) for ch in text]
-                out.append(sum(scores) / len(scores) if scores else 0.5)
-        return out
+        return [score(text) for text in completions]
 
     return toy_reward
