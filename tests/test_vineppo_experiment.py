@@ -156,3 +156,30 @@ def test_run_argv_flags_exist():
         fields = {f.name for f in dataclasses.fields(importlib.import_module(f"algorithms.{algo}").Args)}
         argv = cmp.run_argv(algo, 1, Path("o"), "start", a)
         assert {x[2:] for x in argv if x.startswith("--")} <= fields
+
+
+def test_docs_renderers_of_the_result():
+    """scripts/docs_tables.py renders docs/results/vineppo_vs_ppo.json (once measured) from these fields."""
+    docs_tables = load("docs_tables")
+    curves = {"ppo": pts(0.3, 0.4, 0.5, 0.55, 0.6), "vineppo": pts(0.3, 0.6, 0.7, 0.65, 0.7, sec=20.0),
+              "grpo": pts(0.3, 0.35, 0.4, 0.45, 0.5)}
+    per_seed = [{"seed": 1, **cmp.summarize_seed(curves, {a: 8 for a in curves})}]
+    table = vp.per_position([0, 0, 1, 1], [0.2, 0.6, 0.0, 0.5],
+                            {"critic": [0.4, 0.4, 0.5, 0.5], "mc_k9": [0.0, 1.0, 0.1, 0.3]})
+    d = {"settings": {"vineppo_k": 9, "eval": "500 test prompts x 4 samples, T = 1", "eval_every": 2,
+                      "gradient_steps_per_rollout_step": 4, "rollout_steps": 8, "prompts_per_step": 64,
+                      "completions_per_prompt": 8, "learning_rate": 1e-4},
+         "sft_start": {"weights_sha256": cmp.EXPECTED_SFT_SHA256}, "per_seed": per_seed,
+         "value_prediction": {"per_position_mean_over_seeds": cmp.pool_value_tables([table]),
+                              "per_seed": [{"num_prompts": 2, "k_truth": 256}]},
+         "goal": cmp.goal(per_seed, cmp.pool_value_tables([table]), 9),
+         "command": "python scripts/compare_vineppo_ppo_grpo.py", "env": {"device": "CPU X x2", "time": "t", "git_commit": "abc1234"}}
+    text = docs_tables.vineppo_vs_ppo(d)
+    assert "| 1 | PPO | 0.300 | 0.600 | 32 / 32 | 1.3 / 1.3 |" in text
+    assert "| 1 | VinePPO (K = 9) | 0.300 | 0.700 | 8 / 32 | 0.7 / 2.7 |" in text
+    assert "| 1 | GRPO | 0.300 | 0.500 | never / 32 | never / 1.3 |" in text
+    assert "within 1/3 of PPO's gradient steps on every seed: yes" in text
+    text = docs_tables.vineppo_value_table(d)
+    assert "| S_0 | 2 | 0.200 | 0.300 | 0.500 | 1.000 |" in text
+    assert "| S_1 | 2 | 0.250 | 0.150 | 0.500 | 1.000 |" in text
+    assert "MC better on both at every position: no" in text  # S_0: the MC's MAE is higher
