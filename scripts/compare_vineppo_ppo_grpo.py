@@ -223,7 +223,10 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     session = {"env": bc.environment(), "command": bc.invocation(), "units": []}  # env.time: this session's start
     t0 = time.time()
-    durations: dict[str, float] = {}  # the last duration of each kind of unit, for the budget
+    durations: dict[str, float] = {}  # the last duration of each kind of unit (earlier sessions too), for the budget
+    if (a.out / "sessions.jsonl").exists():
+        for unit in (u for s in bc.read_jsonl(a.out / "sessions.jsonl") for u in s["units"]):
+            durations[unit["run"].split("_seed")[0] if unit.get("to_step") is not None else "value"] = unit["seconds"]
 
     def within_budget(kind: str) -> bool:
         if not a.budget_minutes:
