@@ -219,6 +219,9 @@ def main() -> None:
     if a.status:
         for (algo, seed), run in runs.items():
             print(f"{algo} seed {seed}: {steps_done(run)}/{num_steps} rollout steps{' (finished)' * finished(run)}")
+        for seed in a.seeds:
+            done = (a.out / f"value_prediction_seed{seed}.json").exists()
+            print(f"value prediction seed {seed}: {'done' if done else 'not done'}")
         return
     a.out.mkdir(parents=True, exist_ok=True)
     session = {"env": bc.environment(), "command": bc.invocation(), "units": []}  # env.time: this session's start
