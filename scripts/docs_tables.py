@@ -563,6 +563,57 @@ def value_prediction(d: dict) -> str:
     return "\n".join(lines)
 
 
+def vineppo_vs_ppo(d: dict) -> str:
+    """scripts/compare_vineppo_ppo_grpo.py: per seed and algorithm, the final held-out accuracy and the gradient steps
+    and training minutes to first reach PPO's final accuracy of that seed."""
+    st, algos = d["settings"], list(d["per_seed"][0]["algorithms"])
+    names = {"ppo": "PPO", "vineppo": f"VinePPO (K = {st['vineppo_k']})", "grpo": "GRPO"}
+    reach = lambda x, f: "never" if x is None else f(x)  # noqa: E731
+    minutes = lambda x: f"{x / 60:.1f}"  # noqa: E731
+    lines = ["| seed | algorithm | start | final | gradient steps to PPO's final | training minutes to PPO's final |",
+             "|---|---|---|---|---|---|"]
+    for s in d["per_seed"]:
+        for algo in algos:
+            r = s["algorithms"][algo]
+            lines.append(f"| {s['seed']} | {names.get(algo, algo)} | {r['initial_accuracy']:.3f} | "
+                         f"{r['final_accuracy']:.3f} | {reach(r['gradient_steps_to_target'], str)} / "
+                         f"{r['final_gradient_steps']} | {reach(r['train_seconds_to_target'], minutes)} / "
+                         f"{minutes(r['total_train_seconds'])} |")
+    g = d["goal"]
+    lines += ["", f"Target of each seed: PPO's final held-out accuracy ({st['eval']}, every {st['eval_every']} rollout "
+                  f"steps = {st['eval_every'] * st['gradient_steps_per_rollout_step']} gradient steps); \"x / y\": "
+                  f"to the target / in the whole run. {st['rollout_steps']} rollout steps of "
+                  f"{st['prompts_per_step']} prompts x {st['completions_per_prompt']} completions, "
+                  f"{st['gradient_steps_per_rollout_step']} gradient steps each, lr {st['learning_rate']:g}; same SFT "
+                  f"start (weights {d['sft_start']['weights_sha256'][:12]}). Training minutes: the training steps' "
+                  f"phases, without evaluation and set-up. VinePPO within 1/3 of PPO's gradient steps on every seed: "
+                  f"{'yes' if g['vineppo_within_a_third_of_ppo_steps_on_every_seed'] else 'no'}. "
+                  + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py")]
+    return "\n".join(lines)
+
+
+def vineppo_value_table(d: dict) -> str:
+    """scripts/compare_vineppo_ppo_grpo.py (value_prediction.py per seed): MAE and pairwise ranking accuracy of PPO's
+    critic and of the K-rollout MC estimate against the ground truth, per step position, mean over seeds."""
+    k, vp = d["settings"]["vineppo_k"], d["value_prediction"]
+    mc = f"mc_k{k}"
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = [f"| step position | states (all seeds) | MAE: critic | MAE: MC, K = {k} | ranking accuracy: critic | "
+             "ranking accuracy: MC |", "|---|---|---|---|---|---|"]
+    for r in vp["per_position_mean_over_seeds"]:
+        pos = "all (pooled)" if r["position"] == "all" else f"S_{r['position']}"
+        lines.append(f"| {pos} | {r['num_states']} | {f(r['mae']['critic'])} | {f(r['mae'][mc])} | "
+                     f"{f(r['ranking_accuracy']['critic'])} | {f(r['ranking_accuracy'][mc])} |")
+    first = vp["per_seed"][0]
+    better = d["goal"]["mc_beats_critic_at_every_position"]
+    lines += ["", f"Mean over {len(vp['per_seed'])} seeds; states at the step boundaries of {first['num_prompts']} "
+                  f"held-out responses of each seed's final PPO policy; ground truth: {first['k_truth']} rollouts per "
+                  "state. Ranking accuracy: pairs of states at the same position whose ground truths differ, ordered "
+                  f"as the truth orders them (ties in the estimate count half). MC better on both at every position: "
+                  f"{'yes' if better else 'no'}. " + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py")]
+    return "\n".join(lines)
+
+
 def drca_vs_ppo(d: dict) -> str:
     def pair(r, arm, key, other):
         a, b = r[f"{arm}_final_{key}"], r[f"{other}_final_{key}"]
@@ -813,7 +864,8 @@ RENDERERS = {"grpo_variants": grpo_variants, "real_model_prompts": real_model_pr
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,
              "bench_grpo_profile": bench_grpo_profile, "generation_sweep": generation_sweep,
              "bench_vineppo_phases": bench_vineppo_phases, "ppo_vs_vineppo": ppo_vs_vineppo,
-             "value_prediction": value_prediction, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
+             "value_prediction": value_prediction, "vineppo_vs_ppo": vineppo_vs_ppo,
+             "vineppo_value_table": vineppo_value_table, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "repulse_toy_paper": repulse_toy_paper,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,

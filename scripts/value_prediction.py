@@ -1,12 +1,21 @@
-"""VinePPO's value-prediction analysis in small (an experiment, not a test).
+"""VinePPO's value-prediction analysis in small (an experiment, not a test; issue #18 item 3).
 
-At the step boundaries of held-out responses sampled from a policy, compare two value estimates with a
-Monte Carlo "ground truth" (K_truth rollouts per state):
-  - the PPO critic's prediction (a critic saved by `algorithms/ppo.py` in <output_dir>/critic);
-  - VinePPO's estimate, the mean reward of K (default 9) rollouts.
-Reports the mean absolute error of each (the VinePPO paper, Sec. 6, finds the MC estimate far more accurate).
+At the step boundaries of held-out responses sampled from a policy (states S_j: the prompt and the response's
+first j steps), compare two value estimates with a Monte Carlo "ground truth" (K_truth rollouts per state, from
+the same policy):
+  - the PPO critic's prediction (a critic saved by `algorithms/ppo.py` in <output_dir>/critic), read at the
+    state's last token, as ppo.py reads it for GAE;
+  - VinePPO's estimate, the mean reward of K (default 9) fresh rollouts.
+The VinePPO paper (Sec. 6) finds the MC estimate far more accurate. Reported, overall and per step position j:
+  - mean absolute error against the ground truth;
+  - pairwise ranking accuracy: over the pairs of states at the same step position (from different responses)
+    whose ground-truth values differ, the share that the estimator orders the same way; a tie in the estimate
+    counts half (K = 9 rollouts give 10 possible values, so MC ties are common). The overall number pools the
+    pairs of every position.
 
     python scripts/value_prediction.py --policy runs/ppo/final --critic runs/ppo/critic
+    python scripts/value_prediction.py --policy runs/ppo/final --critic runs/ppo/critic \
+        --dataset builtin:sums-6 --max_new_tokens 18 --output value.json
 """
 
 from __future__ import annotations
@@ -28,7 +37,57 @@ from shared.distributed import default_dtype, load_tokenizer  # noqa: E402
 from shared.generation import VLLMGenerator  # noqa: E402
 from shared.rewards import compute_rewards, load_reward_fn  # noqa: E402
 from shared.scalar import load_scalar_model, token_values  # noqa: E402
-from shared.steps import get_splitter, step_token_starts  # noqa: E402
+from shared.steps import StepSplitError, get_splitter, step_token_starts  # noqa: E402
+
+
+def mean_abs_error(estimate: list[float], truth: list[float]) -> float:
+    return statistics.mean(abs(a - b) for a, b in zip(estimate, truth, strict=True))
+
+
+def ranking_pairs(estimate: list[float], truth: list[float]) -> tuple[float, int]:
+    """(concordance, pairs) over the pairs i < j with truth[i] != truth[j]: concordance adds 1 for each pair the
+    estimate orders as the truth does, 0.5 for a tie in the estimate, 0 otherwise."""
+    score, pairs = 0.0, 0
+    for i in range(len(truth)):
+        for j in range(i + 1, len(truth)):
+            if truth[i] == truth[j]:
+                continue
+            pairs += 1
+            d = (estimate[i] - estimate[j]) * (truth[i] - truth[j])
+            score += 1.0 if d > 0 else 0.5 if estimate[i] == estimate[j] else 0.0
+    return score, pairs
+
+
+def ranking_accuracy(estimate: list[float], truth: list[float]) -> float | None:
+    """Pairwise ranking accuracy (ties in the estimate count half); None when no pair has distinct truths."""
+    score, pairs = ranking_pairs(estimate, truth)
+    return score / pairs if pairs else None
+
+
+def per_position(positions: list[int], truth: list[float], estimates: dict[str, list[float]]) -> list[dict]:
+    """One row per step position j (states S_j), then an "all" row: the number of states, ranked pairs (pairs at
+    the same position with distinct truths), the mean truth, and per estimator its MAE and ranking accuracy (the
+    "all" row pools the same-position pairs of every position)."""
+    rows, pooled = [], {name: [0.0, 0] for name in estimates}
+    for j in sorted(set(positions)):
+        idx = [i for i, p in enumerate(positions) if p == j]
+        t = [truth[i] for i in idx]
+        row = {"position": j, "num_states": len(idx), "num_pairs": 0, "mean_truth": statistics.mean(t),
+               "mae": {}, "ranking_accuracy": {}}
+        for name, est in estimates.items():
+            e = [est[i] for i in idx]
+            score, pairs = ranking_pairs(e, t)
+            pooled[name][0] += score
+            pooled[name][1] += pairs
+            row["num_pairs"] = pairs
+            row["mae"][name] = mean_abs_error(e, t)
+            row["ranking_accuracy"][name] = score / pairs if pairs else None
+        rows.append(row)
+    rows.append({"position": "all", "num_states": len(truth),
+                 "num_pairs": next(iter(pooled.values()))[1] if pooled else 0, "mean_truth": statistics.mean(truth),
+                 "mae": {name: mean_abs_error(est, truth) for name, est in estimates.items()},
+                 "ranking_accuracy": {name: (s / n if n else None) for name, (s, n) in pooled.items()}})
+    return rows
 
 
 def main() -> None:
@@ -37,12 +96,12 @@ def main() -> None:
     p.add_argument("--critic", required=True, help="critic checkpoint saved by ppo.py")
     p.add_argument("--dataset", default="builtin")
     p.add_argument("--split", default="test")
-    p.add_argument("--splitter", default="lines")
+    p.add_argument("--splitter", default="lines", help="step splitter (shared/steps.py); `lines` for builtin:sums-N")
     p.add_argument("--num_prompts", type=int, default=200)
     p.add_argument("--k", type=int, default=9, help="rollouts of the VinePPO estimate")
     p.add_argument("--k_truth", type=int, default=256, help="rollouts of the ground truth")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max_new_tokens", type=int, default=16)
+    p.add_argument("--max_new_tokens", type=int, default=16, help="as in training (builtin:sums-6: 18)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write the result as JSON here")
     args = p.parse_args()
@@ -65,11 +124,17 @@ def main() -> None:
     # one held-out response per prompt, its states at step boundaries
     trajs = gen.generate(prompts.prompt_ids, n=1, temperature=args.temperature, top_p=1.0,
                          max_new_tokens=args.max_new_tokens, seed=args.seed)
-    states = []  # (prompt index, completion prefix)
+    states, positions, unsplittable = [], [], 0  # (prompt index, completion prefix), step position j
     for i, group in enumerate(trajs):
         ids = group[0].token_ids
-        for k in step_token_starts(ids, split(decode(ids)), decode):
+        try:
+            starts = step_token_starts(ids, split(decode(ids)), decode)
+        except StepSplitError:  # VinePPO drops such a response from the loss; here it has no states
+            unsplittable += 1
+            continue
+        for j, k in enumerate(starts):
             states.append((i, ids[:k]))
+            positions.append(j)
     budgets = [args.max_new_tokens - len(prefix) for _, prefix in states]
     requests = [prompts.prompt_ids[i] + prefix for i, prefix in states]
 
@@ -91,11 +156,13 @@ def main() -> None:
             v = token_values(critic, ids, attn)
             critic_v += v.gather(1, (attn.sum(1) - 1).unsqueeze(1)).squeeze(1).tolist()  # value at the state's last token
 
-    mae = lambda est: statistics.mean(abs(a - b) for a, b in zip(est, truth))  # noqa: E731
-    result = {**provenance, "policy": args.policy, "critic": args.critic, "num_prompts": args.num_prompts,
-              "num_states": len(states), "k": args.k,
-              "k_truth": args.k_truth, "mae_critic": mae(critic_v), f"mae_mc_k{args.k}": mae(vine),
-              "mean_truth_value": statistics.mean(truth)}
+    table = per_position(positions, truth, {"critic": critic_v, f"mc_k{args.k}": vine})
+    result = {**provenance, "policy": args.policy, "critic": args.critic, "dataset": args.dataset,
+              "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
+              "num_states": len(states), "unsplittable_responses": unsplittable, "k": args.k,
+              "k_truth": args.k_truth, "mae_critic": mean_abs_error(critic_v, truth),
+              f"mae_mc_k{args.k}": mean_abs_error(vine, truth), "mean_truth_value": statistics.mean(truth),
+              "per_position": table}
     print(json.dumps(result, indent=2))
     if args.output:
         args.output.write_text(json.dumps(result, indent=2))
