@@ -91,9 +91,15 @@ def curve(rows: list[dict], args: dict) -> list[dict]:
     return sorted(out, key=lambda x: x["step"])
 
 
-def first_reach(points: list[dict], target: float) -> dict | None:
-    """The first evaluation with accuracy >= target (None if never)."""
-    return next((p for p in points if p["accuracy"] >= target), None)
+def first_reach(points: list[dict], target: float, consecutive: int = 1) -> dict | None:
+    """The first evaluation with accuracy >= target that `consecutive` - 1 later evaluations also reach (None if
+    never). consecutive = 1 is the issue's plain definition; 2 (reported beside it, fixed before any run) keeps a
+    curve that plateaus near the target from 'reaching' it on one lucky evaluation (each has a standard error of
+    about 0.01). The run's last evaluations count with the successors they have (PPO reaches its own final)."""
+    for i in range(len(points)):
+        if all(p["accuracy"] >= target for p in points[i:i + consecutive]):
+            return points[i]
+    return None
 
 
 def summarize_seed(curves: dict[str, list[dict]], eval_every_steps: dict[str, int]) -> dict:
@@ -103,7 +109,7 @@ def summarize_seed(curves: dict[str, list[dict]], eval_every_steps: dict[str, in
     target = curves["ppo"][-1]["accuracy"]
     out = {"target_accuracy": target, "algorithms": {}}
     for algo, pts in curves.items():
-        hit = first_reach(pts, target)
+        hit, sustained = first_reach(pts, target), first_reach(pts, target, consecutive=2)
         res = None
         if hit is not None and hit["gradient_steps"]:
             res = eval_every_steps[algo] / hit["gradient_steps"]
@@ -111,7 +117,8 @@ def summarize_seed(curves: dict[str, list[dict]], eval_every_steps: dict[str, in
             "initial_accuracy": pts[0]["accuracy"], "final_accuracy": pts[-1]["accuracy"],
             "final_gradient_steps": pts[-1]["gradient_steps"], "total_train_seconds": pts[-1]["train_seconds"],
             "gradient_steps_to_target": hit and hit["gradient_steps"], "rollout_steps_to_target": hit and hit["step"],
-            "train_seconds_to_target": hit and hit["train_seconds"], "relative_resolution": res}
+            "train_seconds_to_target": hit and hit["train_seconds"], "relative_resolution": res,
+            "gradient_steps_to_target_twice": sustained and sustained["gradient_steps"]}
     return out
 
 

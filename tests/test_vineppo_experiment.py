@@ -100,6 +100,14 @@ def pts(*accs, every=2, sec=10.0):
             for i, x in enumerate(accs)]
 
 
+def test_first_reach_plain_and_twice_in_a_row():
+    points = [{"step": i, "accuracy": a} for i, a in enumerate([0.3, 0.61, 0.55, 0.6, 0.62, 0.5])]
+    assert cmp.first_reach(points, 0.6)["step"] == 1  # one lucky evaluation counts for the plain definition
+    assert cmp.first_reach(points, 0.6, consecutive=2)["step"] == 3
+    assert cmp.first_reach(points, 0.63) is None and cmp.first_reach(points, 0.62, consecutive=2) is None
+    assert cmp.first_reach(points[:5], 0.62, consecutive=2)["step"] == 4  # the last evaluation, with no successor
+
+
 def test_summarize_seed_and_goal():
     curves = {"ppo": pts(0.3, 0.4, 0.5, 0.55, 0.6), "vineppo": pts(0.3, 0.6, 0.7, 0.65, 0.7, sec=20.0),
               "grpo": pts(0.3, 0.35, 0.4, 0.45, 0.5)}
@@ -113,6 +121,8 @@ def test_summarize_seed_and_goal():
     assert (vine["initial_accuracy"], vine["final_accuracy"], vine["final_gradient_steps"]) == (0.3, 0.7, 32)
     assert grpo["gradient_steps_to_target"] is None and grpo["train_seconds_to_target"] is None
     assert ppo["relative_resolution"] == 0.25
+    # reached twice in a row (the last evaluation counts alone): PPO at its last, VinePPO's 0.6, 0.7 at steps 1, 2
+    assert (ppo["gradient_steps_to_target_twice"], vine["gradient_steps_to_target_twice"]) == (32, 8)
     g = cmp.goal([{"seed": 1, **s}], None, 9)
     assert g == {"vineppo_within_a_third_of_ppo_steps_on_every_seed": True, "mc_beats_critic_at_every_position": None}
     slow = cmp.summarize_seed({**curves, "vineppo": pts(0.3, 0.4, 0.5, 0.6, 0.6)}, {a: 8 for a in curves})
