@@ -109,7 +109,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: int = 0
-    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation); 0: synchronous"""
+    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
     lora_r: int = 0
@@ -514,7 +514,7 @@ def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_tr
 
 
 def check_async(args) -> None:
-    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation)."""
+    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
     if not args.async_steps:
         return
     if args.generator == "hf":
@@ -553,7 +553,7 @@ def main(args: Args) -> str:
     args.world_size = info.world_size
     if args.async_steps and info.world_size > 1:
         raise ValueError(f"async_steps: runs in one process only ({info.world_size} here): a generation thread "
-                         "beside the ranks' collectives is not tested; docs/grpo.md#asynchronous-generation")
+                         "beside the ranks' collectives is not tested")
     args.local_batch_size = args.local_num_prompts * args.num_generations
     args.batch_size = args.local_batch_size * info.world_size
     args.num_prompts = args.local_num_prompts * info.world_size

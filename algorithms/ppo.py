@@ -16,7 +16,8 @@ Two flavours from the same file:
 Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic instead of group statistics.
 Delta to VinePPO (algorithms/vineppo.py): VinePPO replaces the critic with Monte Carlo value estimates.
 Options: --tis (truncated importance sampling against the sampler's log-probs, as grpo.py), --async_steps k
-(generate step t+k's batch while step t trains, at most k updates stale; docs/ppo.md#asynchronous-generation).
+(generate step t+k's batch while step t trains, at most k updates stale;
+docs/grpo.md#asynchronous-generation---async_steps).
 
 Launch:
     python algorithms/ppo.py                                                   # CPU, built-in task
@@ -100,7 +101,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: int = 0
-    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/ppo.md#asynchronous-generation); 0: synchronous"""
+    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forwards"""
     lora_r: int = 0
@@ -384,7 +385,7 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 
 def check_async(args) -> None:
-    """--async_steps > 0: one-line errors for the flags it does not work with (docs/ppo.md#asynchronous-generation)."""
+    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
     if not args.async_steps:
         return
     if args.generator == "hf":
@@ -417,7 +418,7 @@ def main(args: Args) -> str:
     args.world_size = info.world_size
     if args.async_steps and info.world_size > 1:
         raise ValueError(f"async_steps: runs in one process only ({info.world_size} here): a generation thread "
-                         "beside the ranks' collectives is not tested; docs/ppo.md#asynchronous-generation")
+                         "beside the ranks' collectives is not tested")
     args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
     args.batch_size = args.local_batch_size * info.world_size
     args.num_prompts = args.local_num_prompts * info.world_size

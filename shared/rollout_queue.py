@@ -16,7 +16,7 @@ seeds are those of a synchronous run. The weights of the colocated engine change
 batch's `version` is the number of updates the engine held when it was submitted: it is generated from those
 weights, whatever the trainer does meanwhile. Generation (vLLM releases the GIL in its kernels and torch ops) overlaps
 the trainer's forward and backward passes; on one device they share its compute, so the overlap gains little there
-(docs/grpo.md#asynchronous-generation).
+(docs/grpo.md#asynchronous-generation---async_steps).
 """
 
 from __future__ import annotations

@@ -336,9 +336,10 @@ def _broadcast_worker(rank: int, port: int, out: str) -> None:
     before = [g[0].token_ids for g in engine.generate(prompts, **kw)]
     engine.sync_weights(receive_weights(group))
     after = [g[0].token_ids for g in engine.generate(prompts, **kw)]
-    want = [g[0].token_ids for g in HFGenerator(sent, tok, stop_token_ids=engine.stop_token_ids).generate(prompts, **kw)]
-    Path(out, "received.json").write_text(json.dumps({"names": received, "equal": equal, "engine_matches": after == want,
-                                                      "engine_changed": before != after}))
+    hf = HFGenerator(sent, tok, stop_token_ids=engine.stop_token_ids)
+    want = [g[0].token_ids for g in hf.generate(prompts, **kw)]
+    Path(out, "received.json").write_text(json.dumps({"names": received, "equal": equal,
+                                                      "engine_matches": after == want, "engine_changed": before != after}))
 
 
 @pytest.mark.slow
