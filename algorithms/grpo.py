@@ -22,6 +22,8 @@ instead of GAE on a learned critic. Variants (grpo.md):
   --num_iterations                          mu: updates per batch, ratio against the sampling-time log-probs
   --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
   --tis                                     truncated importance sampling against the sampler's log-probs
+  --async_steps k                           generate step t+k's batch while step t trains (off-policy by <= k
+                                            updates, corrected by --tis against the generator's log-probs)
   --dynamic_sampling, --max_refill_rounds   drop groups with all-equal rewards, sample more prompts to refill the
                                             batch, at most max_refill_rounds extra rounds (DAPO)
 Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is ~0 (beta=0), yet the
@@ -30,6 +32,7 @@ gradient is the policy gradient sum_t A grad log pi.
 Launch:
     python algorithms/grpo.py                                  # CPU, built-in task, tiny model, ~7.5 minutes
     python algorithms/grpo.py --generator hf                   # HF generate instead of vLLM
+    python algorithms/grpo.py --async_steps 1                  # generation overlaps training, one update stale
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/grpo.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero3.yaml algorithms/grpo.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --chat_template --dataset openai/gsm8k:main \
@@ -105,6 +108,8 @@ class Args:
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    async_steps: int = 0
+    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forward"""
     lora_r: int = 0
@@ -508,12 +513,28 @@ def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_tr
     return mask
 
 
+def check_async(args) -> None:
+    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
+    if not args.async_steps:
+        return
+    if args.generator == "hf":
+        raise ValueError("async_steps: needs --generator vllm (the HF backend generates with the training model "
+                         "itself, which the update would change mid-generation)")
+    if args.vllm_enable_sleep:
+        raise ValueError("async_steps: the engine generates while the trainer trains, so it cannot sleep then; drop "
+                         "--vllm_enable_sleep")
+    if args.dynamic_sampling:
+        raise ValueError("async_steps: --dynamic_sampling's refill rounds depend on the step's rewards, known only "
+                         "after its batch was generated; use one or the other")
+
+
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
     check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_minibatches", "local_micro_batch_size",
                                 "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
                 non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
-                              "stop_after_steps", "max_nonfinite_steps"))
+                              "stop_after_steps", "max_nonfinite_steps", "async_steps"))
+    check_async(args)
     if args.num_generations < 2:
         raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
     if args.temperature <= 0:
@@ -530,6 +551,9 @@ def main(args: Args) -> str:
     validate(args)
     info = init_distributed()
     args.world_size = info.world_size
+    if args.async_steps and info.world_size > 1:
+        raise ValueError(f"async_steps: runs in one process only ({info.world_size} here): a generation thread "
+                         "beside the ranks' collectives is not tested")
     args.local_batch_size = args.local_num_prompts * args.num_generations
     args.batch_size = args.local_batch_size * info.world_size
     args.num_prompts = args.local_num_prompts * info.world_size
@@ -626,24 +650,34 @@ def main(args: Args) -> str:
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
+    def next_prompts() -> list[int]:  # the next num_prompts prompts of the global order; this rank's slice
+        global_idx = sampler.next_indices(args.num_prompts)
+        return global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+
+    def sample(step: int, rnd: int, local_idx: list[int]) -> list:
+        """1. rollout: G samples of each of this rank's prompts of round `rnd` of a step. Global prompt i of round r
+        samples with the seed of index r * num_prompts + i, so no two prompts of a step share one."""
+        return generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
+                                  temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed * 7_919 + step,
+                                  index_offset=rnd * args.num_prompts + info.rank * args.local_num_prompts)
+
     def rollout(step: int, rnd: int) -> tuple[list[int], list, list[str], list[float]]:
         """1. rollout and 2. reward of round `rnd` of a step (rounds > 0 only with --dynamic_sampling): the next
         num_prompts prompts of the global order, this rank's slice sampled G times each and scored. Returns the
-        rank's prompt indices, completions (prompt-major: [P_local * G]), their texts and rewards. Global prompt i
-        of round r samples with the seed of index r * num_prompts + i, so no two prompts of a step share one."""
-        # 1. rollout: this rank's slice of the round's global prompt batch, G samples each
+        rank's prompt indices, completions (prompt-major: [P_local * G]), their texts and rewards."""
         with timer("generate"):
             if rnd:
                 generator.wake_up()  # it slept after the previous round
-            global_idx = sampler.next_indices(args.num_prompts)
-            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-            prompts = [train_data.prompt_ids[i] for i in local_idx]
-            outs = generator.generate(prompts, n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
-                                      index_offset=rnd * args.num_prompts + info.rank * args.local_num_prompts)
+            local_idx = next_prompts()
+            outs = sample(step, rnd, local_idx)
             # frees the GPU for training when --vllm_enable_sleep (no-op otherwise); level 2 discards the engine's
             # weights, which the sync after the update replaces (dynamic sampling may generate again before it: 1)
             generator.sleep(level=1 if args.dynamic_sampling else 2)
+        return (local_idx, *score(step, local_idx, outs))
+
+    def score(step: int, local_idx: list[int], outs: list) -> tuple[list, list[str], list[float]]:
+        """2. reward of a rollout's samples: completions (prompt-major: [P_local * G]), texts, rewards."""
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
 
@@ -663,7 +697,30 @@ def main(args: Args) -> str:
                 with ckpt.user_code(step, engines, tracker):
                     scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
                                              [x["answer"] for x in rows], [c.finished for c in comps], rows)
-        return local_idx, comps, texts, scores
+        return comps, texts, scores
+
+    # --async_steps k (shared/rollout_queue.py): step s's prompts are drawn when it is submitted, at the start of step
+    # s - k (the data order of a synchronous run), and generated in a background thread by the weights the engine
+    # holds then, those of `engine_version` updates, while that step trains. The update's shuffles then draw on their
+    # own generator: the engine thread draws on torch's global one meanwhile, in an order that depends on timing
+    rollouts, engine_version, shuffle_rng = None, start_step, None
+    if args.async_steps:
+        from shared.rollout_queue import RolloutQueue
+
+        rollouts = RolloutQueue(restored=state.get("async_rollouts"))
+        shuffle_rng = torch.Generator().manual_seed(local_seed)
+        if "shuffle_rng" in state:
+            shuffle_rng.set_state(state["shuffle_rng"])
+
+    def submit(s: int) -> None:
+        if s <= args.num_steps and s not in rollouts:
+            local_idx = next_prompts()
+            rollouts.submit(s, engine_version, lambda: (local_idx, sample(s, 0, local_idx)))
+
+    def async_state() -> dict | None:  # rank-local checkpoint state: the generated batches not yet trained on
+        if rollouts is None:
+            return None
+        return {"async_rollouts": rollouts.state_dict(), "shuffle_rng": shuffle_rng.get_state()}
 
     # training loop
     timer = Timer()
@@ -677,10 +734,22 @@ def main(args: Args) -> str:
     policy.train()
     local_idx: list[int] = []
     warned_unfilled = False
+    for s in range(start_step + 1, start_step + args.async_steps + 1):  # --async_steps: the first k batches
+        submit(s)
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
+        ckpt.step_start(tracker, local=async_state(), sampler=sampler, guard=guard, best=best, first_eval=first_eval)
         # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
-        local_idx, comps, texts, scores = rollout(step, 0)
+        if args.async_steps:  # generated in the background from the weights of at most k updates ago
+            with timer("generate_wait"):
+                batch = rollouts.take(step)
+            submit(step + args.async_steps)  # generated while this step trains, by the weights it starts from
+            local_idx, outs = batch.result
+            comps, texts, scores = score(step, local_idx, outs)
+            # staleness: updates between the behaviour policy and the policy this step starts from (step - 1)
+            async_metrics = {"async/staleness": step - 1 - batch.version, "async/policy_version": batch.version,
+                             "time/generate": batch.seconds}
+        else:
+            local_idx, comps, texts, scores = rollout(step, 0)
         sampled_scores = list(scores)  # every reward sampled in the step, all rounds (objective/scores)
         num_kept = args.num_prompts  # groups trained on: fewer only when dynamic sampling could not refill
         zero_std_groups = None
@@ -768,11 +837,12 @@ def main(args: Args) -> str:
                                                          args.micro_batching, args.temperature)[0]
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
-        stats = {k: [] for k in ("pg", "kl", "clip", "ratio", "ratio_var", "approxkl", "entropy", "tis", "lpdiff")}
+        stats = {k: [] for k in ("pg", "kl", "clip", "ratio", "ratio_var", "approxkl", "entropy", "tis", "lpdiff",
+                                  "tis_ratio", "tis_clip")}
         grad_norms = []
         with timer("train"):
             for _ in range(args.num_iterations):
-                perm = torch.randperm(args.local_batch_size)
+                perm = torch.randperm(args.local_batch_size, generator=shuffle_rng)  # None: torch's global RNG
                 for mb in range(args.num_minibatches):
                     mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
                     mb_tokens = mask[mb_idx].sum()
@@ -787,6 +857,8 @@ def main(args: Args) -> str:
                         surrogate = cispo_surrogate if args.policy_loss == "cispo" else clipped_surrogate
                         pg, is_clipped, ratio = surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                           args.epsilon_high, m_mask, args.importance_level)
+                        # TIS: w = pi_old / pi_sampler, the behaviour policy being the generator's weights (with
+                        # --async_steps k, up to k updates older than pi_old), truncated or masked at tis_cap
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         per_token = pg * w
                         kl = torch.zeros_like(logp)
@@ -812,8 +884,15 @@ def main(args: Args) -> str:
                             stats["entropy"].append(mm(entropy).item())
                             stats["tis"].append(mm(w).item())
                             stats["lpdiff"].append(mm((logp_old - sampler_logp[idx]).abs()).item())
+                            raw_w = torch.exp((logp_old - sampler_logp[idx]) * m_mask)  # before the cap
+                            stats["tis_ratio"].append(mm(raw_w).item())
+                            stats["tis_clip"].append(mm((w != raw_w).float()).item() if args.tis != "none" else 0.0)
 
         # 7. weight sync: push the updated policy into the generation engine
+        if rollouts is not None:
+            with timer("generate_wait"):
+                rollouts.wait()  # --async_steps: never load weights into the engine during a generation
+            engine_version = step
         with timer("sync"):
             generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
@@ -832,6 +911,8 @@ def main(args: Args) -> str:
             "val/ratio_var": sum(stats["ratio_var"]) / len(stats["ratio_var"]),
             "val/tis_weight": sum(stats["tis"]) / len(stats["tis"]),
             "val/sampler_logprob_diff": sum(stats["lpdiff"]) / len(stats["lpdiff"]),
+            "val/tis_ratio": sum(stats["tis_ratio"]) / len(stats["tis_ratio"]),
+            "val/tis_clipfrac": sum(stats["tis_clip"]) / len(stats["tis_clip"]),
             "val/sequence_lengths": sum(lengths) / len(lengths),
             "val/stop_rate": sum(c.finished for c in comps) / len(comps),
             "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
@@ -846,9 +927,12 @@ def main(args: Args) -> str:
         })
         if args.dynamic_sampling:
             metrics.update(sampling_metrics)
+        if args.async_steps:
+            metrics.update(async_metrics)
+        # evaluation: the engine holds this step's weights (synced above; with --async_steps, no generation runs)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
-                                               best=best, first_eval=first_eval):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, local=async_state(),
+                                               sampler=sampler, guard=guard, best=best, first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -860,9 +944,12 @@ def main(args: Args) -> str:
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
+            ckpt.save(step, engines, tracker, local=async_state(), sampler=sampler, guard=guard, best=best,
+                      first_eval=first_eval)
             if ckpt.stopping:
                 break
+    if rollouts is not None:
+        rollouts.close()
     if ckpt.stopping:
         return ckpt.stop(tracker)
 

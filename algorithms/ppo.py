@@ -15,9 +15,13 @@ Two flavours from the same file:
      non-EOS penalty and adaptive KL controller.
 Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic instead of group statistics.
 Delta to VinePPO (algorithms/vineppo.py): VinePPO replaces the critic with Monte Carlo value estimates.
+Options: --tis (truncated importance sampling against the sampler's log-probs, as grpo.py), --async_steps k
+(generate step t+k's batch while step t trains, at most k updates stale;
+docs/grpo.md#asynchronous-generation---async_steps).
 
 Launch:
     python algorithms/ppo.py                                                   # CPU, built-in task
+    python algorithms/ppo.py --async_steps 1 --tis token_truncate              # generation overlaps training
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/ppo.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/ppo.py \
         --model_name_or_path realtreetune/rho-1b-sft-GSM8K --dataset openai/gsm8k:main --prompt_key question \
@@ -96,6 +100,8 @@ class Args:
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    async_steps: int = 0
+    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forwards"""
     lora_r: int = 0
@@ -178,6 +184,10 @@ class Args:
     """score given to completions without EOS when non_stop_penalty is on"""
     ratio_threshold: float = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "none"
+    """correction for sampler/trainer mismatch (stale weights with --async_steps): `none`, `token_truncate` (clip w at tis_cap), `token_mask`, `sequence_mask`"""
+    tis_cap: float = 2.0
+    """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     eval_every: int = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: int = 500
@@ -268,6 +278,30 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     return loss, clipped, ratio
 
 
+def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
+                cap: float) -> torch.Tensor:
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached (as grpo.py).
+
+    With --async_steps the sampler is the policy of up to k updates ago, so the policy-gradient term is weighted by
+    (pi_theta / pi_old, clipped) * (pi_old / pi_sampler, truncated): decoupled PPO (Hilton et al. 2021, arXiv
+    2110.00641), the proximal policy being the one the step starts from.
+    token_truncate: min(w_t, C); token_mask: w_t if 1/C <= w_t <= C else 0;
+    sequence_mask: w_t if the sequence's geometric-mean ratio is within [1/C, C] else 0."""
+    log_w = (logp_old - logp_sampler).detach() * mask
+    w = torch.exp(log_w)
+    if mode == "none":
+        return torch.ones_like(w)
+    if mode == "token_truncate":
+        return w.clamp(max=cap)
+    if mode == "token_mask":
+        return w * ((w <= cap) & (w >= 1 / cap)).float()
+    if mode == "sequence_mask":
+        seq = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1))
+        keep = ((seq <= cap) & (seq >= 1 / cap)).float().unsqueeze(1)
+        return w * keep
+    raise ValueError(f"tis: expected none, token_truncate, token_mask or sequence_mask, got {mode!r}")
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
     """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) per token (ppo.md §1.3) and the clipped indicator."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
@@ -350,12 +384,25 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     return values
 
 
+def check_async(args) -> None:
+    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
+    if not args.async_steps:
+        return
+    if args.generator == "hf":
+        raise ValueError("async_steps: needs --generator vllm (the HF backend generates with the training model "
+                         "itself, which the update would change mid-generation)")
+    if args.vllm_enable_sleep:
+        raise ValueError("async_steps: the engine generates while the trainer trains, so it cannot sleep then; drop "
+                         "--vllm_enable_sleep")
+
+
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
     check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
                                 "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
                 non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
-                              "stop_after_steps", "max_nonfinite_steps"))
+                              "stop_after_steps", "max_nonfinite_steps", "async_steps"))
+    check_async(args)
     if args.temperature <= 0:
         raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
     if args.num_ppo_epochs < 1 or args.kl_coef < 0:
@@ -369,6 +416,9 @@ def main(args: Args) -> str:
     validate(args)
     info = init_distributed()
     args.world_size = info.world_size
+    if args.async_steps and info.world_size > 1:
+        raise ValueError(f"async_steps: runs in one process only ({info.world_size} here): a generation thread "
+                         "beside the ranks' collectives is not tested")
     args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
     args.batch_size = args.local_batch_size * info.world_size
     args.num_prompts = args.local_num_prompts * info.world_size
@@ -414,6 +464,9 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
+    if args.async_steps and args.tis == "none":
+        tracker.write("note: --async_steps with --tis none: the samples' staleness is not corrected (the PPO ratio is "
+                      "against the policy each step starts from); --tis token_truncate corrects it")
     if args.kl_placement == "loss" and args.reward_model_path:
         tracker.write("note: KL as a loss term with a reward model; classic RLHF uses --kl_placement reward (k1)")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
@@ -476,6 +529,38 @@ def main(args: Args) -> str:
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
+    def next_prompts() -> list[int]:  # the next num_prompts prompts of the global order; this rank's slice
+        global_idx = sampler.next_indices(args.num_prompts)
+        return global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+
+    def sample(step: int, local_idx: list[int]) -> list:  # 1. rollout: num_samples_per_prompt samples per prompt
+        return generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
+                                  temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed * 7_919 + step, index_offset=info.rank * args.local_num_prompts)
+
+    # --async_steps k (shared/rollout_queue.py): step s's prompts are drawn when it is submitted, at the start of step
+    # s - k (the data order of a synchronous run), and generated in a background thread by the weights the engine
+    # holds then, those of `engine_version` updates, while that step trains. The update's shuffles then draw on their
+    # own generator: the engine thread draws on torch's global one meanwhile, in an order that depends on timing
+    rollouts, engine_version, shuffle_rng = None, start_step, None
+    if args.async_steps:
+        from shared.rollout_queue import RolloutQueue
+
+        rollouts = RolloutQueue(restored=state.get("async_rollouts"))
+        shuffle_rng = torch.Generator().manual_seed(local_seed)
+        if "shuffle_rng" in state:
+            shuffle_rng.set_state(state["shuffle_rng"])
+
+    def submit(s: int) -> None:
+        if s <= args.num_steps and s not in rollouts:
+            local_idx = next_prompts()
+            rollouts.submit(s, engine_version, lambda: (local_idx, sample(s, local_idx)))
+
+    def async_state() -> dict | None:  # rank-local checkpoint state: the generated batches not yet trained on
+        if rollouts is None:
+            return None
+        return {"async_rollouts": rollouts.state_dict(), "shuffle_rng": shuffle_rng.get_state()}
+
     # training loop
     timer = Timer()
     start = time.time()
@@ -489,17 +574,25 @@ def main(args: Args) -> str:
     critic.train()
     B, mb = args.local_batch_size, args.local_micro_batch_size
     local_idx: list[int] = []
+    for s in range(start_step + 1, start_step + args.async_steps + 1):  # --async_steps: the first k batches
+        submit(s)
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, kl_coef=kl_coef, first_eval=first_eval)
+        ckpt.step_start(tracker, local=async_state(), sampler=sampler, guard=guard, best=best, kl_coef=kl_coef,
+                        first_eval=first_eval)
         # 1. rollout: this rank's slice of the global prompt batch
-        with timer("generate"):
-            global_idx = sampler.next_indices(args.num_prompts)
-            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
-                                      temperature=args.temperature, top_p=args.top_p,
-                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
-                                      index_offset=info.rank * args.local_num_prompts)
-            generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
+        if args.async_steps:  # generated in the background from the weights of at most k updates ago
+            with timer("generate_wait"):
+                batch = rollouts.take(step)
+            submit(step + args.async_steps)  # generated while this step trains, by the weights it starts from
+            local_idx, outs = batch.result
+            # staleness: updates between the behaviour policy and the policy this step starts from (step - 1)
+            async_metrics = {"async/staleness": step - 1 - batch.version, "async/policy_version": batch.version,
+                             "time/generate": batch.seconds}
+        else:
+            with timer("generate"):
+                local_idx = next_prompts()
+                outs = sample(step, local_idx)
+                generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads
         comps = [c for group in outs for c in group]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
@@ -507,6 +600,10 @@ def main(args: Args) -> str:
                                                      info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
         finished = torch.tensor([c.finished for c in comps], device=info.device)
+        sampler_logp = torch.zeros_like(mask)  # the behaviour policy's log-probs, as the generator returned them
+        for i, c in enumerate(comps):
+            start_pos = len(prompts[i]) - 1
+            sampler_logp[i, start_pos : start_pos + len(c.logprobs)] = torch.tensor(c.logprobs)
 
         # 2. scores: the grader (0 if truncated) or the reward model at the last non-pad token
         with timer("reward"):
@@ -552,11 +649,12 @@ def main(args: Args) -> str:
             advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
 
         # 6. update: num_ppo_epochs x num_minibatches steps of the policy, then the critic, on the same minibatch
-        stats = {k: [] for k in ("pg", "vf", "kl_loss", "clip", "vclip", "ratio", "ratio_var", "approxkl", "skip")}
+        stats = {k: [] for k in ("pg", "vf", "kl_loss", "clip", "vclip", "ratio", "ratio_var", "approxkl", "skip",
+                                 "tis", "tis_ratio", "tis_clip", "lpdiff")}
         grad_norms, critic_norms = [], []
         with timer("train"):
             for _ in range(args.num_ppo_epochs):
-                perm = torch.randperm(B)
+                perm = torch.randperm(B, generator=shuffle_rng)  # None: torch's global RNG
                 for m in range(args.num_minibatches):
                     mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
                     tokens = mask[mb_idx].sum()
@@ -568,7 +666,10 @@ def main(args: Args) -> str:
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
                         pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
                                                            m_mask)
-                        loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        # TIS: w = pi_old / pi_sampler, the behaviour policy being the generator's weights (with
+                        # --async_steps k, up to k updates older than pi_old), truncated or masked at tis_cap
+                        w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap)
+                        loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if args.kl_placement == "loss" and ref_policy is not None:
                             k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)  # VINE clamp
@@ -597,8 +698,17 @@ def main(args: Args) -> str:
                             stats["ratio_var"].append(mm((ratio - mean_ratio) ** 2))
                             stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
                             stats["skip"].append(float(skip))
+                            raw_w = torch.exp((old_logp[idx] - sampler_logp[idx]) * m_mask)  # before the cap
+                            stats["tis"].append(mm(w))
+                            stats["tis_ratio"].append(mm(raw_w))
+                            stats["tis_clip"].append(mm((w != raw_w).float()) if args.tis != "none" else 0.0)
+                            stats["lpdiff"].append(mm((old_logp[idx] - sampler_logp[idx]).abs()))
 
         # 7. weight sync
+        if rollouts is not None:
+            with timer("generate_wait"):
+                rollouts.wait()  # --async_steps: never load weights into the engine during a generation
+            engine_version = step
         with timer("sync"):
             generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
@@ -618,6 +728,8 @@ def main(args: Args) -> str:
             "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
             "val/clipfrac_avg": avg(stats["vclip"]), "val/ratio": avg(stats["ratio"]),
             "val/ratio_var": avg(stats["ratio_var"]), "val/skipped_frac": avg(stats["skip"]),
+            "val/tis_weight": avg(stats["tis"]), "val/tis_ratio": avg(stats["tis_ratio"]),
+            "val/tis_clipfrac": avg(stats["tis_clip"]), "val/sampler_logprob_diff": avg(stats["lpdiff"]),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
             "val/sequence_lengths": lengths.mean().item(),
@@ -632,9 +744,13 @@ def main(args: Args) -> str:
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
                         "objective/kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0],
                         "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
+        if args.async_steps:
+            metrics.update(async_metrics)
+        # evaluation: the engine holds this step's weights (synced above; with --async_steps, no generation runs)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
-                                               best=best, kl_coef=kl_coef, first_eval=first_eval):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, local=async_state(),
+                                               sampler=sampler, guard=guard, best=best, kl_coef=kl_coef,
+                                               first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -646,10 +762,12 @@ def main(args: Args) -> str:
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, kl_coef=kl_coef,
-                      first_eval=first_eval)
+            ckpt.save(step, engines, tracker, local=async_state(), sampler=sampler, guard=guard, best=best,
+                      kl_coef=kl_coef, first_eval=first_eval)
             if ckpt.stopping:
                 break
+    if rollouts is not None:
+        rollouts.close()
     if ckpt.stopping:
         return ckpt.stop(tracker)
 

@@ -403,7 +403,7 @@ ARG_RANGES: dict[str, tuple] = {
         "save_every", "eval_every", "sample_every", "stop_after_steps", "max_nonfinite_steps",
         "warmup_steps", "eval_num_prompts", "eval_num_pairs", "num_sample_pairs", "num_sample_completions",
         "max_step_for_value_estimation", "num_generation_prompts", "eval_temperature", "weight_decay",
-        "max_refill_rounds", "lora_r",
+        "max_refill_rounds", "lora_r", "async_steps",
         "max_grad_norm", "beta", "kl_coef",
         "num_prompts", "num_bootstrap", "stop_after_prompts",  # evaluate.py: 0 is all prompts / no CI / no stop
         "epsilon_high", "dpop_lambda", "center_rewards_coefficient", "unit_entropy_threshold", "alpha")},
