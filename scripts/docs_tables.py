@@ -858,7 +858,46 @@ def grpo_variants(d: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+def async_bench(d: dict) -> str:
+    """scripts/bench_async.py: grpo.py --async_steps 1 against the synchronous default, step time on this machine
+    and held-out accuracy at equal samples over seeds."""
+    lines = []
+    if "speed" in d:
+        sp, c = d["speed"], d["speed"]["contenders"]
+        med = lambda x: f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" if x.get("median") is not None else "-"  # noqa: E731
+        lines += ["| `--async_steps` | step, s | generate (own time), s | waits for generation, s | train, s | sync, s |",
+                  "|---|---|---|---|---|---|"]
+        for name in ("sync", "async1"):
+            x = c[name]
+            lines.append(f"| {x['async_steps']} | {med(x['step_s'])} | {med(x['generate_s'])} | "
+                         f"{med(x['generate_wait_s'])} | {med(x['train_s'])} | {med(x['sync_s'])} |")
+        r = sp["async1/sync step"]
+        st = sp["settings"]
+        lines += ["", f"Step time of async over sync, per alternating repeat: {r['median']:.2f} (median; "
+                      f"{r['min']:.2f}-{r['max']:.2f} over {r['n']} repeats). Median (min-max) over the timed steps: "
+                      f"{st['steps']} steps per run, the first dropped, {st['repeats']} repeats, "
+                      f"{st['num_prompts']} prompts x {st['num_generations']} completions of up to "
+                      f"{st['max_new_tokens']} tokens, builtin:tiny-sft, no evaluation; with `--async_steps 1` "
+                      "`generate` runs in the background, overlapped with training, and only the wait counts in the "
+                      "step.", ""]
+    if "learning" in d:
+        le, k = d["learning"], "eval/accuracy"
+        lines += ["| seed | sync: start -> end | async (`--async_steps 1`): start -> end | async gain - sync gain | "
+                  "mean staleness |", "|---|---|---|---|---|"]
+        for seed, diff in le["async1_minus_sync_gain"].items():
+            a, b = le["sync"]["seeds"][seed], le["async1"]["seeds"][seed]
+            lines.append(f"| {seed} | {a['start'][k]:.3f} -> {a['final'][k]:.3f} | {b['start'][k]:.3f} -> "
+                         f"{b['final'][k]:.3f} | {diff:+.3f} | {b['staleness_mean']:.2f} |")
+        fa, fb = le["sync"]["final"][k], le["async1"]["final"][k]
+        lines += [f"| mean (min-max) | -> {fa['mean']:.3f} ({fa['min']:.3f}-{fa['max']:.3f}) | -> {fb['mean']:.3f} "
+                  f"({fb['min']:.3f}-{fb['max']:.3f}) | {fb['mean'] - fa['mean']:+.3f} (final) | |", "",
+                  "The default run (102,400 samples, 200 steps) and the same with `--async_steps 1`, same seeds and "
+                  "start model; the sync runs are those of the variant table (the same command, reused)."]
+    lines += ["", _provenance(d, "python scripts/bench_async.py")]
+    return "\n".join(lines)
+
+
+RENDERERS = {"async_bench": async_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,
