@@ -60,6 +60,7 @@ from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
+from shared.rollout_queue import async_checkpoint_state, resume_async
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -705,12 +706,7 @@ def main(args: Args) -> str:
     # own generator: the engine thread draws on torch's global one meanwhile, in an order that depends on timing
     rollouts, engine_version, shuffle_rng = None, start_step, None
     if args.async_steps:
-        from shared.rollout_queue import RolloutQueue
-
-        rollouts = RolloutQueue(restored=state.get("async_rollouts"))
-        shuffle_rng = torch.Generator().manual_seed(local_seed)
-        if "shuffle_rng" in state:
-            shuffle_rng.set_state(state["shuffle_rng"])
+        rollouts, shuffle_rng = resume_async(state, local_seed)
 
     def submit(s: int) -> None:
         if s <= args.num_steps and s not in rollouts:
@@ -718,9 +714,7 @@ def main(args: Args) -> str:
             rollouts.submit(s, engine_version, lambda: (local_idx, sample(s, 0, local_idx)))
 
     def async_state() -> dict | None:  # rank-local checkpoint state: the generated batches not yet trained on
-        if rollouts is None:
-            return None
-        return {"async_rollouts": rollouts.state_dict(), "shuffle_rng": shuffle_rng.get_state()}
+        return async_checkpoint_state(rollouts, shuffle_rng)
 
     # training loop
     timer = Timer()

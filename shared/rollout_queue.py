@@ -2,12 +2,13 @@
 thread while step t trains, Cleanba-style (Huang et al. 2023, arXiv 2310.00036; "Asynchronous RLHF", Noukhovitch et
 al. 2024, arXiv 2410.18252; open-instruct's ppo_vllm_thread.py).
 
-    rollouts = RolloutQueue(restored=state.get("async_rollouts"))  # a resumed run's batches generated, not trained
+    rollouts, shuffle_rng = resume_async(state, seed)  # the queue with a resumed run's generated, untrained
+                                                        # batches, and the update's own shuffle generator
     rollouts.submit(s, version, fn, *args)  # fn(*args) in the worker thread; `version`: updates of the weights in
                                             # the engine now (the batch's behaviour policy)
     batch = rollouts.take(step)             # blocks until step's batch is generated: .result, .version, .seconds
     rollouts.wait()                         # before a weight sync: no generation in flight (never sync during one)
-    state = rollouts.state_dict()           # the generated, untrained batches, for a resumable checkpoint
+    state = async_checkpoint_state(rollouts, shuffle_rng)  # both, for a resumable checkpoint
 
 One worker thread runs the submitted generations in order, so a weight sync that waits for the queue to drain
 (`wait`) falls between two generations. The caller keeps the queue bounded (at most k batches submitted and not
@@ -81,3 +82,22 @@ class RolloutQueue:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def resume_async(state: dict, seed: int) -> tuple[RolloutQueue, "torch.Generator"]:
+    """--async_steps: the queue (with a resumed run's generated, untrained batches) and the update's own shuffle
+    generator (the engine thread draws on torch's global RNG at timing-dependent moments), both from a checkpoint's
+    rank-local `state` (empty for a fresh run), the generator seeded with `seed` there."""
+    import torch
+
+    shuffle_rng = torch.Generator().manual_seed(seed)
+    if "shuffle_rng" in state:
+        shuffle_rng.set_state(state["shuffle_rng"])
+    return RolloutQueue(restored=state.get("async_rollouts")), shuffle_rng
+
+
+def async_checkpoint_state(rollouts: RolloutQueue | None, shuffle_rng) -> dict | None:
+    """The rank-local checkpoint state of resume_async's pair (None without --async_steps)."""
+    if rollouts is None:
+        return None
+    return {"async_rollouts": rollouts.state_dict(), "shuffle_rng": shuffle_rng.get_state()}
