@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: builtin:tiny-sft (CPU), Qwen/Qwen2.5-0.5B-Instruct (--gpu)")
     p.add_argument("--gpu", action="store_true", help="GPU mode: a hub model in bf16, longer completions")
     p.add_argument("--quick", action="store_true", help="smoke run: small batch, 1 repeat, short sweep")
+    p.add_argument("--smollm2", action="store_true",
+                   help="the real chat model on CPU: builtin:smollm2-135m, 16 prompts x 8, 64 new tokens, 3 repeats")
     p.add_argument("--num_prompts", type=int, default=None)
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max_new_tokens", type=int, default=None)
@@ -56,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     cpu = dict(model="builtin:tiny-sft", num_prompts=64, max_new_tokens=16, sweep="8,64,256")
     gpu = dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_prompts=64, max_new_tokens=256, sweep="8,64,256")
     d = gpu if a.gpu else cpu
+    if a.smollm2:
+        d = dict(model="builtin:smollm2-135m", num_prompts=16, max_new_tokens=64, sweep="4,32")
+        a.repeats = 3 if a.repeats == 5 else a.repeats
     if a.quick:
         d = {**d, "num_prompts": 8, "max_new_tokens": 8, "sweep": "4,16"}
         a.repeats, a.sync_repeats = 1 if a.repeats == 5 else a.repeats, 2

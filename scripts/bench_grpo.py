@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: builtin:tiny-sft (CPU), Qwen/Qwen2.5-0.5B-Instruct (--gpu)")
     p.add_argument("--gpu", action="store_true", help="GPU mode: a hub model in bf16 and GPU-sized defaults")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny batch, 3 steps, 1 repeat")
+    p.add_argument("--smollm2", action="store_true", help="the real chat model on CPU: builtin:smollm2-135m, "
+                   "4 prompts x 8, 32 new tokens, micro-batch 16, 3 iterations")
     p.add_argument("--contenders", default=None,
                    help="comma list from ours,ours_hf,trl,trl_vllm (default: ours,ours_hf,trl on CPU; all on GPU)")
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats per contender (>= 3 for the report)")
@@ -75,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                learning_rate=1e-6)
     quick = dict(steps=3, num_prompts=8, max_new_tokens=8, micro_batch_size=16)
     defaults = gpu if a.gpu else cpu
+    if a.smollm2:
+        defaults = dict(model="builtin:smollm2-135m", steps=3, num_prompts=4, max_new_tokens=32, micro_batch_size=16,
+                        learning_rate=1e-6)
     if a.quick:
         defaults = {**defaults, **quick}
         a.repeats = 1 if a.repeats == 3 else a.repeats

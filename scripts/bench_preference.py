@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: builtin:tiny-sft (CPU), Qwen/Qwen2.5-0.5B-Instruct (--gpu)")
     p.add_argument("--gpu", action="store_true", help="GPU mode: a hub model in bf16")
     p.add_argument("--quick", action="store_true", help="smoke run: 30 steps of 8 pairs, 1 repeat")
+    p.add_argument("--smollm2", action="store_true",
+                   help="the real chat model on CPU: builtin:smollm2-135m, 30 steps of 8 pairs")
     p.add_argument("--algos", default="dpo,rm", help="comma list: dpo, rm")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (a multiple of 10, >= 30)")
@@ -57,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     d = dict(model="Qwen/Qwen2.5-0.5B-Instruct", steps=60, batch_size=16) if a.gpu else \
         dict(model="builtin:tiny-sft", steps=60, batch_size=64)
+    if a.smollm2:
+        d = dict(model="builtin:smollm2-135m", steps=30, batch_size=8)
     if a.quick:
         d.update(steps=30, batch_size=8)
         a.repeats = 1 if a.repeats == 3 else a.repeats
@@ -68,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--algos: expected dpo and/or rm, got {a.algos}")
     if a.steps % WINDOW or a.steps < 3 * WINDOW:
         p.error(f"--steps: a multiple of {WINDOW}, at least {3 * WINDOW}")
-    a.lr = {"dpo": 5e-7, "rm": 1e-5} if a.gpu else {"dpo": 1e-4, "rm": 3e-4}  # the scripts' CPU defaults; hub-model lrs
+    pretrained = a.gpu or not a.model.startswith("builtin:tiny")  # the scripts' CPU defaults are for the tiny model
+    a.lr = {"dpo": 5e-7, "rm": 1e-5} if pretrained else {"dpo": 1e-4, "rm": 3e-4}
     return a
 
 

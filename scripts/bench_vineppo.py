@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: builtin:tiny-sft (CPU), Qwen/Qwen2.5-0.5B-Instruct (--gpu)")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: small batches, 1 repeat")
+    p.add_argument("--smollm2", action="store_true", help="the real chat model on CPU: builtin:smollm2-135m, "
+                   "4 prompts x 8, 32 new tokens, K = 9, 3 iterations")
     p.add_argument("--parts", default="iteration,mc", help="comma list: iteration (part 1), mc (part 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="iterations per run in part 1; the first is warm-up")
@@ -68,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
              micro_batch_size=16, learning_rate=1e-6) if a.gpu else \
         dict(model="builtin:tiny-sft", steps=4, num_prompts=64, mc_num_prompts=16, max_new_tokens=16,
              micro_batch_size=256, learning_rate=1e-4)
+    if a.smollm2:
+        d = dict(model="builtin:smollm2-135m", steps=3, num_prompts=4, mc_num_prompts=2, max_new_tokens=32,
+                 micro_batch_size=16, learning_rate=1e-6)
     if a.quick:
         d.update(steps=3, num_prompts=8, mc_num_prompts=4, max_new_tokens=16, micro_batch_size=16)
         a.repeats = 1 if a.repeats == 3 else a.repeats

@@ -103,6 +103,20 @@ def test_cli_defaults(name):
     assert full.model.startswith("builtin:") and "Qwen" in gpu.model
 
 
+@pytest.mark.parametrize("name", ["bench_grpo", "bench_preference", "bench_vineppo", "bench_generation"])
+def test_smollm2_preset(name):
+    """`--smollm2`: the real chat model at CPU-sized batches, explicit flags still win, >= 3 repeats for the report."""
+    mod = load(name)
+    a = mod.parse_args(["--smollm2"])
+    assert a.model == "builtin:smollm2-135m" and a.repeats >= 3 and a.smollm2
+    assert mod.parse_args(["--smollm2", "--model", "builtin:tiny-sft"]).model == "builtin:tiny-sft"
+    if name == "bench_grpo":
+        assert (a.batch, a.grad_accum, a.optimizer_steps_per_iteration, a.learning_rate) == (32, 1, 4, 1e-6)
+    if name == "bench_preference":
+        assert a.lr == {"dpo": 5e-7, "rm": 1e-5}  # a pretrained model gets the hub-model learning rates
+        assert mod.parse_args([]).lr == {"dpo": 1e-4, "rm": 3e-4}
+
+
 def test_grpo_batch_mapping_to_trl():
     a = load("bench_grpo").parse_args([])
     # 64 prompts x 8 = 512 completions, 2 minibatches of 256 = 1 micro-batch each, 2 passes -> 4 optimizer steps
