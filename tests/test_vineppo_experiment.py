@@ -124,10 +124,16 @@ def test_summarize_seed_and_goal():
     # reached twice in a row (the last evaluation counts alone): PPO at its last, VinePPO's 0.6, 0.7 at steps 1, 2
     assert (ppo["gradient_steps_to_target_twice"], vine["gradient_steps_to_target_twice"]) == (32, 8)
     g = cmp.goal([{"seed": 1, **s}], None, 9)
-    assert g == {"vineppo_within_a_third_of_ppo_steps_on_every_seed": True, "mc_beats_critic_at_every_position": None}
+    assert g == {"vineppo_within_a_third_of_ppo_steps_on_every_seed": True, "mc_beats_critic_at_every_position": None,
+                 "positions_without_ranking": None}
     slow = cmp.summarize_seed({**curves, "vineppo": pts(0.3, 0.4, 0.5, 0.6, 0.6)}, {a: 8 for a in curves})
     assert cmp.goal([{"seed": 1, **s}, {"seed": 2, **slow}], None, 9)[
         "vineppo_within_a_third_of_ppo_steps_on_every_seed"] is False
+
+
+def test_command_without_budget():
+    assert cmp.without_budget("python scripts/compare_vineppo_ppo_grpo.py --budget_minutes 20 --k 3") == \
+        "python scripts/compare_vineppo_ppo_grpo.py --k 3"
 
 
 def test_goal_value_table():
@@ -137,6 +143,12 @@ def test_goal_value_table():
     assert cmp.goal([], good, 9)["mc_beats_critic_at_every_position"] is True
     bad = good[:1] + [row(1, 0.2, 0.1, 0.6, 0.6)]  # equal ranking accuracy at one position is not "higher"
     assert cmp.goal([], bad, 9)["mc_beats_critic_at_every_position"] is False
+    # a position with a single state (no pair): ranking undefined there, compared on MAE only, and named
+    lone = good + [row(2, 0.4, 0.0, None, None)]
+    g = cmp.goal([], lone, 9)
+    assert g["mc_beats_critic_at_every_position"] is True and g["positions_without_ranking"] == [2]
+    assert cmp.goal([], good + [row(2, 0.1, 0.4, None, None)], 9)["mc_beats_critic_at_every_position"] is False
+    assert cmp.goal([], [row(0, 0.2, 0.1, None, None)], 9)["mc_beats_critic_at_every_position"] is False  # nothing ranked
 
 
 def test_run_argv_same_budget_for_every_algorithm():
