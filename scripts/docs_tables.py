@@ -394,7 +394,9 @@ SMOLLM2_GOALS = {
 def _bench_command(d: dict) -> str:
     """The command that wrote a benchmark file (its preset flag and repeats)."""
     st = d["settings"]
+    parts = st.get("parts")
     return (f"python scripts/bench_{d['benchmark']}.py" + (" --smollm2" if st.get("smollm2") else "")
+            + (f" --parts {','.join(parts)}" if parts and parts != ["iteration", "mc"] else "")
             + f" --repeats {st['repeats']}")
 
 
@@ -437,8 +439,9 @@ def bench_ratios(ds: list[dict]) -> str:
             f"{d['benchmark']}: {d['env']['time'][11:16]}, {d['settings']['repeats']}, "
             f"{d['env']['loadavg_at_start'][0]:.2f}" for d in runs))
     e = {**ds[0]["env"], "trl": next((d["env"]["trl"] for d in ds if d["env"].get("trl")), None)}
-    preset = " --smollm2" if real else ""
-    lines += ["", f"Each file: `python scripts/bench_<benchmark>.py{preset} --repeats <repeats>`, {e['device']}; torch "
+    commands = sorted({_bench_command(d).replace(f" --repeats {d['settings']['repeats']}", " --repeats <repeats>")
+                       for d in ds})
+    lines += ["", f"Each file: {', '.join(f'`{c}`' for c in commands)}, {e['device']}; torch "
                   f"{e['torch']}, transformers {e['transformers']}, vllm {e['vllm']}, trl {e['trl']}, deepspeed "
                   f"{e['deepspeed']}."]
     return "\n".join(lines)
@@ -497,7 +500,7 @@ def bench_grpo_phases(d: dict) -> str:
         cells = " | ".join(f"{ph[key]:.3f} | {100 * ph[key] / sum(ph.values()):.0f}%" for _, ph in runs)
         lines.append(f"| {label.format(batch=st['batch'], opt=st['optimizer_steps_per_iteration'])} | {cells} |")
     lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
-                  f"`python scripts/bench_grpo.py`, {d['env']['device']}, {d['env']['time']}, "
+                  f"`{_bench_command(d).rsplit(' --repeats', 1)[0]}`, {d['env']['device']}, {d['env']['time']}, "
                   f"{commit(d)}."]
     return "\n".join(lines)
 
