@@ -207,6 +207,7 @@ class VLLMGenerator:
         consumed one at a time as they are produced (the engine is in this process), never all held at once."""
         self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_params)})
+        self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()
         self.weights_discarded = False
 
@@ -226,6 +227,22 @@ class VLLMGenerator:
                 torch.cuda.empty_cache()  # the trainer's cached, unused blocks go back to the driver for the engine
             self.llm.wake_up()
             self.asleep = False
+
+
+def _refresh_tied_lm_head(worker) -> bool:
+    """Run on the vLLM worker after `reload_weights`. With tied embeddings (SmolLM2, Qwen2.5-0.5B/1.5B,
+    Llama-3.2-1B) the trainer sends embed_tokens only, and vLLM's LM head is the same tensor, so its values are new;
+    but on CPU the head's matmul uses a packed copy of the weight made when it was processed after loading, and the
+    reload does not re-process a head that received no weight of its own: the engine sampled from the new model
+    with the old output layer (found by tests/test_generation.py::test_vllm_sync_with_tied_embeddings: 67 nats
+    apart). Re-processing repacks it; on GPU it is a no-op. Returns whether the head is tied."""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
 
 
 class _SampledLogprobs:
