@@ -61,9 +61,18 @@ def test_wandb_offline_logs_the_jsonl_metric_names(tmp_path, monkeypatch):
     assert t.state_dict()["wandb_id"] == t.run_id
     t.close()
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
-    history = (run / f"run-{t.run_id}.wandb").read_bytes()  # protobuf records: the metric names appear verbatim
-    for key in {k for row in _rows(tmp_path / "run" / "metrics.jsonl") for k in row} - {"step", "time"}:
-        assert key.encode() in history, key
+    keys = {k for row in _rows(tmp_path / "run" / "metrics.jsonl") for k in row} - {"step", "time"}
+    # protobuf records: the metric names appear verbatim. wandb's service process may still be writing the file
+    # after finish() returns (seen once with the suite on both cores: only the file header was there), so wait for
+    # it, up to 30 s
+    deadline = time.monotonic() + 30
+    while True:
+        history = (run / f"run-{t.run_id}.wandb").read_bytes()
+        missing = [k for k in keys if k.encode() not in history]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing, missing
 
 
 TRACKIO_RUN = """
