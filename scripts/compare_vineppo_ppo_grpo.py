@@ -135,7 +135,7 @@ def goal(per_seed: list[dict], value_table: list[dict] | None, k: int) -> dict:
     on every seed; the MC estimate has a lower MAE at every step position and a higher ranking accuracy at every
     position where ranking is defined (None while the value analysis is missing). A position reached by a single
     state of a seed (a response with an extra line) has no pair to rank: it is named in
-    `positions_without_ranking`, compared on MAE only, and is no win for either estimator."""
+    `positions_without_ranking` and compared on MAE alone."""
     def third(s):
         p, v = (s["algorithms"][a]["gradient_steps_to_target"] for a in ("ppo", "vineppo"))
         return v is not None and p is not None and v <= p / 3

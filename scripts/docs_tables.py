@@ -356,7 +356,7 @@ BENCH_RATIO_ROWS = [
      "generation `ratios`"),
     ("generation", "generation: vLLM / HF tokens/s (64 x 8 sequences)", ">= 5", (">=", 5),
      lambda d: d["ratios"]["ours_vllm/ours_hf tokens/s"], g3,
-     lambda d, s: "HF is faster on the CPU tiny model" if s["median"] < 1 else "", "generation `ratios`"),
+     lambda d, s: f"HF is faster on {d['settings']['model']}" if s["median"] < 1 else "", "generation `ratios`"),
     ("grpo", "GRPO step time: ours (vLLM) / TRL (HF generate)", "<= 0.7", ("<=", 0.7),
      lambda d: d["ratios"]["ours/trl step time"], g3, lambda d, s: _compare_to_trl(s), "grpo `ratios`"),
     ("grpo", "GRPO step time: ours (HF generate) / TRL (HF generate)", "<= 0.7", ("<=", 0.7),
@@ -391,13 +391,13 @@ SMOLLM2_GOALS = {
 }
 
 
-def _bench_command(d: dict) -> str:
-    """The command that wrote a benchmark file (its preset flag and repeats)."""
+def _bench_command(d: dict, repeats: bool = True) -> str:
+    """The command that wrote a benchmark file: its preset flag, parts and (optionally) repeats."""
     st = d["settings"]
     parts = st.get("parts")
     return (f"python scripts/bench_{d['benchmark']}.py" + (" --smollm2" if st.get("smollm2") else "")
             + (f" --parts {','.join(parts)}" if parts and parts != ["iteration", "mc"] else "")
-            + f" --repeats {st['repeats']}")
+            + (f" --repeats {st['repeats']}" if repeats else ""))
 
 
 def bench_ratios(ds: list[dict]) -> str:
@@ -411,26 +411,23 @@ def bench_ratios(ds: list[dict]) -> str:
     for bench, label, target, rule, get, fmt, note, key in BENCH_RATIO_ROWS:
         if real:
             target, rule = SMOLLM2_GOALS.get(label, (target, rule))
-            label = label.replace("64 x 8", "{n}")
         for i, d in enumerate(files.get(bench, [])):
             try:
-                get(d)
+                s = get(d)
             except KeyError:  # a part the file did not run (bench_vineppo.py --parts iteration)
                 continue
-            if "{n}" in label:
-                label = label.replace("{n}", f"{d['settings']['num_prompts']} x {d['settings']['n']}")
-            s = get(d)
+            shown = label.replace("64 x 8", f"{d['settings']['num_prompts']} x {d['settings']['n']}") \
+                if bench == "generation" else label
             if rule is None:
                 met = "-"
             else:
                 ok = s["median"] >= rule[1] if rule[0] == ">=" else s["median"] <= rule[1]
                 met = "yes" if ok else "**no**"
             text = note(d, s) if note else ""
-            text = text.replace("on the CPU tiny model", f"on {d['settings']['model']}")
             met += f" ({text})" if text else ""
             rest = [fmt(get(o[bench][0])["median"]) if bench in o else "-" for _, o in others] if i == 0 else \
                 ["(see above)"] * len(others)
-            lines.append(f"| {label} | {d['settings']['repeats']} | {target} | {fmt(s['min'])} | {fmt(s['median'])} | "
+            lines.append(f"| {shown} | {d['settings']['repeats']} | {target} | {fmt(s['min'])} | {fmt(s['median'])} | "
                          f"{fmt(s['max'])} | {met} | " + "".join(f"{x} | " for x in rest) + f"{key} |")
     lines += ["", "Files (benchmark: start time, repeats, 1-minute load average at the start):"]
     for commit, by_bench in [(main, files), *others]:
@@ -439,8 +436,7 @@ def bench_ratios(ds: list[dict]) -> str:
             f"{d['benchmark']}: {d['env']['time'][11:16]}, {d['settings']['repeats']}, "
             f"{d['env']['loadavg_at_start'][0]:.2f}" for d in runs))
     e = {**ds[0]["env"], "trl": next((d["env"]["trl"] for d in ds if d["env"].get("trl")), None)}
-    commands = sorted({_bench_command(d).replace(f" --repeats {d['settings']['repeats']}", " --repeats <repeats>")
-                       for d in ds})
+    commands = sorted({_bench_command(d, repeats=False) + " --repeats <repeats>" for d in ds})
     lines += ["", f"Each file: {', '.join(f'`{c}`' for c in commands)}, {e['device']}; torch "
                   f"{e['torch']}, transformers {e['transformers']}, vllm {e['vllm']}, trl {e['trl']}, deepspeed "
                   f"{e['deepspeed']}."]
@@ -500,7 +496,7 @@ def bench_grpo_phases(d: dict) -> str:
         cells = " | ".join(f"{ph[key]:.3f} | {100 * ph[key] / sum(ph.values()):.0f}%" for _, ph in runs)
         lines.append(f"| {label.format(batch=st['batch'], opt=st['optimizer_steps_per_iteration'])} | {cells} |")
     lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
-                  f"`{_bench_command(d).rsplit(' --repeats', 1)[0]}`, {d['env']['device']}, {d['env']['time']}, "
+                  f"`{_bench_command(d, repeats=False)}`, {d['env']['device']}, {d['env']['time']}, "
                   f"{commit(d)}."]
     return "\n".join(lines)
 
@@ -524,9 +520,8 @@ def generation_sweep(d: dict) -> str:
         lines.append(f"| {r['num_prompts']} x {n} = {r['sequences']} | {r['vllm_tokens_per_s']['median']:,.0f} | "
                      f"{r['hf_tokens_per_s']['median']:,.0f} | {r['vllm/hf']['median']:.2f} |")
     calls = d['sweep'][0]['vllm/hf']['n']
-    command = "python scripts/bench_generation.py" + (" --smollm2" if d["settings"].get("smollm2") else "")
     lines += ["", f"Medians of {calls} call{'s' if calls > 1 else ''} each, up to {d['settings']['max_new_tokens']} "
-                  f"new tokens, model {d['settings']['model']}. `{command}`, "
+                  f"new tokens, model {d['settings']['model']}. `{_bench_command(d, repeats=False)}`, "
                   f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
