@@ -98,8 +98,8 @@ class Args:
     """bootstrap resamples of the prompts for the confidence intervals (0: no intervals)"""
     confidence: float = 0.95
     """confidence level of the bootstrap intervals"""
-    batch_size: int = 256
-    """prompts per vLLM generate call, saved after each call; any value gives the same completions (HF always generates 64-prompt chunks, its seeding unit)"""
+    chunk_size: int = EVAL_CHUNK
+    """prompts per generate call, saved after each call; the call is the seeding unit, so the completions depend on it (64: those of the training scripts' held-out evaluation)"""
     stop_after_prompts: int = 0
     """stop after about this many prompts of this invocation, at the end of a call (0: run to the end); the same command continues"""
 
@@ -111,7 +111,7 @@ class Args:
 # flags that change the completions: a resumed evaluation must keep them (the others only change the summary)
 RESULT_FLAGS = ("model_name_or_path", "model_files", "dataset", "split", "num_prompts", "prompt_key", "answer_key",
                 "prompt_template", "chat_template", "max_prompt_length", "reward_fn", "stop", "generator",
-                "num_samples", "temperature", "top_p", "max_new_tokens", "greedy", "seed")
+                "num_samples", "temperature", "top_p", "max_new_tokens", "greedy", "seed", "chunk_size")
 
 
 # ALGO LOGIC: the metrics, from the per-prompt records
@@ -207,21 +207,11 @@ def check_resume(out: Path, args: Args) -> dict[int, dict]:
     return records
 
 
-def work_calls(num_prompts: int, done: set[int], generator: str, batch_size: int) -> list[range]:
-    """The generate calls still to make: runs of up to batch_size consecutive unfinished prompts (vLLM seeds each
-    prompt by its index), or the fixed EVAL_CHUNK chunks with an unfinished prompt (HF: a chunk is its seeding unit,
-    so it is generated whole)."""
-    if generator != "vllm":
-        return [c for c in prompt_chunks(num_prompts, EVAL_CHUNK) if any(i not in done for i in c)]
-    calls: list[range] = []
-    for i in range(num_prompts):
-        if i in done:
-            continue
-        if calls and calls[-1].stop == i and len(calls[-1]) < batch_size:
-            calls[-1] = range(calls[-1].start, i + 1)
-        else:
-            calls.append(range(i, i + 1))
-    return calls
+def work_calls(num_prompts: int, done: set[int], chunk_size: int) -> list[range]:
+    """The generate calls still to make: the fixed chunks of chunk_size prompts that hold an unfinished prompt. A chunk
+    is the seeding unit (one random stream per call: shared/evaluation.py), so it is generated whole, and only its
+    unfinished prompts are kept."""
+    return [c for c in prompt_chunks(num_prompts, chunk_size) if any(i not in done for i in c)]
 
 
 def main(args: Args) -> dict | None:
@@ -232,7 +222,7 @@ def main(args: Args) -> dict | None:
     args.world_size = info.world_size
     ks = sorted(set(args.k))
 
-    # TRY NOT TO MODIFY: seeding (a prompt's samples depend only on the seed and its index: shared/evaluation.py)
+    # TRY NOT TO MODIFY: seeding (a prompt's samples depend only on the seed and its chunk: shared/evaluation.py)
     seed_everything(args.seed)
     sampling_seed = eval_seed(args.seed)
 
@@ -267,7 +257,7 @@ def main(args: Args) -> dict | None:
         if not done:
             (out / "args.json").write_text(json.dumps(asdict(args), indent=2, default=str))
     info.barrier()
-    calls = work_calls(num_prompts, done, args.generator, args.batch_size)
+    calls = work_calls(num_prompts, done, args.chunk_size)
     num_rounds = math.ceil(len(calls) / info.world_size)
     mine = calls[info.rank :: info.world_size]  # round j: call j * world_size + rank on every rank
     if info.is_main:

@@ -466,8 +466,9 @@ def main(args: Args) -> str:
         with timer("value_estimation"):
             mc = generator.generate([r[0] for r in requests], n=args.num_mc_rollouts, temperature=args.temperature,
                                     top_p=args.top_p, max_new_tokens=[r[1] for r in requests],
-                                    seed=args.seed * 7_919 + step + 500_009, index_offset=0)  # also with none:
-            # under ZeRO-3 the HF backend's ranks must make the same generate calls (shared/generation.py)
+                                    seed=args.seed * 7_919 + step + 500_009, index_offset=info.rank)  # (a call also
+            # with no request: under ZeRO-3 the HF backend's ranks must make the same generate calls; the offset gives
+            # each rank its own random stream)
             flat = [(r, cont) for r, group in zip(requests, mc) for cont in group]
             with ckpt.user_code(step, engines, tracker):
                 mc_rewards = compute_rewards(

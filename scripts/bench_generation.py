@@ -10,10 +10,11 @@ log-probs, enforce_eager on CPU, gpu_memory_utilization 0.3), the same prompts (
 the same sampling settings (T = 1, top-p 1, n samples per prompt, max_new_tokens). Contenders, called in
 alternating order in every repeat after one warm-up call each:
 
-  ours_vllm   shared.generation.VLLMGenerator.generate (per-prompt seeds, log-probs, Completion objects)
+  ours_vllm   shared.generation.VLLMGenerator.generate (seeded per call, log-probs, Completion objects)
   raw_same    vllm.LLM.generate on the same engine with exactly the SamplingParams ours builds (wrapper overhead)
-  raw_plain   vllm.LLM.generate with one plain SamplingParams(n, temperature, top_p, max_tokens): no seeds, no
-              log-probs (what per-prompt seeding and log-probs cost)
+  raw_plain   vllm.LLM.generate with one plain SamplingParams(n, temperature, top_p, max_tokens): no log-probs
+              (what log-probs cost; before per-call seeding, files without `per_request_seeds: false`, ours
+              and raw_same also gave every prompt its own seed)
   ours_hf     shared.generation.HFGenerator.generate (HF `generate` on the training model)
 
 Reported: tokens/s per contender (generated tokens / wall time of the call), the ratios ours_vllm/raw_same and
@@ -103,7 +104,7 @@ def main(argv=None) -> dict:
 
     from shared import data
     from shared.distributed import DistInfo, default_dtype, full_named_parameters, load_causal_lm, load_tokenizer
-    from shared.generation import HFGenerator, VLLMGenerator, seed_for
+    from shared.generation import HFGenerator, VLLMGenerator
     from shared.task import builtin_split
     from shared.models import resolve_model_path
 
@@ -127,7 +128,7 @@ def main(argv=None) -> dict:
     def contenders(num_prompts: int, with_raw: bool) -> dict:
         prompts = all_prompts[:num_prompts]
         same = [SamplingParams(n=a.n, temperature=a.temperature, top_p=1.0, max_tokens=a.max_new_tokens, logprobs=0,
-                               seed=seed_for(0, i), detokenize=False) for i in range(len(prompts))]
+                               detokenize=False) for _ in prompts]
         plain = SamplingParams(n=a.n, temperature=a.temperature, top_p=1.0, max_tokens=a.max_new_tokens,
                                detokenize=False)
         inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -163,7 +164,8 @@ def main(argv=None) -> dict:
         sync_s.append(time.perf_counter() - t)
 
     result = {
-        "benchmark": "generation", "env": env, "settings": {k: v for k, v in vars(a).items() if k != "out"},
+        "benchmark": "generation", "env": env, "settings": {**{k: v for k, v in vars(a).items() if k != "out"},
+                                                    "per_request_seeds": False},
         "num_parameters": sum(p.numel() for p in model.parameters()), "vllm_engine_start_s": engine_start_s,
         "tokens_per_s": {k: bc.summarize(v) for k, v in tps.items()}, "calls": calls, "ratios": ratios,
         "sweep": sweep, "sync_s": bc.summarize(sync_s),

