@@ -430,7 +430,8 @@ def main(args: Args) -> str:
 
     def trainable(lr: float, grad_accum: int):
         model = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
-        optim = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        optim = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                 fused=True)
         return prepare(model, optim, None, info, args.local_micro_batch_size, grad_accum, args.max_grad_norm, dtype)[0]
 
     policy = trainable(args.base_actor_learning_rate, grad_accum_p)

@@ -273,7 +273,7 @@ def main(args: Args) -> str:
         if weights is not None:
             model.load_state_dict(weights, strict=False)  # parameters only; buffers come from the base
         optimizer = torch.optim.AdamW(model.to(info.device).parameters(), lr=args.learning_rate,
-                                      weight_decay=args.weight_decay)
+                                      weight_decay=args.weight_decay, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         return prepare(model, optimizer, scheduler, info, args.local_micro_batch_size,
                        args.gradient_accumulation_steps, args.max_grad_norm, dtype)[0]

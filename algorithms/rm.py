@@ -245,7 +245,8 @@ def main(args: Args) -> str:
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(info.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=True)
     warmup = max(1, int(args.warmup_ratio * args.num_steps))
 
     def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10% of the peak

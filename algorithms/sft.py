@@ -264,7 +264,8 @@ def main(args: Args) -> str:
     dtype = default_dtype(info.device)
     model = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
     model = add_lora(model, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=True)
     warmup = max(1, int(args.warmup_ratio * args.num_steps))
 
     def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10% of the peak

@@ -375,7 +375,7 @@ def main(args: Args) -> str:
     schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
     policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)

@@ -154,3 +154,34 @@ def test_full_named_parameters_is_lazy_and_complete(tiny_model):
     got = list(stream)
     assert [n for n, _ in got] == [n for n, _ in model.named_parameters()]
     assert all(torch.equal(t, p) for (_, t), (_, p) in zip(got, model.named_parameters()))
+
+
+def test_one_process_without_zero_skips_deepspeeds_gradient_all_reduce_and_steps_like_plain_adamw(tiny_model,
+                                                                                                  monkeypatch):
+    """prepare() switches DeepSpeed's backward all-reduce off in one process at ZeRO-0 (it flattened, reduced over a
+    group of one and copied back every gradient); the update is exactly plain AdamW's on the same gradients."""
+    import copy
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from shared.distributed import init_distributed, prepare
+
+    info = init_distributed()
+    assert info.world_size == 1 and info.zero_stage == 0
+    reduced = []
+    monkeypatch.setattr(DeepSpeedEngine, "buffered_allreduce_fallback", lambda self, *a, **k: reduced.append(1))
+    model, plain = copy.deepcopy(tiny_model[0]), copy.deepcopy(tiny_model[0])
+    engine, *_ = prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, info, 1, 2, 0.0,
+                         torch.float32)
+    assert engine.enable_backward_allreduce is False
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    batches = [torch.tensor([[1, 10, 11, 12, 13]]), torch.tensor([[1, 12, 14, 10, 11]])]
+    for _ in range(2):  # two optimizer steps of 2 micro-batches each
+        for ids in batches:
+            engine.backward(engine(input_ids=ids).logits.float().square().mean() / 2, scale_wrt_gas=False)
+            engine.step()
+            (plain(input_ids=ids).logits.float().square().mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not reduced
+    assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), plain.parameters()))
