@@ -545,7 +545,7 @@ def bench_vineppo_phases(d: dict) -> str:
     lines += ["", f"{st['num_prompts']} prompts x {st['num_samples_per_prompt']} samples, {st['max_new_tokens']} new "
                   f"tokens, K = {st['num_mc_rollouts']}, {st['num_ppo_epochs']} epochs x {st['num_minibatches']} "
                   f"minibatches; medians over the timed steps of {st['repeats']} repeats; deduplication kept "
-                  f"{100 * u['min']:.0f}-{100 * u['max']:.0f}% of the states. `python scripts/bench_vineppo.py`, "
+                  f"{100 * u['min']:.0f}-{100 * u['max']:.0f}% of the states. `{_bench_command(d, repeats=False)}`, "
                   f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
     return "\n".join(lines)
 
