@@ -36,8 +36,9 @@ import tyro
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, init_distributed,
-                                load_tokenizer, prepare, run_cli, seed_everything)
+from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype,
+                                enable_gradient_checkpointing, init_distributed, load_tokenizer, prepare, run_cli,
+                                seed_everything)
 from shared.lora import add_lora, check_lora
 from shared.scalar import head, load_scalar_model, score_last_token, use_distinct_pad_token
 from shared.models import resolve_model_path
@@ -243,7 +244,7 @@ def main(args: Args) -> str:
         init_reward_head(model)  # a causal-LM backbone gets a fresh head per spec; a trained RM keeps its own
     model = add_lora(model, args, seq_cls=True)  # LoRA: adapters on the backbone, the score head in full
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_gradient_checkpointing(model)
     model.to(info.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
                                   fused=True)

@@ -278,7 +278,10 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
     V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
     must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs)."""
+    token_logprobs).
+    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
+    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
+    ppo.py's --async_steps)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -294,7 +297,7 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     for k in range(num_chunks):
         s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
         chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature, with_entropy,
-                                 use_reentrant=False))  # recomputed in the backward pass instead of kept
+                                 use_reentrant=False, preserve_rng_state=False))  # recomputed in backward
     logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
     logp[keep] = torch.cat([lp for lp, _ in chunks])
     entropy = None

@@ -187,9 +187,17 @@ def load_causal_lm(path: str, dtype: torch.dtype, gradient_checkpointing: bool =
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     disable_dropout(model)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model)
     return model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward pass (`--gradient_checkpointing`). Without replaying torch's
+    RNG state (there is no dropout to replay): restoring it in the backward pass would rewind the global generator
+    that a vLLM engine generating in another thread samples from (`--async_steps`), changing its samples."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "preserve_rng_state": False})
+    model.config.use_cache = False
 
 
 def load_tokenizer(path: str):

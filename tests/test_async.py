@@ -209,6 +209,67 @@ def test_ppo_async_logs_staleness_and_tis(tmp_path, monkeypatch):
     assert steps[0]["val/sampler_logprob_diff"] < 1e-4 < steps[1]["val/sampler_logprob_diff"]
 
 
+# --- the engine thread's random stream ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "ppo", "gradient_checkpointing"])
+def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer, tiny_path, monkeypatch):
+    """The engine thread samples from torch's global generator (seeded per call, shared/generation.py), so nothing
+    the trainer does meanwhile may set that generator. torch.utils.checkpoint replays the RNG state by default: in
+    the backward pass it saves, sets and restores the global generator around the recomputation, which rewound it
+    under the engine. The straight and resumed `--async_steps 1` runs then sampled other tokens in some runs
+    (test_async_run_is_reproducible_and_resumes failed in CI; with a busy loop beside it, 4 of 8 plain async runs
+    differed from the others, 0 of 10 after the fix). Checked two ways, for the scripts' lean log-probs (a
+    checkpoint per chunk) and a model with --gradient_checkpointing: a training step sets the global generator
+    nowhere (deterministic), and the samples generated while the main thread trains without pause equal those
+    generated alone (with preserve_rng_state left on, this part failed in 8 of 9 tries: 3 runs of the 3 cases)."""
+    import importlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from shared.data import pad_batch
+    from shared.distributed import load_causal_lm
+    from shared.generation import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_causal_lm(tiny_path, torch.float32, gradient_checkpointing=trainer == "gradient_checkpointing")
+    model.train()
+    prompts = [tok(f"{a}+{b}+{a + b}=")["input_ids"] for a in range(1, 9) for b in range(1, 5)]  # 32 prompts
+    ids, attn, resp = pad_batch(prompts[:8], [[5, 6, 7, 8]] * 8, pad_id=0)
+
+    def train_step() -> None:
+        if trainer == "gradient_checkpointing":
+            loss = model(input_ids=ids, attention_mask=attn).logits.sum()
+        else:
+            loss = importlib.import_module(f"algorithms.{trainer}").forward_logprobs(model, ids, attn, resp, 1.0,
+                                                                                     True)[0].sum()
+        loss.backward()
+
+    sets = []
+    real_set = torch.set_rng_state
+    monkeypatch.setattr(torch, "set_rng_state", lambda state: (sets.append(1), real_set(state)))
+    train_step()
+    monkeypatch.undo()
+    assert not sets, "a training step set torch's global generator"
+
+    engine = VLLMGenerator(tiny_path, tok, dtype=torch.float32, seed=0, max_model_len=64)
+
+    def generate() -> list:
+        out = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=3)
+        return [c.token_ids for group in out for c in group]
+
+    reference = generate()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for _ in range(8):
+            future = pool.submit(generate)
+            steps = 0
+            while not future.done() or steps == 0:
+                train_step()
+                steps += 1
+            assert future.result() == reference, f"{steps} training steps beside the generation changed its samples"
+
+
 # --- flags ---------------------------------------------------------------------------------------------------------
 
 
