@@ -4,6 +4,7 @@ Docs: docs/grpo.md#asynchronous-generation---async_steps
     python scripts/bench_async.py                          # speed (3 alternating repeats) + learning (3 seeds each)
     python scripts/bench_async.py --parts speed            # step time only (~10 min on 2 free cores)
     python scripts/bench_async.py --parts learning --stop_after_steps 100   # spread over sessions: rerun to continue
+    python scripts/bench_async.py --parts learning --variants sync async1 sync_iter1 async1_iter1 async1_tis_mask
     python scripts/bench_async.py --parts speed learning --steps 3 --repeats 1 --seeds 1 \\
         --flags "--total_episodes 1024" --cache ~/.cache/cleanrlhf --out /tmp/ba --results /tmp/ba   # smoke run
 
@@ -18,8 +19,11 @@ to sync's. On one device (this CPU) generation and training share the cores, so 
 
 (b) learning: the default run (`python algorithms/grpo.py --seed k`, 102,400 samples) and the same with
 `--async_steps 1`, seeds 1 2 3, equal samples, same start model, through scripts/bench_headline.py's run_one (a
-finished run is cached in <out>/<variant>/grpo/seed<k>.json and not rerun). Reported: held-out accuracy at start,
-at the end and its gain per seed, the mean staleness, wall minutes.
+finished run is cached in <out>/<variant>/grpo/seed<k>.json and not rerun). `--variants` adds the runs that test why
+async may learn less: one pass over each batch instead of two (`--num_iterations 1`, sync and async: half the
+updates per batch, so one step of staleness is 2 updates instead of 4) and async with `--tis token_mask` (tokens
+whose pi_old / mu exceeds the cap dropped instead of down-weighted). Reported: held-out accuracy at start, at the end
+and its gain per seed, the mean staleness, wall minutes, and each async variant's gain minus its sync pair's.
 
 Writes docs/bench/async/<device>_<time>.json (`--results`).
 """
@@ -40,7 +44,12 @@ import bench_headline as bh  # noqa: E402
 ROOT = bc.ROOT
 PHASES = ("generate", "generate_wait", "reward", "logprob", "train", "sync")
 SPEED = {"sync": "0", "async1": "1"}  # contender -> --async_steps
-LEARNING = {"sync": "", "async1": "--async_steps 1"}  # variant -> extra flags of the default run
+# learning: variant -> extra flags of the default run; each async variant is compared with its synchronous pair at
+# the same settings (--variants picks which run; a pair's missing side is left out of the differences)
+LEARNING = {"sync": "", "async1": "--async_steps 1",
+            "sync_iter1": "--num_iterations 1", "async1_iter1": "--async_steps 1 --num_iterations 1",
+            "async1_tis_mask": "--async_steps 1 --tis token_mask"}
+PAIRS = {"async1": "sync", "async1_iter1": "sync_iter1", "async1_tis_mask": "sync"}  # async variant -> its sync run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_prompts", type=int, default=64, help="speed: prompts per step (the default run's)")
     p.add_argument("--max_new_tokens", type=int, default=16, help="speed: completion length limit")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="learning: seeds per variant")
+    p.add_argument("--variants", nargs="+", default=["sync", "async1"], choices=list(LEARNING),
+                   help="learning: which runs (flags: LEARNING in this file); each async variant is compared with its "
+                        "synchronous pair (PAIRS), when that runs too")
     p.add_argument("--flags", default="", help="learning: extra flags for every run, one string (e.g. a smaller "
                                                "--total_episodes for a smoke run; equal for both variants)")
     p.add_argument("--stop_after_steps", type=int, default=0, help="learning: stop (resumable) after this many steps")
@@ -116,7 +128,8 @@ def learning(a) -> dict | None:
         cache.symlink_to(a.cache.expanduser().resolve())
     cache.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, extra in LEARNING.items():
+    for name in a.variants:
+        extra = LEARNING[name]
         sub = SimpleNamespace(out=a.out / name, flags=f"{extra} {a.flags}".strip(), stop_after_steps=a.stop_after_steps)
         sub.out.mkdir(parents=True, exist_ok=True)
         if not (sub.out / "cache").exists():
@@ -140,12 +153,19 @@ def learning(a) -> dict | None:
             "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
             "seeds": runs,
         }
-    s, x = results["sync"]["seeds"], results["async1"]["seeds"]
-    shared = sorted(set(s) & set(x))
-    results["async1_minus_sync_gain"] = {seed: (x[seed]["final"]["eval/accuracy"] - x[seed]["start"]["eval/accuracy"])
-                                         - (s[seed]["final"]["eval/accuracy"] - s[seed]["start"]["eval/accuracy"])
-                                         for seed in shared}
-    return results
+    return {**results, **gain_differences(results)}
+
+
+def gain_differences(results: dict) -> dict:
+    """For each async variant whose sync pair (PAIRS) ran too, "<variant>_minus_<pair>_gain": {seed: the variant's
+    held-out accuracy gain (final - start) minus the pair's}, over the seeds both ran."""
+    gain = lambda r: r["final"]["eval/accuracy"] - r["start"]["eval/accuracy"]  # noqa: E731
+    out = {}
+    for name, pair in PAIRS.items():
+        if name in results and pair in results:
+            s, x = results[pair]["seeds"], results[name]["seeds"]
+            out[f"{name}_minus_{pair}_gain"] = {seed: gain(x[seed]) - gain(s[seed]) for seed in sorted(set(s) & set(x))}
+    return out
 
 
 def main(argv=None) -> dict | None:
@@ -169,7 +189,7 @@ def main(argv=None) -> dict | None:
             print("[bench_async] a learning run stopped after --stop_after_steps; rerun the same command to continue")
             return None
         result["learning"] = learned
-        for name in LEARNING:
+        for name in a.variants:
             r = learned[name]
             print(f"{name}: eval/accuracy {r['start']['eval/accuracy']['mean']:.3f} -> "
                   f"{r['final']['eval/accuracy']['mean']:.3f} (gain {r['gain']['mean']:+.3f}, "

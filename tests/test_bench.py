@@ -201,3 +201,32 @@ def test_headline_curve_records_the_training_samples_before_each_evaluation():
     out = bh.summarize_run(rows, keys, "grpo", {"batch_size": 512})
     assert [pt["samples"] for pt in out["curve"]] == [0, 5120, 10240]
     assert "samples" not in bh.summarize_run(rows, keys)["curve"][0]  # without args.json: as before
+
+
+def test_bench_async_pairs_each_async_variant_with_its_sync_run_and_renders_them():
+    """--variants: the gain differences go to the sync run at the same settings (async1_iter1 - sync_iter1, not -
+    sync), by hand; the docs table shows one row per run with its flags and differences."""
+    import bench_async
+    import docs_tables
+
+    def run(start, final, stale=0.0):
+        return {"start": {"eval/accuracy": start}, "final": {"eval/accuracy": final}, "staleness_mean": stale}
+
+    def variant(flags, seeds):
+        finals = [r["final"]["eval/accuracy"] for r in seeds.values()]
+        spread = lambda xs: {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
+        return {"flags": flags, "seeds": seeds, "start": {"eval/accuracy": spread([0.5] * len(seeds))},
+                "final": {"eval/accuracy": spread(finals)}, "staleness_mean": spread([1.0]), "minutes": spread([4.0])}
+
+    results = {"sync": variant("", {"1": run(0.5, 0.8), "2": run(0.5, 0.9)}),
+               "sync_iter1": variant("--num_iterations 1", {"1": run(0.5, 0.7), "2": run(0.5, 0.6)}),
+               "async1_iter1": variant("--async_steps 1 --num_iterations 1", {"1": run(0.5, 0.75), "2": run(0.5, 0.5)}),
+               "async1_tis_mask": variant("--async_steps 1 --tis token_mask", {"2": run(0.5, 0.85)})}
+    diffs = bench_async.gain_differences(results)
+    assert diffs.keys() == {"async1_iter1_minus_sync_iter1_gain", "async1_tis_mask_minus_sync_gain"}
+    assert diffs["async1_iter1_minus_sync_iter1_gain"] == pytest.approx({"1": 0.05, "2": -0.1})
+    assert diffs["async1_tis_mask_minus_sync_gain"] == pytest.approx({"2": -0.05})
+    text = docs_tables.async_bench({"learning": {**results, **diffs}, "env": {}, "command": "x"})
+    row = next(line for line in text.splitlines() if line.startswith("| async1_iter1 |"))
+    assert "+0.050 / -0.100 (vs sync_iter1; mean -0.025)" in row and "`--async_steps 1 --num_iterations 1`" in row
+    assert next(line for line in text.splitlines() if line.startswith("| sync |")).count("| - |") == 1
