@@ -142,6 +142,9 @@ def learning(a) -> dict | None:
             rows = bc.read_jsonl(sub.out / "grpo" / f"seed{seed}" / "metrics.jsonl")
             stale = [row["async/staleness"] for row in rows if "async/staleness" in row]
             r["staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
+            for key in ("val/tis_clipfrac", "val/sampler_logprob_diff"):  # mean over the run's steps
+                xs = [row[key] for row in rows if key in row]
+                r[f"{key.split('/')[1]}_mean"] = sum(xs) / len(xs) if xs else None
             runs[str(seed)] = r
         keys = bh.METRICS["grpo"]
         results[name] = {
@@ -150,6 +153,8 @@ def learning(a) -> dict | None:
             "final": {k: bh.spread([r["final"][k] for r in runs.values()]) for k in keys},
             "gain": bh.spread([r["final"][keys[0]] - r["start"][keys[0]] for r in runs.values()]),
             "staleness_mean": bh.spread([r["staleness_mean"] for r in runs.values()]),
+            **{k: bh.spread([r[k] for r in runs.values()]) for k in ("tis_clipfrac_mean", "sampler_logprob_diff_mean")
+               if all(r.get(k) is not None for r in runs.values())},
             "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
             "seeds": runs,
         }

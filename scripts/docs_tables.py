@@ -935,8 +935,11 @@ def async_bench(d: dict) -> str:
     if variants and variants != ["sync", "async1"]:  # --variants: one row per run, each async one against its pair
         le, k = d["learning"], "eval/accuracy"
         span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
+        pct = lambda x: "-" if x is None else f"{100 * x['mean']:.2f}%"  # noqa: E731
+        num = lambda x: "-" if x is None else f"{x['mean']:.2g}"  # noqa: E731
         lines += ["| variant | flags | start | final | gain - its sync pair's gain, per seed | mean staleness | "
-                  "minutes |", "|---|---|---|---|---|---|---|"]
+                  "tokens the TIS cap changed | mean \\|log pi_old - log mu\\| | minutes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name in variants:
             r = le[name]
             diff = next((v for key, v in le.items() if key.startswith(f"{name}_minus_")), None)
@@ -945,12 +948,14 @@ def async_bench(d: dict) -> str:
             cell = "-" if diff is None else (" / ".join(f"{x:+.3f}" for x in diff.values())
                                              + f" (vs {pair}; mean {sum(diff.values()) / len(diff):+.3f})")
             lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {span(r['start'][k])} | **{span(r['final'][k])}** | "
-                         f"{cell} | {r['staleness_mean']['mean']:.2f} | {r['minutes']['mean']:.1f} |")
+                         f"{cell} | {r['staleness_mean']['mean']:.2f} | {pct(r.get('tis_clipfrac_mean'))} | "
+                         f"{num(r.get('sampler_logprob_diff_mean'))} | {r['minutes']['mean']:.1f} |")
         seeds = sorted({s for n in variants for s in le[n]["seeds"]})
         lines += ["", f"`eval/accuracy` before training and after the default run's 102,400 trained samples (200 steps "
                       f"of 64 prompts x 8 completions), mean (min-max) over seeds {', '.join(seeds)}, the same start "
                       "model for every run; an async variant's gain (final - start) minus its synchronous pair's, seed "
-                      "by seed; minutes: wall time of a run on 2 cores, one run at a time."]
+                      "by seed; the TIS columns: means over a run's steps, then over seeds (`val/tis_clipfrac`, "
+                      "`val/sampler_logprob_diff`); minutes: wall time of a run on 2 cores, one run at a time."]
     elif "learning" in d:
         le, k = d["learning"], "eval/accuracy"
         lines += ["| seed | sync: start -> end | async (`--async_steps 1`): start -> end | async gain - sync gain | "

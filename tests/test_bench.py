@@ -216,7 +216,8 @@ def test_bench_async_pairs_each_async_variant_with_its_sync_run_and_renders_them
         finals = [r["final"]["eval/accuracy"] for r in seeds.values()]
         spread = lambda xs: {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
         return {"flags": flags, "seeds": seeds, "start": {"eval/accuracy": spread([0.5] * len(seeds))},
-                "final": {"eval/accuracy": spread(finals)}, "staleness_mean": spread([1.0]), "minutes": spread([4.0])}
+                "final": {"eval/accuracy": spread(finals)}, "staleness_mean": spread([1.0]), "minutes": spread([4.0]),
+                "tis_clipfrac_mean": spread([0.0029]), "sampler_logprob_diff_mean": spread([0.048])}
 
     results = {"sync": variant("", {"1": run(0.5, 0.8), "2": run(0.5, 0.9)}),
                "sync_iter1": variant("--num_iterations 1", {"1": run(0.5, 0.7), "2": run(0.5, 0.6)}),
@@ -229,4 +230,5 @@ def test_bench_async_pairs_each_async_variant_with_its_sync_run_and_renders_them
     text = docs_tables.async_bench({"learning": {**results, **diffs}, "env": {}, "command": "x"})
     row = next(line for line in text.splitlines() if line.startswith("| async1_iter1 |"))
     assert "+0.050 / -0.100 (vs sync_iter1; mean -0.025)" in row and "`--async_steps 1 --num_iterations 1`" in row
+    assert "| 0.29% | 0.048 |" in row
     assert next(line for line in text.splitlines() if line.startswith("| sync |")).count("| - |") == 1
