@@ -60,8 +60,8 @@ from shared import data as data_utils
 from shared import toy
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, max_over_ranks,
-                                prepare, prepare_frozen, run_cli, seed_everything)
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
+                                max_over_ranks, output_head, prepare, prepare_frozen, run_cli, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
@@ -221,7 +221,7 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     keep = mask.bool()  # [B, L-1]: position t predicts token t+1
     hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
     targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = model.get_output_embeddings()
+    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
     # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
     # partitioned lm_head gathers its weight, a collective
     num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))

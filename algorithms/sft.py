@@ -29,7 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.distributed import (NonFiniteGuard, check_sizes, default_dtype, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, max_over_ranks, prepare, run_cli, seed_everything)
+                                load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare, run_cli,
+                                seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import completion_decoder, make_generator
 from shared.lora import add_lora, check_lora
@@ -175,7 +176,7 @@ def sequence_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
     hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
     targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = model.get_output_embeddings()
+    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
     # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
     # partitioned lm_head gathers its weight, a collective
     num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))

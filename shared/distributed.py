@@ -281,6 +281,43 @@ def prepare_frozen(model: torch.nn.Module, info: DistInfo, dtype: torch.dtype):
     return engine
 
 
+def output_head(model):
+    """The model's output layer as the scripts' lean log-probs call it, one chunk at a time inside activation
+    checkpointing: the module itself, except for a frozen head whose weight ZeRO-3 partitions (LoRA under ZeRO-3):
+    then a function that gathers the weight for each product (_GatheredLinear). Called as a module there, the head
+    runs again when the backward pass recomputes a chunk, and DeepSpeed's hook releases its gathered weight after
+    that forward, before the backward reads it (torch CheckpointError: a saved weight of shape [0]); a trainable head
+    (full fine-tuning) does not hit this (tests/test_lean_logprobs.py covers both). Every rank must call the result
+    equally often (each call gathers)."""
+    head = model.get_output_embeddings()  # a LoRA reference policy gives a function (shared.lora.adapters_disabled)
+    if isinstance(head, torch.nn.Linear) and all(hasattr(p, "ds_id") and not p.requires_grad
+                                                  for p in head.parameters()):
+        return lambda hidden: _GatheredLinear.apply(hidden, head.weight, head.bias)
+    return head
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """hidden @ W^T (+ b) for frozen, ZeRO-3-partitioned W and b: gathered for the product in forward and again for
+    the input's gradient in backward, released in between; nothing of W is saved (no gradient of its own)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight] if bias is None else [weight, bias], modifier_rank=None):
+            out = torch.nn.functional.linear(hidden, weight, bias)
+        ctx.weight = weight
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([ctx.weight], modifier_rank=None):
+            grad_hidden = grad_out @ ctx.weight.to(grad_out.dtype)
+        return grad_hidden, None, None
+
+
 def max_over_ranks(n: int) -> int:
     """The largest of every rank's n: how many times every rank calls a module that ZeRO-3 partitions, since each
     call gathers the module's weights (a collective), as the chunked log-probs of the scripts do with the LM head.

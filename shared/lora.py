@@ -54,17 +54,10 @@ def target_modules(spec: str):
 def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
     """Start-up checks of the LoRA flags (one-line errors naming the flag, before anything is written): with
     --lora_r > 0, peft must be installed and every name of --lora_target_modules must match a linear layer of the
-    model, built from its config on the meta device (no weights read)."""
+    model, built from its config on the meta device (no weights read); under ZeRO-3 a causal LM's output layer may
+    not carry an adapter (`all-linear` leaves it out)."""
     if not getattr(args, "lora_r", 0):
         return
-    from shared.distributed import launch_zero_stage
-
-    if not seq_cls and launch_zero_stage()[0] == 3:
-        # the lean log-probs recompute the output head in the backward pass (activation checkpointing); ZeRO-3
-        # releases a frozen head's gathered weight before that backward reads it (torch CheckpointError), and
-        # keeping it gathered (DeepSpeed's ds_persist) did not help: not supported until that is solved
-        raise ValueError("lora_r: LoRA under ZeRO-3 is not supported yet for this script (the frozen output head is "
-                         "released during the backward pass); launch with scripts/accelerate/zero2.yaml or zero0.yaml")
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -86,6 +79,15 @@ def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
     if missing:
         raise ValueError(f"lora_target_modules: {', '.join(missing)} is not a linear layer of {model_path} "
                          f"(its linear layers: {', '.join(sorted(linear))}; or `all-linear`)")
+    from shared.distributed import launch_zero_stage
+
+    head = model.get_output_embeddings()
+    head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)
+    if not seq_cls and head_name in targets and launch_zero_stage()[0] == 3:
+        # the lean log-probs gather a frozen output layer per chunk (shared.distributed.output_head); one with an
+        # adapter runs as a module, whose weight ZeRO-3 releases before the recomputed chunk's backward reads it
+        raise ValueError(f"lora_target_modules: an adapter on the output layer ({head_name}) is not supported under "
+                         "ZeRO-3; leave it out, or launch with scripts/accelerate/zero2.yaml")
 
 
 def add_lora(model, args, seq_cls: bool = False):

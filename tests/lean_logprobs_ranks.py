@@ -6,7 +6,8 @@ wrapped in a DeepSpeed engine, once with the lean function and once with the ful
 weights and data; the two updated models must agree. The ranks hold different numbers of response tokens (1 and 4
 chunks of 4), and `stage3_param_persistence_threshold: 0` makes ZeRO-3 partition even the tiny LM head, so that
 every call of it gathers its weight across ranks: with unequal chunk counts the ranks would deadlock. Untied and
-tied embeddings. Prints one JSON line per rank: the largest weight difference per function.
+tied embeddings, and a frozen output layer as under LoRA (shared.distributed.output_head gathers it per call under
+ZeRO-3). Writes one JSON file per rank: the largest weight difference per function.
 """
 
 import copy
@@ -44,6 +45,7 @@ LEAN = {  # name: (log-probs, loss)
     "repulse": (lambda m, ids, attn, resp: repulse.forward_logprobs(m, ids, attn, resp[:, 1:], 4), token_loss),
     "sft": (lambda m, ids, attn, resp: -sft.sequence_nll(m, ids, attn, resp, 4)[0], token_loss),
 }
+FROZEN_HEAD = ["grpo", "dpo", "sft"]  # the same output_head path in every script; three of them with a frozen head
 REFERENCE = {
     "grpo": (lambda m, ids, attn, resp: reference_logprobs(m, ids, attn, 0.7), token_loss),
     "dpo": (lambda m, ids, attn, resp: (reference_logprobs(m, ids, attn, 0.7) * resp[:, 1:]).sum(1), sequence_loss),
@@ -63,12 +65,14 @@ def main():
     ids, attn, resp = data.pad_batch(prompts, responses, tok.pad_token_id)
     weights = torch.randn(resp[:, 1:].shape, generator=torch.Generator().manual_seed(info.rank))
     out = {"rank": info.rank, "zero_stage": info.zero_stage}
-    for tied in (False, True):
+    for tied, frozen_head in ((False, False), (True, False), (False, True), (True, True)):
         torch.manual_seed(0)
         cfg = tiny_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
         cfg.tie_word_embeddings = tied
         base = LlamaForCausalLM(cfg)
-        for name in LEAN:
+        if frozen_head:  # as under LoRA: the output layer (and, tied, the embedding) frozen, the rest trained
+            base.get_output_embeddings().requires_grad_(False)
+        for name in FROZEN_HEAD if frozen_head else LEAN:
             updated = []
             for fn, loss in (REFERENCE[name], LEAN[name]):
                 model = copy.deepcopy(base)
@@ -81,7 +85,8 @@ def main():
                 updated.append(dict(full_named_parameters(engine, info)))
             moved = max((updated[0][n] - p).abs().max().item() for n, p in base.named_parameters())
             diff = max((updated[0][n] - updated[1][n]).abs().max().item() for n in updated[0])
-            out[f"{name}{'_tied' if tied else ''}"] = {"max_weight_diff": diff, "max_update": moved}
+            key = f"{name}{'_tied' if tied else ''}{'_frozen_head' if frozen_head else ''}"
+            out[key] = {"max_weight_diff": diff, "max_update": moved}
     # One file per rank: two ranks printing to one pipe can interleave their lines.
     Path(os.environ["LEAN_RESULT_DIR"], f"rank{info.rank}.json").write_text(json.dumps(out))
 
