@@ -22,7 +22,7 @@ to sync's. On one device (this CPU) generation and training share the cores, so 
 finished run is cached in <out>/<variant>/grpo/seed<k>.json and not rerun). `--variants` adds the runs that test why
 async may learn less: one pass over each batch instead of two (`--num_iterations 1`, sync and async: half the
 updates per batch, so one step of staleness is 2 updates instead of 4) and async with `--tis token_mask` (tokens
-whose pi_old / mu exceeds the cap dropped instead of down-weighted). Reported: held-out accuracy at start, at the end
+whose pi_old / mu lies outside [1/C, C] dropped, instead of the weights above C lowered to C). Reported: held-out accuracy at start, at the end
 and its gain per seed, the mean staleness, wall minutes, and each async variant's gain minus its sync pair's.
 
 Writes docs/bench/async/<device>_<time>.json (`--results`).

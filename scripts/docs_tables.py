@@ -955,7 +955,8 @@ def async_bench(d: dict) -> str:
                       f"of 64 prompts x 8 completions), mean (min-max) over seeds {', '.join(seeds)}, the same start "
                       "model for every run; an async variant's gain (final - start) minus its synchronous pair's, seed "
                       "by seed; the TIS columns: means over a run's steps, then over seeds (`val/tis_clipfrac`, "
-                      "`val/sampler_logprob_diff`); minutes: wall time of a run on 2 cores, one run at a time."]
+                      "`val/sampler_logprob_diff`); minutes: a run's wall time (the machine's load: the file's `loadavg_at_end` "
+                      "per run)."]
     elif "learning" in d:
         le, k = d["learning"], "eval/accuracy"
         lines += ["| seed | sync: start -> end | async (`--async_steps 1`): start -> end | async gain - sync gain | "
