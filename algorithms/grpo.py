@@ -111,8 +111,8 @@ class Args:
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: int = 0
     """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the training forward"""
+    gradient_checkpointing: bool = True
+    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
     lora_r: int = 0
     """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
     lora_alpha: int = 32
@@ -153,8 +153,8 @@ class Args:
     """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
     num_minibatches: int = 2
     """optimizer steps per pass over the batch"""
-    local_micro_batch_size: int = 256
-    """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
+    local_micro_batch_size: int = 64
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
     micro_batching: Literal["padded", "sorted", "packed"] = "padded"
     """rows of a training/log-prob forward: `padded` (slices of the batch, padded to its longest row), `sorted` (each minibatch ordered by length, each micro-batch cut to its longest row) or `packed` (a micro-batch's sequences packed, longest first, several to a row as wide as its longest sequence, position ids restarting); docs/grpo.md"""
     num_iterations: int = 2

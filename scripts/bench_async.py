@@ -84,7 +84,7 @@ def grpo_argv(a, k: str, out: Path) -> list[str]:
             "--local_micro_batch_size", str(min(256, a.num_prompts * 4)),  # the default's, or a half-batch minibatch
             "--max_new_tokens", str(a.max_new_tokens), "--eval_every", "0", "--eval_num_prompts", "8",
             "--eval_num_samples", "1", "--dev_num_prompts", "0", "--sample_every", "0", "--save_every", "0",
-            "--no_save_model"]
+            "--no_save_model", "--no_gradient_checkpointing"]
 
 
 def run_speed(a, name: str, out: Path, env: dict) -> dict:

@@ -115,7 +115,8 @@ def ours_argv(a, generator: str, out: Path, seed: int) -> list[str]:
             "--learning_rate", str(a.learning_rate), "--warmup_steps", "5", "--max_grad_norm", "1.0",
             "--temperature", "1.0", "--top_p", "1.0", "--beta", "0.0", "--loss_aggregation", "global_token",
             "--advantage_scaling", "group", "--epsilon_low", "0.2", "--epsilon_high", "0.28",
-            "--eval_every", "0", "--eval_num_prompts", "8", "--sample_every", "0", "--no_save_model"]
+            "--eval_every", "0", "--eval_num_prompts", "8", "--sample_every", "0", "--no_save_model",
+            "--no_gradient_checkpointing"]  # as TRL's contender (gradient_checkpointing=False)
 
 
 def read_ours(out: Path, a) -> dict:

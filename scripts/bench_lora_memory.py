@@ -71,7 +71,7 @@ def grpo_flags(a, out: Path) -> list[str]:
             str(a.num_prompts * a.num_generations // 2), "--max_new_tokens", str(a.max_new_tokens),
             "--learning_rate", "1e-5", "--eval_num_prompts", "4", "--eval_num_samples", "1", "--eval_every", "0",
             "--dev_num_prompts", "0", "--best_metric", "", "--save_every", str(a.steps), "--generator", a.generator,
-            "--resume", "no"]
+            "--resume", "no", "--no_gradient_checkpointing"]
 
 
 def main(argv=None) -> dict:

@@ -78,7 +78,7 @@ def grpo_argv(a, layout: str, out: Path) -> list[str]:
             "--num_minibatches", str(a.num_minibatches), "--num_iterations", str(a.num_iterations),
             "--local_micro_batch_size", str(a.micro_batch_size), "--beta", str(a.beta), "--eval_every", "0",
             "--eval_num_prompts", "8", "--eval_num_samples", "1", "--dev_num_prompts", "0", "--sample_every", "0",
-            "--save_every", "0", "--no_save_model"]
+            "--save_every", "0", "--no_save_model", "--no_gradient_checkpointing"]
 
 
 def run_layout(a, layout: str, out: Path) -> dict:

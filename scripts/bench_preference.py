@@ -82,7 +82,8 @@ def ours_argv(a, algo: str, out: Path, seed: int) -> list[str]:
     common = ["--model_name_or_path", a.model, "--output_dir", str(out), "--seed", str(seed),
               "--total_episodes", str(a.batch_size * a.steps), "--local_micro_batch_size", str(a.batch_size),
               "--gradient_accumulation_steps", "1", "--learning_rate", str(a.lr[algo]), "--warmup_ratio", "0.03",
-              "--weight_decay", "0.0", "--max_grad_norm", "1.0", "--max_seq_length", "512", "--eval_every", "0"]
+              "--weight_decay", "0.0", "--max_grad_norm", "1.0", "--max_seq_length", "512", "--eval_every", "0",
+              "--no_gradient_checkpointing"]  # as TRL's contenders (gradient_checkpointing=False)
     if algo == "dpo":
         return [str(ROOT / "algorithms/dpo.py"), *common, "--loss_type", "sigmoid", "--beta", "0.1",
                 "--precompute_ref_logps", "--eval_num_prompts", "0", "--eval_num_pairs", "0", "--no_save_model"]

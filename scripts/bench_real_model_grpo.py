@@ -58,7 +58,7 @@ def grpo_args(a, seed: int, dataset: Path, run_dir: Path) -> list[str]:
             "--num_minibatches", "1", "--num_iterations", "1", "--local_micro_batch_size", "32",
             "--max_new_tokens", "32", "--eval_every", str(a.eval_every), "--eval_num_prompts", "100",
             "--eval_num_samples", "4", "--dev_num_prompts", "0", "--save_every", "5", "--sample_every", "5",
-            "--generator", a.generator,
+            "--generator", a.generator, "--no_gradient_checkpointing",
             *(["--stop_after_steps", str(a.stop_after_steps)] if a.stop_after_steps else [])]
 
 

@@ -97,7 +97,7 @@ def algo_argv(a, algo: str, out: Path) -> list[str]:
             "--max_new_tokens", str(a.max_new_tokens), "--num_ppo_epochs", str(a.num_ppo_epochs),
             "--num_minibatches", str(a.num_minibatches), "--local_micro_batch_size", str(a.micro_batch_size),
             "--learning_rate", str(a.learning_rate), "--eval_every", "0", "--eval_num_prompts", "8",
-            "--sample_every", "0", "--no_save_model"]
+            "--sample_every", "0", "--no_save_model", "--no_gradient_checkpointing"]
     if algo == "vineppo":
         argv += ["--num_mc_rollouts", str(a.num_mc_rollouts)]
     return argv

@@ -23,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"ppo": ["--drca_beta", "0"], "drca": []}
+# the micro-batch and checkpointing of the stored runs (drca.py's defaults until 2026-11-26); --extra overrides them
+PINNED = ["--local_micro_batch_size", "256", "--no_gradient_checkpointing"]
 
 
 def read(run: Path) -> list[dict]:
@@ -53,7 +55,7 @@ def main() -> None:
             if finished(run):
                 continue  # finished earlier: reuse
             cmd = [sys.executable, str(ROOT / "algorithms/drca.py"), "--seed", str(seed), "--output_dir", str(run),
-                   "--exp_name", arm, "--no_save_model", *flags, *args.extra]
+                   "--exp_name", arm, "--no_save_model", *PINNED, *flags, *args.extra]
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, cwd=ROOT)
 

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the micro-batch and checkpointing of the stored runs (the scripts' defaults until 2026-11-26); --extra overrides them
+PINNED = ["--local_micro_batch_size", "256", "--no_gradient_checkpointing"]
 
 
 def read(run: Path) -> tuple[list[tuple[int, float, float]], dict]:
@@ -59,7 +61,7 @@ def main() -> None:
             if (run / "metrics.jsonl").exists() and any('"time/total"' in x for x in open(run / "metrics.jsonl")):
                 continue  # finished earlier: reuse
             cmd = [sys.executable, str(ROOT / f"algorithms/{algo}.py"), "--seed", str(seed), "--output_dir", str(run),
-                   *args.extra]
+                   *PINNED, *args.extra]
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, cwd=ROOT)
 

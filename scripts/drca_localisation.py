@@ -42,7 +42,8 @@ def main() -> None:
                 a.reward_model_path, "--dataset", a.dataset, "--counterfactual", mode,
                 "--localisation_num_pairs", str(a.num_pairs), "--eval_num_prompts", "20", "--eval_num_samples", "1",
                 "--dev_num_prompts", "0", "--best_metric", "", "--total_episodes", "512", "--save_every", "0",
-                "--no_save_model", "--generator", "hf", "--resume", "no", "--output_dir", str(out)]
+                "--no_save_model", "--generator", "hf", "--resume", "no", "--output_dir", str(out),
+                "--local_micro_batch_size", "256", "--no_gradient_checkpointing"]  # as the stored runs
         print(f"[localisation] python {shlex.join(argv)}", flush=True)
         if out.exists():
             import shutil

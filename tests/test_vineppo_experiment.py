@@ -177,7 +177,7 @@ def test_run_argv_flags_exist():
     for algo in cmp.ALGOS:
         fields = {f.name for f in dataclasses.fields(importlib.import_module(f"algorithms.{algo}").Args)}
         argv = cmp.run_argv(algo, 1, Path("o"), "start", a)
-        assert {x[2:] for x in argv if x.startswith("--")} <= fields
+        assert {x[2:].removeprefix("no_") for x in argv if x.startswith("--")} <= fields
 
 
 def test_docs_renderers_of_the_result():
