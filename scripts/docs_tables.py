@@ -36,10 +36,10 @@ BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-
 
 # Runs of these benchmarks are the scripts' default runs (plus flags); the defaults changed at this time (issue #22:
 # gradient checkpointing on, grpo/ppo/vineppo/drca micro-batch 256 -> 64), so their older files say what they ran.
-DEFAULTS_CHANGED = "2026-11-26 04:00"
+DEFAULTS_CHANGED = "2026-11-26 03:25:25"  # commit 5a37629
 DEFAULT_RUN_BENCHMARKS = ("headline", "async", "grpo_variants")
-OLD_DEFAULTS = ("defaults of then: no gradient checkpointing (the same numbers, less time), grpo/ppo/vineppo/drca "
-                "micro-batch 256 (now 64: add `--local_micro_batch_size 256` to rerun it as measured)")
+OLD_DEFAULTS = ("defaults of then: no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256 (add "
+                "`--local_micro_batch_size 256` to rerun as measured)")
 
 
 def commit(d: dict) -> str:

@@ -137,8 +137,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--config", type=Path, help="a local HF config.json instead of the presets")
-    p.add_argument("--micro_batch", type=int, nargs="+", default=[256, 16],
-                   help="sequences per training forward: grpo.py's default --local_micro_batch_size, and a GPU size")
+    p.add_argument("--micro_batch", type=int, nargs="+", default=[256, 64],
+                   help="sequences per training forward: grpo.py's former and current default --local_micro_batch_size")
     p.add_argument("--seq_len", type=int, default=1024, help="prompt + completion tokens")
     p.add_argument("--completion_len", type=int, default=768)
     p.add_argument("--num_completions", type=int, default=512, help="sequences generated at once (the batch)")
