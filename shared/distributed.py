@@ -622,23 +622,11 @@ def parse_cli(args_cls, argv: list[str] | None = None):
     return args
 
 
-def end_process_group() -> None:
-    """After a finished run: every rank waits for the others, then the process group is destroyed, so no rank exits
-    while its peers still talk to it and the backend's threads are joined before the interpreter tears down (left to
-    process exit, a 2-process ZeRO-3 run once aborted after finishing: "terminate called without an active
-    exception", README Tests)."""
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
 def run_cli(main, args_cls) -> None:
     """`main(parse_cli(Args))` after `check_args`, with a rejected command line (parse_cli), configuration and data
     errors (ValueError, e.g. DataError, a bad flag, a missing model) and a diverged run printed as one line
     `error: ...` (exit status 2) instead of a traceback or tyro's error box. Library INFO/WARNING output is hidden
-    unless `--verbose` (shared/console.py). Set CLEANRLHF_TRACEBACK=1 to see the traceback. A finished run leaves
-    the process group together (end_process_group)."""
+    unless `--verbose` (shared/console.py). Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
     import sys
 
     from shared.console import quiet_libraries
@@ -648,7 +636,6 @@ def run_cli(main, args_cls) -> None:
         quiet_libraries(getattr(args, "verbose", False))
         check_args(args)
         main(args)
-        end_process_group()
     except (CommandLineError, ValueError, NonFiniteError) as e:
         if os.environ.get("CLEANRLHF_TRACEBACK"):
             raise
