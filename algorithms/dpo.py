@@ -24,7 +24,7 @@ accuracy. DPO-Positive is the default because plain DPO (`--loss_type sigmoid`) 
 chosen responses along with the rejected ones and, measured here, the task accuracy (docs/dpo.md).
 
 Launch:
-    python algorithms/dpo.py                                    # CPU, built-in pairs, about 3 minutes
+    python algorithms/dpo.py                                    # CPU, built-in pairs, about 1.5 minutes
     python algorithms/dpo.py --pair_source self_generated --loss_type dpop --logit_temperature 0.6
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/dpo.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \

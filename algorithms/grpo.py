@@ -30,7 +30,7 @@ Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is
 gradient is the policy gradient sum_t A grad log pi.
 
 Launch:
-    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, ~7.5 minutes
+    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, about 5 minutes
     python algorithms/grpo.py --generator hf                   # HF generate instead of vLLM
     python algorithms/grpo.py --async_steps 1                  # generation overlaps training, one update stale
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/grpo.py   # several processes

@@ -15,7 +15,7 @@ With no flags it trains on the built-in preference pairs (correct running sums v
 arithmetic slip), starting from the built-in SFT warm start, and reports held-out pairwise accuracy.
 
 Launch:
-    python algorithms/rm.py                                     # CPU, built-in pairs, about 5 minutes
+    python algorithms/rm.py                                     # CPU, built-in pairs, about 3.5 minutes
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/rm.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \
         --eval_split test --learning_rate 1e-5 --total_episodes 60000 --local_micro_batch_size 4 \
