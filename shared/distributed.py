@@ -194,10 +194,11 @@ def load_causal_lm(path: str, dtype: torch.dtype, gradient_checkpointing: bool =
 def enable_gradient_checkpointing(model) -> None:
     """Recompute each layer's activations in the backward pass (`--gradient_checkpointing`). Without replaying torch's
     RNG state (there is no dropout to replay): restoring it in the backward pass would rewind the global generator
-    that a vLLM engine generating in another thread samples from (`--async_steps`), changing its samples."""
+    that a vLLM engine generating in another thread samples from (`--async_steps`), changing its samples.
+    The config is left alone: transformers turns the KV cache off itself in a checkpointed training forward, and a
+    `use_cache: false` set here would be saved into every checkpoint (generation without a cache, for its users)."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                        "preserve_rng_state": False})
-    model.config.use_cache = False
 
 
 def load_tokenizer(path: str):

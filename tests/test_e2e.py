@@ -45,6 +45,8 @@ def test_sft_trains_and_saves_a_loadable_checkpoint(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert model.config.num_hidden_layers == 3
+    # trained with gradient checkpointing (the default), saved for generation: the KV cache stays on
+    assert json.loads((tmp_path / "final" / "config.json").read_text()).get("use_cache", True) is True
 
 
 def test_sft_two_ranks_equal_one_rank_with_gradient_accumulation(tmp_path):

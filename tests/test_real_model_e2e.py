@@ -224,8 +224,11 @@ def test_every_saved_policy_reloads_in_transformers_and_vllm(sft_run, grpo_run, 
     engine = VLLMGenerator(str(dirs[0]), tok, torch.float32, seed=0, max_model_len=128)
     first_config = json.loads((dirs[0] / "config.json").read_text())
     base = json.loads((Path(resolve_model_path("builtin:smollm2-135m")) / "cleanrlhf_source.json").read_text())
+    base_config = json.loads((Path(resolve_model_path("builtin:smollm2-135m")) / "config.json").read_text())
     for d in dirs:
         config = json.loads((d / "config.json").read_text())
+        # training settings do not leak into the saved model (gradient checkpointing once saved use_cache: false)
+        assert config.get("use_cache", True) == base_config.get("use_cache", True), d
         assert {k: v for k, v in config.items() if k != "dtype"} == \
             {k: v for k, v in first_config.items() if k != "dtype"}, d
         assert (d / "tokenizer.json").read_bytes() == (dirs[0] / "tokenizer.json").read_bytes(), d
