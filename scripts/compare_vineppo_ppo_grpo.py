@@ -52,8 +52,9 @@ ROOT = bc.ROOT
 ALGOS = ("ppo", "vineppo", "grpo")
 TASK, TERMS, MAX_NEW_TOKENS, SFT_SEED = "builtin:sums-6", 6, 18, 1
 # phases of a training step in metrics.jsonl (ppo.py, vineppo.py, grpo.py: Timer); time/eval is left out
-# SHA-256 of the SFT start's weights on x86-64 (torch 2.13.0, transformers 5.19.0; built twice, the same)
-EXPECTED_SFT_SHA256 = "2b1a96d56eee85070a2dfaf3c649453d950a48676c92ddd8a42ec390e1554e6b"
+# SHA-256 of the SFT start's weights on x86-64 (torch 2.13.0, transformers 5.19.0) since sft.py's fused AdamW
+# (0ea16ae); docs/results/vineppo_vs_ppo.json's runs started from the earlier build, 2b1a96d56eee (built twice, the same)
+EXPECTED_SFT_SHA256 = "e461b7ba35905fee8ae8f9a88d61f76e8420b29af73e32c4c7bd963da7b2db3f"
 TRAIN_PHASES = ("time/generate", "time/reward", "time/value_estimation", "time/logprob", "time/train", "time/sync")
 
 
@@ -201,7 +202,7 @@ def build_sft_start(out: Path) -> dict:
         raise SystemExit(f"{final}/final does not hold the weights its build.json names; delete {final} to rebuild")
     if record["weights_sha256"] != EXPECTED_SFT_SHA256:
         print(f"[compare] warning: the SFT start's weights are {record['weights_sha256'][:12]}, not the expected "
-              f"{EXPECTED_SFT_SHA256[:12]} (another CPU architecture or library version)", file=sys.stderr, flush=True)
+              f"{EXPECTED_SFT_SHA256[:12]} (another CPU architecture, library version or sft.py)", file=sys.stderr, flush=True)
     return {"path": str(final / "final"), **record, "expected_sha256": EXPECTED_SFT_SHA256}
 
 
