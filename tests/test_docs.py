@@ -174,3 +174,14 @@ def test_grpo_default_batch_of_the_restem_comparison_is_grpo_s_default():
 
     a = importlib.import_module("algorithms.grpo").Args()
     assert a.local_num_prompts * a.num_generations == docs_tables.GRPO_DEFAULT_BATCH
+
+
+def test_default_run_results_before_the_defaults_changed_name_the_defaults_they_ran_with():
+    """A default-run benchmark (the scripts' defaults moved in 5a37629) measured before the change says what it ran
+    with under its table; one measured after, or a benchmark that passes its settings explicitly, does not."""
+    env = {"git_commit": "abc1234"}
+    old = docs_tables.commit({"benchmark": "headline", "env": {**env, "time": "2026-11-26 01:57:08"}})
+    new = docs_tables.commit({"benchmark": "headline", "env": {**env, "time": "2026-11-26 03:55:50"}})
+    explicit = docs_tables.commit({"benchmark": "grpo", "env": {**env, "time": "2026-11-22 10:01:43"}})
+    assert "micro-batch 256" in old and "--local_micro_batch_size 256" in old
+    assert new == explicit == "commit abc1234"
