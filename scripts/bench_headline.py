@@ -1,6 +1,6 @@
 """Benchmark (not a test): the headline results of README.md, i.e. each script's default run, over several seeds.
 
-    python scripts/bench_headline.py                                # grpo sft dpo rm, seeds 1 2 3 (~1 h, 2 cores)
+    python scripts/bench_headline.py                                # grpo sft dpo rm, seeds 1 2 3 (~30 min, 2 cores)
     python scripts/bench_headline.py --algorithms grpo --seeds 1   # one run
     python scripts/bench_headline.py --stop_after_steps 50         # spread over sessions: rerun to continue
     python scripts/bench_headline.py --algorithms grpo --flags "--lora_r 16 --learning_rate 1e-3" \
