@@ -7,6 +7,7 @@ Two modes:
     python scripts/repulse_toy.py --paper               # the paper's settings (below), resumable, hours on CPU
     python scripts/repulse_toy.py --paper --hours 2     # work for 2 hours, checkpoint the running run, stop; rerun
                                                         # the same command to go on (finished runs are reused)
+    python scripts/repulse_toy.py --paper --hours 2 --drain   # ... but let the running run finish, start no other
     python scripts/repulse_toy.py --paper --seeds 1 2 3 4 5 --alphas 0.01 0.1
 
 --paper: the paper's toy settings (spec §3 column T0, §4.1): 250k samples per run, N = 500 samples per step from p
@@ -18,6 +19,8 @@ sessions. Writes docs/results/repulse_toy.json after every finished run: provena
 model hashes, command), per run the final exact log P(bad), the held-out and training mean reward and the curves
 (every 5,000 samples, the paper's evaluation points), and the goal of issue #19 per alpha: RePULSe's final
 log P(bad) at least 1 nat below REINFORCE's with held-out mean reward within 5%, on every seed (seed-paired).
+Finished runs stored in that file are reused too (its flags, and the built-in models it ran on, must equal this
+invocation's), so the sweep goes on in a fresh clone without the run directories; the plot is drawn from it.
 
 The quick mode keeps the older stored experiment (docs/img/repulse_toy_cpu_summary.json: the indicator reward
 `--reward_fn toy`, the script's other defaults).
@@ -116,9 +119,33 @@ def goal(runs: dict[str, dict[str, dict]], name: str, margin_nats: float = 1.0, 
             "met_on_every_seed": bool(per_seed) and all(v["met"] for v in per_seed.values())}
 
 
-def paper_summary(out: Path, names: dict[str, list[str]], seeds: list[int], provenance: dict) -> dict:
-    runs = {n: {str(s): run_summary(out / f"{n}_seed{s}") for s in seeds if finished(out / f"{n}_seed{s}")}
-            for n in names}
+def stored_runs(path: Path, common: list[str], names: dict[str, list[str]], models: dict) -> dict[str, dict]:
+    """Finished runs of an earlier --paper summary that this invocation can reuse: same common flags, same flags per
+    config, and every earlier invocation on the built-in models of this one (the start model is part of a result)."""
+    if not path.exists():
+        return {}
+    d = json.loads(path.read_text())
+    same_models = all((inv.get("env") or {}).get("builtin_models") == models for inv in d.get("invocations", []))
+    if d.get("settings", {}).get("common_flags") != common or not same_models:
+        print(f"{path}: other flags or built-in models; its runs are not reused", flush=True)
+        return {}
+    return {n: runs for n, runs in d.get("runs", {}).items() if d["settings"]["config_flags"].get(n) == names.get(n)}
+
+
+def paper_summary(out: Path, names: dict[str, list[str]], seeds: list[int], provenance: dict,
+                  stored: dict[str, dict] | None = None) -> dict:
+    """The sweep's summary over `seeds`: runs finished in `out`, else stored ones (`stored_runs`) of the same seed."""
+    stored = stored or {}
+    env = provenance.get("env") or {}
+    runs = {n: {} for n in names}
+    for n in names:
+        for s in map(str, seeds):
+            earlier = stored.get(n, {}).get(s)
+            if finished(out / f"{n}_seed{s}"):  # the invocation that finished it: an earlier one if stored, else this
+                runs[n][s] = {**run_summary(out / f"{n}_seed{s}"), "finished_under": (earlier or {}).get(
+                    "finished_under", {"git_commit": env.get("git_commit"), "invocation_time": env.get("time")})}
+            elif earlier is not None:
+                runs[n][s] = earlier
     pending = [f"{n}_seed{s}" for s in seeds for n in names if str(s) not in runs[n]]
     return {**provenance, "settings": {"common_flags": PAPER, "config_flags": names, "seeds": seeds,
                                        "curve_every_samples": CURVE_EVERY},
@@ -131,8 +158,9 @@ def paper_summary(out: Path, names: dict[str, list[str]], seeds: list[int], prov
 class Deadline:
     """--hours: at the deadline the running child gets SIGTERM (it checkpoints at the end of its step, exit 143)."""
 
-    def __init__(self, hours: float | None):
+    def __init__(self, hours: float | None, drain: bool = False):
         self.end = time.time() + hours * 3600 if hours else None
+        self.drain = drain  # at the deadline, let the running child finish (start no other)
 
     def passed(self) -> bool:
         return self.end is not None and time.time() >= self.end
@@ -146,7 +174,7 @@ class Deadline:
     def _wait(self, child: subprocess.Popen) -> int:
         try:
             while child.poll() is None:
-                if self.passed():
+                if self.passed() and not self.drain:
                     child.send_signal(signal.SIGTERM)
                     return child.wait()
                 time.sleep(5)
@@ -154,6 +182,12 @@ class Deadline:
             child.wait()
             raise
         return child.returncode
+
+
+def paper_curves(summary: dict) -> dict[str, list[list[dict]]]:
+    """The stored curves of a --paper summary as `plot` takes them (one point every 5,000 samples)."""
+    return {n: [[{"episode": c[0], "exact/log_p_bad": c[1], "objective/scores": c[2]} for c in r["curve"]]
+                for r in runs.values()] for n, runs in summary["runs"].items()}
 
 
 def plot(curves: dict[str, list[list[dict]]], png: Path, title: str) -> None:
@@ -194,6 +228,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--hours", type=float, default=None,
                    help="--paper: stop after this many hours (the running run checkpoints; rerun to go on)")
+    p.add_argument("--drain", action="store_true",
+                   help="--paper, with --hours: at the deadline let the running run finish and start no other")
     p.add_argument("--out", type=Path, default=None, help="run directories (default runs/repulse_toy[_paper])")
     p.add_argument("--png", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None,
@@ -215,13 +251,23 @@ def main() -> None:
     if args.paper:
         with open(invocations, "a") as f:
             f.write(json.dumps(provenance) + "\n")
-    deadline = Deadline(args.hours if args.paper else None)
+    deadline = Deadline(args.hours if args.paper else None, args.drain)
     json_path = args.json or ROOT / "docs/results/repulse_toy.json"
+    stored, earlier = {}, []
+    if args.paper:
+        stored = stored_runs(json_path, common, names, provenance["env"]["builtin_models"])
+        if stored:
+            earlier = json.loads(json_path.read_text()).get("invocations", [])
+            print(f"reusing {sum(map(len, stored.values()))} finished runs stored in {json_path}", flush=True)
+
+    def done(name: str, seed: int) -> bool:
+        return finished(out / f"{name}_seed{seed}") or str(seed) in stored.get(name, {})
 
     def write_paper_summary() -> dict:
-        summary = paper_summary(out, names, args.seeds, provenance)
+        summary = paper_summary(out, names, args.seeds, provenance, stored)
         summary["settings"]["common_flags"] = common
-        summary["invocations"] = [json.loads(x) for x in invocations.read_text().splitlines()]  # env: the latest
+        now = [json.loads(x) for x in invocations.read_text().splitlines()]
+        summary["invocations"] = earlier + [x for x in now if x not in earlier]  # every invocation, oldest first
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(summary, indent=2))
         return summary
@@ -230,7 +276,7 @@ def main() -> None:
         for seed in args.seeds:
             for name, flags in names.items():  # alternate methods so that machine load affects all alike
                 run = out / f"{name}_seed{seed}"
-                if finished(run):
+                if done(name, seed):
                     continue  # finished earlier: reuse
                 if deadline.passed():
                     break
@@ -249,15 +295,16 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted: the running run checkpointed; rerun the same command to go on", flush=True)
 
-    curves = {n: [read(out / f"{n}_seed{s}")[0] for s in args.seeds if finished(out / f"{n}_seed{s}")] for n in names}
     if args.paper:
         summary = write_paper_summary()
         for n, g in summary["goal"].items():
             print(f"{n:20s} goal met on every seed: {g['met_on_every_seed']} (seeds {g['seeds_compared']})")
         print(f"{len(summary['pending'])} runs pending; wrote {json_path}")
+        curves = paper_curves(summary)
         if any(curves.values()):
             plot(curves, png, "RePULSe toy, paper settings (250k samples, N = 500; mean and min-max over seeds)")
         return
+    curves = {n: [read(out / f"{n}_seed{s}")[0] for s in args.seeds] for n in names}
 
     summary = {**provenance, "methods": {}, "common_flags": common, "method_flags": {m: METHODS[m] for m in methods}}
     for method in methods:

@@ -470,3 +470,31 @@ def test_paper_sweep_summary_checks_the_goal_seed_by_seed(tmp_path):
     table = _load_script("docs_tables").repulse_toy_paper({**d, "settings": {**d["settings"], "common_flags": []}})
     assert "| repulse_a0.1 | 10 | −9.50, −9.50 |" in table and "+1.50, +1.50 | no |" in table
     assert "incomplete, 1 runs pending" in table
+
+
+def test_paper_sweep_reuses_runs_stored_in_its_summary(tmp_path):
+    """A fresh clone has no run directories: finished runs stored in docs/results/repulse_toy.json are reused (same
+    flags, same built-in models), not rerun; other flags or another start model reuse nothing; the plot's curves come
+    from the stored summary."""
+    sweep = _load_script("repulse_toy")
+    names = sweep.configs(["reinforce", "repulse"], [0.1], paper=True)
+    models = {"builtin:tiny-sft": {"weights_sha256": "ab", "expected": True}}
+    run = {"samples": 250000, "p_updates": 500, "initial_log_p_bad": -5.0, "final_log_p_bad": -7.0,
+           "heldout_mean_reward": 1.0, "curve": [[0, -5.0, None], [5000, -5.5, 0.9]],
+           "finished_under": {"git_commit": "abc1234", "invocation_time": "2026-11-26 06:40:00"}}
+    stored = {"settings": {"common_flags": ["--x"], "config_flags": names},
+              "runs": {"reinforce": {"1": run}, "repulse_a0.1": {}},
+              "invocations": [{"env": {"builtin_models": models}, "command": "python scripts/repulse_toy.py --paper"}]}
+    path = tmp_path / "repulse_toy.json"
+    path.write_text(json.dumps(stored))
+    reused = sweep.stored_runs(path, ["--x"], names, models)
+    assert reused["reinforce"]["1"]["final_log_p_bad"] == -7.0
+    assert sweep.stored_runs(path, ["--y"], names, models) == {}  # other common flags
+    assert sweep.stored_runs(path, ["--x"], names, {"builtin:tiny-sft": {"weights_sha256": "cd"}}) == {}
+    other = sweep.configs(["reinforce"], [0.1], paper=True) | {"repulse_a0.1": ["--alpha", "0.2"]}
+    assert set(sweep.stored_runs(path, ["--x"], other, models)) == {"reinforce"}  # a config's flags changed
+    d = sweep.paper_summary(tmp_path / "runs", names, [1], {"env": {"git_commit": "def5678"}}, reused)
+    assert d["runs"]["reinforce"]["1"]["finished_under"]["git_commit"] == "abc1234"
+    assert d["pending"] == ["repulse_a0.1_seed1"]
+    curves = sweep.paper_curves(d)
+    assert curves["reinforce"][0][1] == {"episode": 5000, "exact/log_p_bad": -5.5, "objective/scores": 0.9}
