@@ -143,6 +143,8 @@ class Args:
     """entropy units: cap at max_units_per_sequence (the reference ignores the cap)"""
     entropy_source: Literal["policy", "reference"] = "policy"
     """entropy units: entropy of the current `policy` (the reference) or of the frozen `reference` model"""
+    scorer: Literal["rm", "line_grader"] = "rm"
+    """what scores responses and counterfactuals: the reward model, or (built-in task) the per-line grader: an upper bound"""
     counterfactual: Literal["truncate", "mask"] = "truncate"
     """`truncate` (reference: prefix + blanked unit + EOS) or `mask` (leave-one-out: blank the unit, keep the rest)"""
     unitless_fallback: Literal["terminal", "zeros"] = "terminal"
@@ -333,14 +335,14 @@ def counterfactual_response(response: list[int], start: int, end: int, mode: str
 
 
 def slip_localisation(credits: list[float], spans: list[tuple[int, int]], slip: tuple[int, int]) -> tuple[float, float]:
-    """Does the lowest credit land on the slip? (1.0 if the unit with the lowest credit d_k overlaps the slipped
-    tokens [slip), the first on ties, else 0.0; the share of units overlapping the slip: the score of a unit picked
-    at random). No unit: (0.0, 0.0), a slip that cannot be located."""
+    """Does the lowest credit land on the slip? (The share of the units tied at the lowest credit d_k that overlap the
+    slipped tokens [slip): 1.0 or 0.0 without a tie, a tie counted as a unit picked at random among the tied; and the
+    share of all units overlapping the slip: the score of a unit picked at random.) No unit: (0.0, 0.0)."""
     if not spans:
         return 0.0, 0.0
     on_slip = [float(a < slip[1] and slip[0] < b) for a, b in spans]
-    lowest = min(range(len(credits)), key=lambda k: credits[k])
-    return on_slip[lowest], sum(on_slip) / len(on_slip)
+    lowest = [k for k in range(len(credits)) if credits[k] == min(credits)]
+    return sum(on_slip[k] for k in lowest) / len(lowest), sum(on_slip) / len(on_slip)
 
 
 def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, int]]], credits: list[list[float]],
@@ -500,6 +502,8 @@ def validate(args: Args) -> None:
         raise ValueError(f"drca_beta: must be in [0, 1], got {args.drca_beta}")
     if not args.reward_model_path:
         raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
+    if args.scorer == "line_grader" and not builtin_task.is_builtin(args.dataset):
+        raise ValueError(f"scorer: line_grader grades the built-in running sums only, not dataset {args.dataset!r}")
     if args.unit_extraction == "regex" and args.unit_pattern not in UNIT_PATTERNS and args.unit_pattern != "auto":
         try:
             re.compile(args.unit_pattern)
@@ -613,7 +617,12 @@ def main(args: Args) -> str:
     mb = args.local_micro_batch_size
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
-        """Normalised RM scores in micro-batches (shared/scalar.py; every rank runs the same number of forwards)."""
+        """Normalised RM scores in micro-batches (shared/scalar.py; every rank runs the same number of forwards), or
+        with --scorer line_grader the per-line grader's score of the decoded text (shared/task.py::line_grade)."""
+        if args.scorer == "line_grader":
+            grades = [builtin_task.line_grade(tokenizer.decode(p, skip_special_tokens=True), decode(r))
+                      for p, r in zip(prompts, responses)]
+            return torch.tensor(grades, dtype=torch.float32, device=info.device)
         return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, mb)
 
     def extract_units(response: list[int], entropy: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -637,7 +646,8 @@ def main(args: Args) -> str:
     def localisation() -> dict:
         """eval/localisation: the share of held-out slip pairs (the rejected response of a built-in pair: one line
         off, later lines continued from it) whose lowest-credit unit holds the slipped line, with this run's units,
-        counterfactuals and RM; eval/localisation_chance: what a unit picked at random would score."""
+        counterfactuals and RM; eval/localisation_chance: what a unit picked at random would score;
+        eval/localisation_line{k}: the share over the slips at line k."""
         per_rank = math.ceil(len(slips) / info.world_size)
         idx = list(range(info.rank * per_rank, min(len(slips), (info.rank + 1) * per_rank)))
         prompts, responses = [slips.prompt_ids[i] for i in idx], [slips.rejected_ids[i] for i in idx]
@@ -664,17 +674,21 @@ def main(args: Args) -> str:
         credits = [[] for _ in idx]
         for j, cf in zip(cf_owner, cf_scores.tolist()):
             credits[j].append(scores[j].item() - cf)
-        hits = chance = 0.0
+        lines_max = max(r["rejected_step"] for r in slips.rows) + 1  # the same on every rank
+        stats = torch.zeros(3 + 2 * lines_max, dtype=torch.float64)  # hits, chance, pairs; per slipped line: hits, pairs
         for j, i in enumerate(idx):
             text_ids = responses[j][:-1]  # without EOS
             lines, k = slips.rows[i]["rejected"].split("\n"), slips.rows[i]["rejected_step"]
             start = sum(len(line) + 1 for line in lines[:k])
             slip = char_span_to_tokens(char_offsets(decode, text_ids), start, start + len(lines[k]))
             hit, rate = slip_localisation(credits[j], spans[j], slip)
-            hits, chance = hits + hit, chance + rate
-        stats = info.all_reduce(torch.tensor([hits, chance, len(idx)], dtype=torch.float64))
+            stats[:3] += torch.tensor([hit, rate, 1.0], dtype=torch.float64)
+            stats[3 + 2 * k : 5 + 2 * k] += torch.tensor([hit, 1.0], dtype=torch.float64)
+        stats = info.all_reduce(stats)
         return {"eval/localisation": (stats[0] / stats[2]).item(),
-                "eval/localisation_chance": (stats[1] / stats[2]).item()}
+                "eval/localisation_chance": (stats[1] / stats[2]).item(),
+                **{f"eval/localisation_line{k}": (stats[3 + 2 * k] / stats[4 + 2 * k]).item()
+                   for k in range(lines_max) if stats[4 + 2 * k] > 0}}
 
     def evaluate(step: int) -> dict:
         """Grader accuracy / pass@k and the mean normalised RM score of the same samples, on eval and dev; the

@@ -2,6 +2,8 @@
 
     python scripts/compare_drca_ppo.py --seeds 1 2 3                          # built-in task on CPU
     python scripts/compare_drca_ppo.py --seeds 1 2 3 --extra --total_episodes 51200   # flags for both arms
+    python scripts/compare_drca_ppo.py --out runs/drca_cf_rm --results docs/results/drca_vs_ppo.json \
+        --plot docs/img/drca_vs_ppo_cf_rm.png --extra --reward_model_path builtin:tiny-cf-rm --counterfactual mask
 
 The PPO arm is `algorithms/drca.py --drca_beta 0`: with beta = 0 the per-token reward is exactly ppo.py's
 RLHF-flavour reward (R on the last token, minus eta * k1; tests/test_drca.py checks it against ppo.py), and no
@@ -9,7 +11,7 @@ counterfactual RM call is made. Everything else (critic initialised from the RM,
 learning rates, sampling seeds) is identical, so the comparison isolates the credit assignment.
 Runs alternate (ppo seed 1, drca seed 1, ppo seed 2, ...) so that machine load affects both alike. Writes
 `<out>/{ppo,drca}_seed<k>/metrics.jsonl`, `<out>/drca_vs_ppo.png` (held-out grader accuracy and held-out RM reward
-against steps, mean over seeds with a min-max band) and `<out>/summary.json`.
+against steps, mean over seeds with a min-max band) and `<out>/summary.json` (also to --plot and --results if given).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--out", type=Path, default=Path("runs/compare_drca_ppo"))
+    p.add_argument("--results", type=Path, default=None, help="also write the summary here (e.g. docs/results/...)")
+    p.add_argument("--plot", type=Path, default=None, help="also write the plot here (e.g. docs/img/...)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to both arms")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -60,7 +64,8 @@ def main() -> None:
             subprocess.run(cmd, check=True, cwd=ROOT)
 
     curves = {arm: [read(args.out / f"{arm}_seed{s}") for s in args.seeds] for arm in ARMS}
-    summary: dict = {**provenance, "seeds": args.seeds, "extra": args.extra, "per_seed": []}
+    provenance["env"]["builtin_models"] = bc.builtin_models()  # the start model and RMs the runs used
+    summary: dict = {**provenance, "seeds": args.seeds, "pinned": PINNED, "extra": args.extra, "per_seed": []}
     for i, seed in enumerate(args.seeds):
         row = {"seed": seed}
         for arm in ARMS:
@@ -76,6 +81,9 @@ def main() -> None:
     diffs = [r["drca_final_accuracy"] - r["ppo_final_accuracy"] for r in summary["per_seed"]]
     summary["drca_minus_ppo_final_accuracy"] = {"mean": statistics.mean(diffs), "per_seed": diffs}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 
     import matplotlib
@@ -100,8 +108,10 @@ def main() -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(args.out / "drca_vs_ppo.png", dpi=120)
-    print(args.out / "drca_vs_ppo.png")
+    for png in [args.out / "drca_vs_ppo.png"] + ([args.plot] if args.plot else []):
+        png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(png, dpi=120)
+        print(png)
 
 
 if __name__ == "__main__":

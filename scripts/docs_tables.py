@@ -694,7 +694,11 @@ def drca_vs_ppo(d: dict) -> str:
                  f"{m('ppo_minutes'):.1f} / {m('drca_minutes'):.1f} |")
     diff = d["drca_minus_ppo_final_accuracy"]
     per_seed = ", ".join(f"{100 * x:+.1f}" for x in diff["per_seed"])
-    lines += ["", f"DRCA minus PPO, final accuracy: {100 * diff['mean']:+.1f} points (per seed {per_seed}); final RM "
+    extra = d.get("extra", [])
+    rm = extra[extra.index("--reward_model_path") + 1] if "--reward_model_path" in extra else "builtin:tiny-rm"
+    scorer = ("the per-line grader (`--scorer line_grader`)" if "line_grader" in extra else rm)
+    lines += ["", f"Both arms train on the score of {scorer}; \"RM reward\" is {rm}'s held-out mean normalised score. "
+                  f"DRCA minus PPO, final accuracy: {100 * diff['mean']:+.1f} points (per seed {per_seed}); final RM "
                   f"reward: {m('drca_final_reward') - m('ppo_final_reward'):+.3f}. "
               + _provenance(d, f"python scripts/compare_drca_ppo.py --seeds {' '.join(map(str, d['seeds']))}"
                                + (f" --extra {' '.join(d['extra'])}" if d.get("extra") else ""))]
@@ -842,10 +846,17 @@ def gpu_tests(d: dict) -> str:
 def drca_localisation(d: dict) -> str:
     """scripts/drca_localisation.py: the share of held-out slips whose lowest DRCA credit is the slipped line."""
     st = d["settings"]
-    lines = ["| counterfactual | slips located (`eval/localisation`) | a line picked at random |", "|---|---|---|"]
-    lines += [f"| `{r['counterfactual']}` | {r['localisation']:.3f} | {r['chance']:.3f} |" for r in d["rows"]]
-    lines += ["", f"{st['num_pairs']:,} held-out slip pairs, policy {st['model']}, reward model {st['reward_model']}, "
-                  f"dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, "
+    per_line = sorted({k for r in d["rows"] for k in r.get("per_slipped_line", {})}, key=int)
+    lines = ["| counterfactual | slips located (`eval/localisation`) | a line picked at random |"
+             + "".join(f" slip at line {int(k) + 1} |" for k in per_line), "|---|---|---|" + "---|" * len(per_line)]
+    lines += [f"| `{r['counterfactual']}` | {r['localisation']:.3f} | {r['chance']:.3f} |"
+              + "".join(f" {r['per_slipped_line'][k]:.3f} |" for k in per_line) for r in d["rows"]]
+    acc = st.get("reward_model_heldout_pair_accuracy")
+    scorer = ("the per-line grader (`--scorer line_grader`)" if st.get("scorer") == "line_grader"
+              else f"reward model {st['reward_model']}"
+              + (f" (its own held-out pairwise accuracy {acc:.3f})" if acc is not None else ""))
+    lines += ["", f"{st['num_pairs']:,} held-out slip pairs, policy {st['model']}, responses and counterfactuals scored "
+                  f"by {scorer}, dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, "
                   f"{commit(d)}."]
     return "\n".join(lines)
 

@@ -295,7 +295,7 @@ def _check_messages(value, where: str, field_name: str) -> list[dict]:
     return value
 
 
-def _preference_text(row: dict, key: str, where: str):
+def _preference_text(row: dict, key: str, where: str, allow_blank: bool = False):
     if key not in row:
         raise DataError(f"{where}: missing key {key!r} (has {sorted(row)})")
     value = row[key]
@@ -303,7 +303,7 @@ def _preference_text(row: dict, key: str, where: str):
         return _check_messages(value, where, key)
     if not isinstance(value, str):
         raise DataError(f"{where}: field {key!r} is a {type(value).__name__}, expected text or a list of messages")
-    if not value.strip():
+    if not value.strip() and not (allow_blank and value):
         raise DataError(f"{where}: field {key!r} is empty")
     return value
 
@@ -327,8 +327,7 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
     (`num_identical`), as are rows over max_prompt_length / max_seq_length (`num_too_long`). If no row is
     left, that is an error."""
     where = f"dataset {dataset!r} split {split!r}"
-    raw = (builtin_task.builtin_preferences(split, builtin_task.num_terms(dataset)) if builtin_task.is_builtin(dataset)
-           else load_rows(dataset, split))
+    raw = builtin_task.preferences(dataset, split) if builtin_task.is_builtin(dataset) else load_rows(dataset, split)
     if not raw:
         raise DataError(f"{where}: no rows")
     if num_dev or part == "dev":  # the dev slice (or the rest): as in load_prompts
@@ -341,8 +340,9 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
     out = PreferenceData([], [], [], [])
     for i, row in zip(numbers, raw):
         at = f"{where} row {i}"
-        chosen = _preference_text(row, chosen_key, at)
-        rejected = _preference_text(row, rejected_key, at)
+        blank_ok = dataset == builtin_task.COUNTERFACTUAL  # its counterfactuals include a response of blanks only
+        chosen = _preference_text(row, chosen_key, at, blank_ok)
+        rejected = _preference_text(row, rejected_key, at, blank_ok)
         if isinstance(chosen, list) != isinstance(rejected, list):
             raise DataError(f"{at}: {chosen_key!r} and {rejected_key!r} must both be text or both be conversations")
         if isinstance(chosen, list):

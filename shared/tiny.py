@@ -2,7 +2,9 @@
 
 `builtin:tiny` is the randomly initialised model; `builtin:tiny-sft` is that model warm-started by
 `algorithms/sft.py` on the built-in task; `builtin:tiny-rm` is a reward model trained by `algorithms/rm.py` (its
-defaults) from `builtin:tiny-sft` on the built-in preference pairs. All are created on first use and cached under
+defaults) from `builtin:tiny-sft` on the built-in preference pairs; `builtin:tiny-cf-rm` is `builtin:tiny-rm` trained
+further by rm.py on the counterfactual-format pairs of `builtin:counterfactual` (shared/task.py), a reward model that
+can score DRCA's counterfactuals (a response with a line blanked or cut). All are created on first use and cached under
 `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`), guarded by a file lock so concurrent ranks or test
 processes build each one exactly once.
 
@@ -46,6 +48,7 @@ EXPECTED_SHA256 = {
     "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",
+    "tiny-cf-rm": "b71ffa025fda562642ac7c12ee590d4afa394d070a387e27d4863a92091e7c0e",
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,8 +195,8 @@ def _clean_env() -> dict:
             if k not in launcher and not k.startswith(("TORCHELASTIC_", "ACCELERATE_", "DEEPSPEED_"))}
 
 
-def _built_by(name: str, script: str, base: Path) -> Path:
-    """Path of `name`, trained on first use by `algorithms/<script>` (default flags, seed 1) from `base`."""
+def _built_by(name: str, script: str, base: Path, flags: tuple[str, ...] = ()) -> Path:
+    """Path of `name`, trained on first use by `algorithms/<script>` (default flags and `flags`, seed 1) from `base`."""
     with cache_lock(name) as root:
         final = root / f"{name}-{BUILTIN_VERSION}"
         if not (final / "config.json").exists():
@@ -202,7 +205,7 @@ def _built_by(name: str, script: str, base: Path) -> Path:
                 print(f"[cleanrlhf] building {final} with algorithms/{script} (once)", flush=True)
                 cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / script),
                        "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1",
-                       "--save_every", "0", "--best_metric", "", "--dev_num_prompts", "0"]  # only the final model,
+                       "--save_every", "0", "--best_metric", "", "--dev_num_prompts", "0", *flags]  # the final model,
                 # trained on the whole train split (no dev slice: nothing selects a best checkpoint here)
                 # its console stays out of the caller's (one progress bar per run); shown only if it fails
                 _run_build(cmd, f"{final} with algorithms/{script}")
@@ -223,3 +226,11 @@ def builtin_tiny_sft() -> Path:
 def builtin_tiny_rm() -> Path:
     """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
     return _built_by("tiny-rm", "rm.py", builtin_tiny_sft())
+
+
+def builtin_tiny_cf_rm() -> Path:
+    """Path of the reward model trained by `algorithms/rm.py` from `builtin:tiny-rm` on the counterfactual-format
+    pairs of `builtin:counterfactual` (DRCA's counterfactuals ranked by the per-line grader), 256,000 pairs (9 epochs;
+    rm.py's other defaults): starting from an RM that already ranks whole responses, it learns the counterfactuals."""
+    return _built_by("tiny-cf-rm", "rm.py", builtin_tiny_rm(),
+                     ("--dataset", "builtin:counterfactual", "--total_episodes", "256000"))

@@ -63,6 +63,6 @@ def test_benchmarks_name_the_builtin_models_they_ran_on(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["env"]["builtin_models"] == {}
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-sft", "tiny-rm"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm"])
 def test_recorded_hashes_are_sha256(name):
     assert len(tiny.EXPECTED_SHA256[name]) == 64 and int(tiny.EXPECTED_SHA256[name], 16) >= 0

@@ -281,6 +281,89 @@ def test_slip_localisation_by_hand():
     spans = [(0, 2), (2, 5), (5, 8)]  # three lines; the slip is line 1's tokens [2, 5)
     assert slip_localisation([0.9, -0.3, 0.1], spans, (2, 5)) == (1.0, 1 / 3)
     assert slip_localisation([-0.5, -0.3, 0.1], spans, (2, 5)) == (0.0, 1 / 3)
-    assert slip_localisation([0.2, 0.2, 0.2], spans, (0, 2)) == (1.0, 1 / 3)  # ties: the first lowest
+    assert slip_localisation([0.2, 0.2, 0.2], spans, (0, 2)) == (1 / 3, 1 / 3)  # a tie: a unit picked among them
+    assert slip_localisation([0.2, 0.2, 0.5], spans, (2, 5)) == (0.5, 1 / 3)
     assert slip_localisation([0.2, 0.1], [(0, 4), (4, 8)], (3, 5)) == (1.0, 1.0)  # the slip spans both units
     assert slip_localisation([], [], (2, 5)) == (0.0, 0.0)  # no unit: not located
+
+
+def test_line_grader_by_hand():
+    """#19.7(a): the per-line grader, +1/-1 for each line's value and its step from the line above."""
+    from shared.task import line_grade, line_points
+
+    p = "3+4+5+1="  # 7, 12, 13
+    assert line_points(p, "7\n12\n13") == [2, 2, 2] and line_grade(p, "7\n12\n13") == 1.0
+    assert line_points(p, "7\n13\n14") == [2, -2, 0]  # the slip at line 1; line 2 steps right from it
+    assert line_points(p, "8\n13\n14") == [-2, 0, 0]
+    assert line_points(p, "7\n  \n13") == [2, 0, 1]  # a blanked line: no points, the next step unchecked
+    assert line_points(p, "7\n  ") == [2]  # truncate's counterfactual: the prefix and a blank
+    assert line_points(p, "7\n12\n13\n5") == [2, 2, 2, -2]  # a line past the last step
+    assert line_points(p, "x\n12\n13") == [-2, 1, 2]  # unparsable: both checks fail, the next step unchecked
+    assert line_grade("Q: 3+4+5+1=", "7\n12") == pytest.approx(4 / 6)  # a missing line scores 0
+    with pytest.raises(ValueError, match="running-sums prompt"):
+        line_points("hello", "7")
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_line_grader_credits_locate_every_held_out_slip(mode):
+    """The upper bound of #19.7(a) holds by construction: with the per-line grader scoring the counterfactuals, the
+    single lowest credit d_k = R - R~_k is the slipped line, on all 1,500 held-out slip pairs, in both modes (the
+    counterfactuals built in text as counterfactual_response builds them in tokens: the line blanked with spaces)."""
+    from shared.task import builtin_preferences, line_grade
+
+    for row in builtin_preferences("test"):
+        lines, k = row["rejected"].split("\n"), row["rejected_step"]
+        r = line_grade(row["prompt"], row["rejected"])
+        credits = []
+        for u in range(len(lines)):
+            blank = " " * len(lines[u])
+            cf = lines[:u] + [blank] + (lines[u + 1 :] if mode == "mask" else [])
+            credits.append(r - line_grade(row["prompt"], "\n".join(cf)))
+        spans = [(u, u + 1) for u in range(len(lines))]
+        assert slip_localisation(credits, spans, (k, k + 1)) == (1.0, 1 / 3), (row, credits)
+
+
+def test_counterfactual_preferences_rank_drca_counterfactuals_by_the_line_grader():
+    """#19.7(b): `builtin:counterfactual`'s pairs: whole responses as the built-in pairs, and the comparisons DRCA's
+    credits make (a response against its counterfactuals in one format, the counterfactuals against each other),
+    chosen graded above rejected by the per-line grader; train and test disjoint, deterministic; the preference
+    loader and rm.py's dataset flag take the name."""
+    from shared import data
+    from shared.task import COUNTERFACTUAL, builtin_split, counterfactual_preferences, line_grade, preferences
+
+    train, test = counterfactual_preferences("train"), counterfactual_preferences("test")
+    assert (len(train), len(test)) == (28_500, 1_500) and test == counterfactual_preferences("test")
+    assert preferences(COUNTERFACTUAL, "test") == test
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert {r["prompt"] for r in test} == {r["prompt"] for r in builtin_split("test")}
+    for r in test:
+        assert r["chosen_grade"] == line_grade(r["prompt"], r["chosen"]) > r["rejected_grade"]
+        assert line_grade(r["prompt"], r["rejected"]) == r["rejected_grade"]
+        assert r["chosen"] and r["rejected"]
+    assert any(not r["chosen"].strip() or not r["rejected"].strip() for r in test)  # truncate's cut of line 0
+
+    def blanked(y: str) -> bool:
+        return any(not x.strip() for x in y.split("\n"))
+
+    whole = [r for r in test if not blanked(r["chosen"]) and not blanked(r["rejected"])]
+    assert len(whole) >= 500  # one pair of whole responses per problem (and some of the drawn ones)
+    same_cf = [r for r in test if blanked(r["chosen"]) and blanked(r["rejected"])]
+    cut = [y for r in test for y in (r["chosen"], r["rejected"]) if blanked(y) and not y.split("\n")[-1].strip()]
+    assert len(same_cf) > 200 and len(cut) > 300  # counterfactuals against each other; truncate's format
+    row = next(r for r in same_cf if len(r["chosen"].split("\n")) == len(r["rejected"].split("\n")) == 3)
+    assert row["chosen"].replace(" ", "") != row["rejected"].replace(" ", "")  # which line to blank
+
+    class Chars:  # a character-level tokenizer stand-in
+        eos_token_id, bos_token_id = 0, None
+
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": [ord(c) for c in text]})()
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    pairs = data.load_preferences(COUNTERFACTUAL, "test", Chars())
+    assert len(pairs.chosen_ids) == 1500 and pairs.chosen_ids[0][-1] == 0
+    assert [ord(" ")] in [ids[:-1] for ids in pairs.chosen_ids + pairs.rejected_ids]  # a one-blank response loads
+    with pytest.raises(data.DataError, match="is empty"):  # anywhere else a blank response is a broken row
+        data._preference_text({"chosen": " "}, "chosen", "row 0")

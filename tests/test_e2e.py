@@ -376,6 +376,21 @@ def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extr
     assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "critic" / "config.json").exists()
 
 
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_drca_line_grader_scorer_locates_every_slip(trained_rm, tmp_path, mode):
+    """#19.7(a): --scorer line_grader scores responses and counterfactuals with the per-line grader; through drca.py's
+    own units, token blanking and decoding, the lowest credit is the slipped line on every held-out pair, in both
+    modes; the training reward is the grader's score (at most 1, a correct response)."""
+    run([sys.executable, "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path",
+         str(trained_rm / "final"), *DRCA_SMALL, "--generator", "hf", "--scorer", "line_grader", "--counterfactual",
+         mode, "--total_episodes", "32", "--no_save_model"])
+    rows = metrics(tmp_path)
+    evals = [r for r in rows if "eval/localisation" in r]
+    assert evals and all(r["eval/localisation"] == 1.0 for r in evals)
+    steps = [r for r in rows if "loss/value_avg" in r]
+    assert steps and all(-1.0 <= r["objective/scores"] <= 1.0 and r["drca/sum_identity_err"] < 1e-4 for r in steps)
+
+
 def test_drca_beta_zero_is_ppo_without_unit_calls(trained_rm, tmp_path):
     run([sys.executable, "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path",
          str(trained_rm / "final"), *DRCA_SMALL, "--generator", "hf", "--drca_beta", "0", "--no_save_model"])
