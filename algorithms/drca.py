@@ -22,6 +22,8 @@ by default and reproducible with flags (docs/drca.md lists them).
 
 Launch:
     python algorithms/drca.py     # CPU, built-in task, builtin:tiny-rm: ~7 min, held-out accuracy 0.57 -> 0.61
+    python algorithms/drca.py --reward_model_path builtin:tiny-cf-rm   # an RM trained to score counterfactuals
+    python algorithms/drca.py --scorer line_grader                     # upper bound: a grader scores them
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/drca.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/drca.py \
         --model_name_or_path <sft> --reward_model_path <rm trained by rm.py> --dataset <prompts.jsonl> \
