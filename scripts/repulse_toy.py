@@ -59,6 +59,7 @@ PAPER = ["--total_episodes", "250000", "--num_generations", "500", "--local_micr
 LABELS = {"reinforce": "REINFORCE (RLOO)", "reward_transform": "REINFORCE, r - exp(-r)", "repulse": "RePULSe",
           "p_proposal": "RePULSe, p as proposal"}
 CURVE_EVERY = 5000  # samples between the paper's evaluation points (50 over 250k)
+START_MODEL = "builtin:tiny-sft"  # repulse.py's default policy: the toy's start model
 
 
 def read(run: Path) -> tuple[list[dict], dict]:
@@ -121,11 +122,18 @@ def goal(runs: dict[str, dict[str, dict]], name: str, margin_nats: float = 1.0, 
 
 def stored_runs(path: Path, common: list[str], names: dict[str, list[str]], models: dict) -> dict[str, dict]:
     """Finished runs of an earlier --paper summary that this invocation can reuse: same common flags, same flags per
-    config, and every earlier invocation on the built-in models of this one (the start model is part of a result)."""
+    config, and every earlier invocation on this one's start model (builtin:tiny-sft, the same weights; the start
+    model is part of a result) and on the same builds of the other built-in models both name."""
     if not path.exists():
         return {}
     d = json.loads(path.read_text())
-    same_models = all((inv.get("env") or {}).get("builtin_models") == models for inv in d.get("invocations", []))
+
+    def agree(earlier: dict) -> bool:
+        shared = set(earlier) & set(models)
+        return START_MODEL in shared and all(earlier[k]["weights_sha256"] == models[k]["weights_sha256"]
+                                             for k in shared)
+
+    same_models = all(agree((inv.get("env") or {}).get("builtin_models") or {}) for inv in d.get("invocations", []))
     if d.get("settings", {}).get("common_flags") != common or not same_models:
         print(f"{path}: other flags or built-in models; its runs are not reused", flush=True)
         return {}

@@ -491,6 +491,9 @@ def test_paper_sweep_reuses_runs_stored_in_its_summary(tmp_path):
     assert reused["reinforce"]["1"]["final_log_p_bad"] == -7.0
     assert sweep.stored_runs(path, ["--y"], names, models) == {}  # other common flags
     assert sweep.stored_runs(path, ["--x"], names, {"builtin:tiny-sft": {"weights_sha256": "cd"}}) == {}
+    more = models | {"builtin:tiny-rm": {"weights_sha256": "ef", "expected": True}}  # another model built since
+    assert sweep.stored_runs(path, ["--x"], names, more)["reinforce"]["1"]["final_log_p_bad"] == -7.0
+    assert sweep.stored_runs(path, ["--x"], names, {"builtin:tiny-rm": {"weights_sha256": "ef"}}) == {}
     other = sweep.configs(["reinforce"], [0.1], paper=True) | {"repulse_a0.1": ["--alpha", "0.2"]}
     assert set(sweep.stored_runs(path, ["--x"], other, models)) == {"reinforce"}  # a config's flags changed
     d = sweep.paper_summary(tmp_path / "runs", names, [1], {"env": {"git_commit": "def5678"}}, reused)
