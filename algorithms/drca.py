@@ -21,7 +21,8 @@ exactly PPO's reward (R on the last token) and skips the counterfactual RM calls
 by default and reproducible with flags (docs/drca.md lists them).
 
 Launch:
-    python algorithms/drca.py     # CPU, built-in task, builtin:tiny-rm: ~7 min, held-out accuracy 0.57 -> 0.61
+    python algorithms/drca.py     # CPU, built-in task, builtin:tiny-rm, a few minutes: the RM's score rises (the
+                                  # held-out accuracy does not with this RM: docs/drca.md)
     python algorithms/drca.py --reward_model_path builtin:tiny-cf-rm   # an RM trained to score counterfactuals
     python algorithms/drca.py --scorer line_grader                     # upper bound: a grader scores them
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/drca.py
