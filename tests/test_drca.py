@@ -299,6 +299,7 @@ def test_line_grader_by_hand():
     assert line_points(p, "7\n  ") == [2]  # truncate's counterfactual: the prefix and a blank
     assert line_points(p, "7\n12\n13\n5") == [2, 2, 2, -2]  # a line past the last step
     assert line_points(p, "x\n12\n13") == [-2, 1, 2]  # unparsable: both checks fail, the next step unchecked
+    assert line_points(p, "--7\n12\n13") == [-2, 1, 2] and line_points(p, "-7\n12") == [-2, 0]
     assert line_grade("Q: 3+4+5+1=", "7\n12") == pytest.approx(4 / 6)  # a missing line scores 0
     with pytest.raises(ValueError, match="running-sums prompt"):
         line_points("hello", "7")
