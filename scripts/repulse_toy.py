@@ -292,7 +292,7 @@ def main() -> None:
                        str(run), "--exp_name", name, *common, *flags]
                 print(" ".join(cmd), flush=True)
                 rc = deadline.run(cmd, out / f"{name}_seed{seed}.log")
-                if deadline.passed():  # stopped at the deadline (130/143: at the end of a step, checkpointed)
+                if deadline.passed() and not (deadline.drain and rc == 0):  # stopped at the deadline (checkpointed)
                     print(f"deadline: {run} checkpointed; rerun the same command to go on", flush=True)
                     break
                 if rc != 0:
