@@ -58,6 +58,8 @@ PAPER = ["--total_episodes", "250000", "--num_generations", "500", "--local_micr
          "--save_every", "25", "--best_metric", ""]
 LABELS = {"reinforce": "REINFORCE (RLOO)", "reward_transform": "REINFORCE, r - exp(-r)", "repulse": "RePULSe",
           "p_proposal": "RePULSe, p as proposal"}
+FINISHED_UNDER = "finished_under.json"  # --paper: in a run's directory, the invocation that finished it (commit, time,
+# machine), so that runs finished by several invocations at once, or on another machine, are each credited to theirs
 CURVE_EVERY = 5000  # samples between the paper's evaluation points (50 over 250k)
 START_MODEL = "builtin:tiny-sft"  # repulse.py's default policy: the toy's start model
 
@@ -149,9 +151,12 @@ def paper_summary(out: Path, names: dict[str, list[str]], seeds: list[int], prov
     for n in names:
         for s in map(str, seeds):
             earlier = stored.get(n, {}).get(s)
-            if finished(out / f"{n}_seed{s}"):  # the invocation that finished it: an earlier one if stored, else this
-                runs[n][s] = {**run_summary(out / f"{n}_seed{s}"), "finished_under": (earlier or {}).get(
-                    "finished_under", {"git_commit": env.get("git_commit"), "invocation_time": env.get("time")})}
+            run = out / f"{n}_seed{s}"
+            if finished(run):  # the invocation that finished it: the one its directory names (FINISHED_UNDER), else
+                by = run / FINISHED_UNDER  # an earlier one if stored, else this one
+                runs[n][s] = {**run_summary(run), "finished_under": json.loads(by.read_text()) if by.exists() else (
+                    earlier or {}).get("finished_under", {"git_commit": env.get("git_commit"),
+                                                          "invocation_time": env.get("time")})}
             elif earlier is not None:
                 runs[n][s] = earlier
     pending = [f"{n}_seed{s}" for s in seeds for n in names if str(s) not in runs[n]]
@@ -299,6 +304,9 @@ def main() -> None:
                     raise SystemExit(f"{run}: exit status {rc} (console output: {run}.log)")
                 print(f"finished {run}", flush=True)
                 if args.paper:
+                    env = provenance["env"]
+                    (run / FINISHED_UNDER).write_text(json.dumps({"git_commit": env.get("git_commit"), "invocation_time":
+                                                                  env.get("time"), "device": env.get("device")}))
                     write_paper_summary()
     except KeyboardInterrupt:
         print("interrupted: the running run checkpointed; rerun the same command to go on", flush=True)

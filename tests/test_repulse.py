@@ -470,6 +470,17 @@ def test_paper_sweep_summary_checks_the_goal_seed_by_seed(tmp_path):
     table = _load_script("docs_tables").repulse_toy_paper({**d, "settings": {**d["settings"], "common_flags": []}})
     assert "| repulse_a0.1 | 10 | −9.50, −9.50 |" in table and "+1.50, +1.50 | no |" in table
     assert "incomplete, 1 runs pending" in table
+    # a run finished by another invocation (several at once, or on another machine) is credited to the one its
+    # directory names, ahead of a stored summary's and of this invocation
+    by = {"git_commit": "abc1234", "invocation_time": "2026-11-26 10:00:00", "device": "CPU Xeon x16"}
+    (tmp_path / "repulse_a1_seed1" / sweep.FINISHED_UNDER).write_text(json.dumps(by))
+    here = {"env": {"git_commit": "def5678", "time": "2026-11-26 11:00:00"}}
+    stored = {"repulse_a1": {"1": {"finished_under": {"git_commit": "0000000"}}},
+              "reinforce": {"1": {"finished_under": {"git_commit": "1111111"}}}}
+    d = sweep.paper_summary(tmp_path, names, [1, 2], here, stored)
+    assert d["runs"]["repulse_a1"]["1"]["finished_under"] == by
+    assert d["runs"]["reinforce"]["1"]["finished_under"] == {"git_commit": "1111111"}  # no file: the stored one
+    assert d["runs"]["repulse_a0.1"]["1"]["finished_under"]["git_commit"] == "def5678"  # neither: this invocation
 
 
 def test_paper_sweep_reuses_runs_stored_in_its_summary(tmp_path):
