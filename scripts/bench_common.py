@@ -145,12 +145,21 @@ def environment(require_gpu: bool = False) -> dict:
         env["device"] = f"GPU {env['gpu']}"
     else:
         env["device"] = f"CPU {env['host_cpu']} x{os.cpu_count()}"
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (a GPU machine): the caller's
-        env["git_commit"] = os.environ.get("CLEANRLHF_GIT_COMMIT")  # commit, passed by scripts/gpu_check.sh
+    env["git_commit"] = git_commit()
     return env
+
+
+def git_commit() -> str | None:
+    """The commit of the tree that runs: CLEANRLHF_GIT_COMMIT when the caller sets it (a copy of the tree on another
+    machine, whose .git may be absent or stale: a GPU machine's copy once named an older commit than the tree it ran),
+    else `git rev-parse`."""
+    if os.environ.get("CLEANRLHF_GIT_COMMIT"):
+        return os.environ["CLEANRLHF_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def invocation(argv: list[str] | None = None) -> str:

@@ -1,6 +1,7 @@
 """The benchmark scripts' pure helpers and CLIs (no timing, nothing launched; the scripts themselves are benchmarks)."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -232,3 +233,14 @@ def test_bench_async_pairs_each_async_variant_with_its_sync_run_and_renders_them
     assert "+0.050 / -0.100 (vs sync_iter1; mean -0.025)" in row and "`--async_steps 1 --num_iterations 1`" in row
     assert "| 0.29% | 0.048 |" in row
     assert next(line for line in text.splitlines() if line.startswith("| sync |")).count("| - |") == 1
+
+
+def test_git_commit_is_the_callers_when_set(monkeypatch):
+    """A copy of the tree on another machine may carry a stale .git: the commit the caller names wins."""
+    bc = load("bench_common")
+    monkeypatch.setenv("CLEANRLHF_GIT_COMMIT", "1234abc")
+    assert bc.git_commit() == "1234abc" and bc.environment()["git_commit"] == "1234abc"
+    monkeypatch.delenv("CLEANRLHF_GIT_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True).stdout.strip()
+    assert bc.git_commit() == (head or None)
