@@ -19,12 +19,17 @@ Per rollout, with R = (RM(x, y) - mu) / sigma the reward model's normalised scor
 Delta from PPO (algorithms/ppo.py): only step 4's reward placement (and the RM calls it needs). beta = 0 gives
 exactly PPO's reward (R on the last token) and skips the counterfactual RM calls. Reference-code bugs are fixed
 by default and reproducible with flags (docs/drca.md lists them).
+On the built-in task the default `--scorer auto` puts its per-line grader in the RM's place in steps 1-3 (the
+built-in RMs do not judge counterfactual text well enough for the run to learn: docs/drca.md); the RM
+(builtin:tiny-rm) still initialises the critic and gives eval/reward. `--scorer rm` scores with the RM; on any
+other dataset `auto` is the RM.
 
 Launch:
-    python algorithms/drca.py     # CPU, built-in task, builtin:tiny-rm, a few minutes: the RM's score rises (the
-                                  # held-out accuracy does not with this RM: docs/drca.md)
-    python algorithms/drca.py --reward_model_path builtin:tiny-cf-rm   # an RM trained to score counterfactuals
-    python algorithms/drca.py --scorer line_grader                     # upper bound: a grader scores them
+    python algorithms/drca.py     # CPU, built-in task, about 2 minutes: the per-line grader scores responses and
+                                  # counterfactuals (--scorer auto), held-out accuracy rises (docs/drca.md)
+    python algorithms/drca.py --scorer rm                              # builtin:tiny-rm scores them (the RM's score
+                                                                       # rises, held-out accuracy does not)
+    python algorithms/drca.py --scorer rm --reward_model_path builtin:tiny-cf-rm   # an RM trained on counterfactuals
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/drca.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/drca.py \
         --model_name_or_path <sft> --reward_model_path <rm trained by rm.py> --dataset <prompts.jsonl> \
@@ -146,8 +151,8 @@ class Args:
     """entropy units: cap at max_units_per_sequence (the reference ignores the cap)"""
     entropy_source: Literal["policy", "reference"] = "policy"
     """entropy units: entropy of the current `policy` (the reference) or of the frozen `reference` model"""
-    scorer: Literal["rm", "line_grader"] = "rm"
-    """what scores responses and counterfactuals: the reward model, or (built-in task) the per-line grader: an upper bound"""
+    scorer: Literal["auto", "rm", "line_grader"] = "auto"
+    """what scores responses and counterfactuals: `rm` (the reward model), `line_grader` (built-in task: the per-line grader, an upper bound), `auto` = line_grader on the built-in task, rm elsewhere"""
     counterfactual: Literal["truncate", "mask"] = "truncate"
     """`truncate` (reference: prefix + blanked unit + EOS) or `mask` (leave-one-out: blank the unit, keep the rest)"""
     unitless_fallback: Literal["terminal", "zeros"] = "terminal"
@@ -494,6 +499,14 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     return values
 
 
+def effective_scorer(args: Args) -> str:
+    """--scorer auto: the per-line grader on the built-in task (whose small RMs do not judge counterfactual text well
+    enough for the default run to learn: docs/drca.md), the reward model elsewhere."""
+    if args.scorer != "auto":
+        return args.scorer
+    return "line_grader" if builtin_task.is_builtin(args.dataset) else "rm"
+
+
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up."""
     check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
@@ -505,7 +518,7 @@ def validate(args: Args) -> None:
         raise ValueError(f"drca_beta: must be in [0, 1], got {args.drca_beta}")
     if not args.reward_model_path:
         raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
-    if args.scorer == "line_grader" and not builtin_task.is_builtin(args.dataset):
+    if effective_scorer(args) == "line_grader" and not builtin_task.is_builtin(args.dataset):
         raise ValueError(f"scorer: line_grader grades the built-in running sums only, not dataset {args.dataset!r}")
     if args.unit_extraction == "regex" and args.unit_pattern not in UNIT_PATTERNS and args.unit_pattern != "auto":
         try:
@@ -523,6 +536,7 @@ def validate(args: Args) -> None:
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
+    args.scorer = effective_scorer(args)  # `auto` resolved, so the run's config names the scorer that ran
     info = init_distributed()
     args.world_size = info.world_size
     args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
@@ -581,7 +595,8 @@ def main(args: Args) -> str:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
                   f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions")
+                  f"{args.batch_size} completions; scored by "
+                  f"{'the per-line grader' if args.scorer == 'line_grader' else args.reward_model_path}")
 
     # models and optimizers: policy, critic (from the RM, own optimizer), frozen reference and reward model
     dtype = default_dtype(info.device)

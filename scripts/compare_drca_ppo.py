@@ -25,8 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"ppo": ["--drca_beta", "0"], "drca": []}
-# the micro-batch and checkpointing of the stored runs (drca.py's defaults until 2026-11-26); --extra overrides them
-PINNED = ["--local_micro_batch_size", "256", "--no_gradient_checkpointing"]
+# the micro-batch and checkpointing of the stored runs (drca.py's defaults until 2026-11-26), and their scorer, the
+# reward model (drca.py's default until --scorer auto made the per-line grader score the built-in task); --extra
+# overrides them (`--extra --scorer line_grader`)
+PINNED = ["--local_micro_batch_size", "256", "--no_gradient_checkpointing", "--scorer", "rm"]
 
 
 def read(run: Path) -> list[dict]:

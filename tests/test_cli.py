@@ -94,7 +94,7 @@ CHOICES = {
                 "reward_transform": ("none", "minus_alpha_exp_beta_r")},
     "drca": {**GENERATOR, "unit_extraction": ("regex", "entropy"), "entropy_boundary": ("before", "after"),
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
-             "unitless_fallback": ("terminal", "zeros"), "scorer": ("rm", "line_grader")},
+             "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
 }
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script

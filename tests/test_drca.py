@@ -274,6 +274,19 @@ def test_validate_names_the_flag():
             drca.validate(args)
     check_args(drca.Args(drca_beta=0.0))
     drca.validate(drca.Args(drca_beta=0.0))  # beta = 0 is allowed: plain PPO
+    with pytest.raises(ValueError, match="^scorer: line_grader grades the built-in running sums only"):
+        drca.validate(drca.Args(dataset="prompts.jsonl", scorer="line_grader"))
+
+
+def test_scorer_auto_grades_the_builtin_task_and_uses_the_rm_elsewhere():
+    """The default run learns only with informative credit (docs/drca.md): `auto` = the per-line grader on the
+    built-in task (any builtin:sums-N), the reward model on any other dataset; an explicit choice is kept."""
+    assert drca.Args().scorer == "auto" and drca.effective_scorer(drca.Args()) == "line_grader"
+    assert drca.effective_scorer(drca.Args(dataset="builtin:sums-8")) == "line_grader"
+    assert drca.effective_scorer(drca.Args(dataset="prompts.jsonl")) == "rm"
+    assert drca.effective_scorer(drca.Args(scorer="rm")) == "rm"
+    assert drca.effective_scorer(drca.Args(dataset="prompts.jsonl", scorer="line_grader")) == "line_grader"
+    drca.validate(drca.Args(dataset="prompts.jsonl"))  # auto on a user dataset: the RM, no error
 
 
 def test_slip_localisation_by_hand():

@@ -341,7 +341,8 @@ def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
     assert all(math.isfinite(r["eval/reward"]) for r in metrics(tmp_path) if "eval/accuracy" in r)
 
 
-DRCA_SMALL = ["--dev_num_prompts", "8", "--localisation_num_pairs", "12",  # small dev and slip sets: short runs
+DRCA_SMALL = ["--scorer", "rm",  # the RM scores (the built-in task's default, --scorer auto, is the per-line grader)
+              "--dev_num_prompts", "8", "--localisation_num_pairs", "12",  # small dev and slip sets: short runs
                "--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
               "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "8",
               "--eval_num_samples", "2", "--eval_every", "2", "--sample_every", "1"]

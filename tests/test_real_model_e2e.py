@@ -122,7 +122,7 @@ def repulse_run(runs):
 def drca_run(runs, rm_run):
     out = runs / "drca"
     script("drca", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--reward_model_path",
-           str(rm_run / "final"), "--generator", "hf")
+           str(rm_run / "final"), "--scorer", "rm", "--generator", "hf")
     return out
 
 
