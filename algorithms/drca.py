@@ -25,7 +25,7 @@ built-in RMs do not judge counterfactual text well enough for the run to learn: 
 other dataset `auto` is the RM.
 
 Launch:
-    python algorithms/drca.py     # CPU, built-in task, about 2 minutes: the per-line grader scores responses and
+    python algorithms/drca.py     # CPU, built-in task, a few minutes: the per-line grader scores responses and
                                   # counterfactuals (--scorer auto), held-out accuracy rises (docs/drca.md)
     python algorithms/drca.py --scorer rm                              # builtin:tiny-rm scores them (the RM's score
                                                                        # rises, held-out accuracy does not)
