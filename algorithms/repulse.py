@@ -324,13 +324,16 @@ def neg_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, num_
 
 @torch.no_grad()
 def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids: int | list[int],
-                       max_new_tokens: int) -> float:
+                       max_new_tokens: int, chunk: int = 1024) -> float:
     """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary (spec §4.1).
 
     log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g not in E} [log p(g|x) + lse_b log p(b|x,g)]).
     E (`end_ids`): the tokens that end a completion when sampled first (EOS, the other stop ids, tokens that complete
     a stop string), so they are excluded from the second term, as in sampling; the reference scores a second token
-    after EOS too (a tiny difference, spec §6.14)."""
+    after EOS too (a tiny difference, spec §6.14).
+    The second term runs one forward per first token g, `chunk` of them at a time, with the LM head on the last
+    position only: logits [chunk, V], never [V, L, V] (a real vocabulary, V = 49,152 for SmolLM2, would need 48 GB
+    for the whole enumeration at once)."""
     if max_new_tokens > 2:
         raise ValueError("max_new_tokens: the exact P(bad) enumerates at most 2 generated tokens")
     device = next(model.parameters()).device
@@ -345,9 +348,12 @@ def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids
     keep[bad] = False
     keep[torch.tensor(end_ids if isinstance(end_ids, list) else [end_ids], device=device)] = False
     goods = keep.nonzero().squeeze(-1)
-    x2 = torch.cat([x.expand(len(goods), -1), goods[:, None]], dim=1)
-    lp2 = torch.log_softmax(model(input_ids=x2).logits[:, -1].float(), -1)
-    second = torch.logsumexp(lp1[goods] + torch.logsumexp(lp2[:, bad], -1), 0)
+    terms = []
+    for g in goods.split(chunk):
+        x2 = torch.cat([x.expand(len(g), -1), g[:, None]], dim=1)
+        lp2 = torch.log_softmax(model(input_ids=x2, logits_to_keep=1).logits[:, -1].float(), -1)
+        terms.append(lp1[g] + torch.logsumexp(lp2[:, bad], -1))
+    second = torch.logsumexp(torch.cat(terms), 0)
     return torch.logaddexp(first, second).item()
 
 

@@ -81,9 +81,13 @@ def indicator_score(text: str) -> float:
 
 
 def bad_token_ids(tokenizer) -> list[int]:
-    ids = tokenizer.convert_tokens_to_ids(list(BAD_CHARS))
-    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
-        raise ValueError("the toy reward needs the built-in character tokenizer (a bad character is unknown)")
+    """The bad set B of the exact log P(bad): every token whose text holds a bad character, so that a completion
+    holds a bad character exactly when it holds a token of B (a character never straddles two tokens). The built-in
+    character tokenizer: the three digit tokens; a BPE tokenizer: every token with one of the digits (SmolLM2 splits
+    numbers into single digits, so there too the three digit tokens)."""
+    ids = [t for t in range(len(tokenizer)) if any(c in tokenizer.decode([t]) for c in BAD_CHARS)]
+    if not ids:
+        raise ValueError("the toy reward: the tokenizer has no token holding a bad character")
     return ids
 
 

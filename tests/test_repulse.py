@@ -161,6 +161,27 @@ def test_exact_p_bad_matches_monte_carlo(tiny_model):
     assert [x < -1 for x in r] == [any(t in bad for t in c.token_ids) for c in comps[:200]]
     one = math.exp(exact_log_prob_bad(model, prompt, bad, tok.eos_token_id, 1))
     assert one < exact
+    # the second-token forwards in chunks (a real vocabulary would not fit at once): the same value, any chunk size
+    for chunk in (1, 7, 64):
+        assert math.exp(exact_log_prob_bad(model, prompt, bad, tok.eos_token_id, 2, chunk)) == pytest.approx(
+            exact, rel=1e-5)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_bad_set_of_a_bpe_tokenizer_is_every_token_holding_a_bad_character():
+    """On SmolLM2's BPE vocabulary the bad set is every token whose text holds a bad digit, so a completion holds a
+    bad character exactly when one of its tokens is in the set (the exact log P(bad)'s premise)."""
+    from shared.distributed import load_tokenizer
+    from shared.models import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("builtin:smollm2-135m"))
+    bad = set(toy.bad_token_ids(tok))
+    assert bad == {t for t in range(len(tok)) if set(tok.decode([t])) & set(toy.BAD_CHARS)}
+    assert {tok.decode([t]) for t in bad} == set(toy.BAD_CHARS)  # SmolLM2 splits numbers into single digits
+    for text in [" 2024 was", " a 1990s", " fine man", " 4", " ninety"]:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert any(t in bad for t in ids) == any(c in text for c in toy.BAD_CHARS), text
 
 
 def test_ctl_gradient_moves_q_towards_the_higher_sigma_weight_sample_hand_computed():
@@ -512,3 +533,34 @@ def test_paper_sweep_reuses_runs_stored_in_its_summary(tmp_path):
     assert d["pending"] == ["repulse_a0.1_seed1"]
     curves = sweep.paper_curves(d)
     assert curves["reinforce"][0][1] == {"episode": 5000, "exact/log_p_bad": -5.5, "objective/scores": 0.9}
+
+
+def test_paper_table_counts_the_runs_each_machine_finished():
+    """The sweep is spread over machines (this CPU, a GPU machine's CPUs): the table says which finished how many,
+    from a run's own finished_under, else from the invocation it names."""
+    tables = _load_script("docs_tables")
+    inv = [{"env": {"time": "t1", "device": "CPU A x2", "torch": "2.13"}},
+           {"env": {"time": "t2", "device": "CPU B x16", "torch": "2.11"}}]
+    runs = {"reinforce": {"1": {"finished_under": {"invocation_time": "t1"}},
+                          "2": {"finished_under": {"invocation_time": "t2", "device": "CPU B x16"}}},
+            "repulse_a1": {"1": {"finished_under": {"invocation_time": "t1"}}, "2": {}}}
+    assert tables.finishing_machines({"invocations": inv, "runs": runs}) == {
+        "CPU A x2 (torch 2.13)": 2, "CPU B x16 (torch 2.11)": 1, "machine not recorded": 1}
+
+
+def test_toy_cost_script_times_the_pieces_and_computes_a_run(tmp_path, monkeypatch):
+    """scripts/repulse_toy_cost.py (#19 item 3's cost statement) on the toy's own model: the pieces are timed, the
+    exact log P(bad) whole (a small vocabulary), and a run's cost is the paper budget's sum of them."""
+    import sys
+
+    cost = _load_script("repulse_toy_cost")
+    monkeypatch.setattr(sys, "argv", ["repulse_toy_cost.py", "--model", "builtin:tiny-sft", "--num_samples", "8",
+                                      "--repeats", "1", "--results", str(tmp_path)])
+    cost.main()
+    (path,) = tmp_path.glob("*.json")
+    d = json.loads(path.read_text())
+    s, b = d["seconds"], d["budget"]
+    assert d["exact_how"] == "timed whole" and all(v > 0 for v in s.values())
+    assert (b["p_updates_reinforce"], b["steps_repulse"], b["exact_evaluations"]) == (31250, 15625, 51)  # N = 8
+    want = (b["p_updates_reinforce"] * (s["generate"] + s["train"]) + 51 * s["exact_log_p_bad"]) / 3600
+    assert d["per_run_hours"]["reinforce"] == pytest.approx(want)
