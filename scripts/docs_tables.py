@@ -752,10 +752,45 @@ def repulse_toy_paper(d: dict) -> str:
                      f"{minus(sum(lpb) / len(lpb))} | {sum(rew) / len(rew):.3f} | {gaps} | {met} |")
     first = next((r for runs in d["runs"].values() for r in runs.values()), None)
     status = "complete" if d["complete"] else f"incomplete, {len(d['pending'])} runs pending"
+    machines = finishing_machines(d)
+    where = ("Runs finished on " + "; ".join(f"{m}: {n}" for m, n in machines.items()) + ". ") if machines else ""
     lines += ["", (f"Seeds {', '.join(map(str, d['settings']['seeds']))}, {first['samples']:,} samples per run, initial "
                    f"exact log P(bad) {minus(first['initial_log_p_bad'])}; " if first else "")
-              + f"{status}. Flags of every run: `{shlex.join(d['settings']['common_flags'])}`. "
-              + _provenance(d, "python scripts/repulse_toy.py --paper")]
+              + f"{status}. Flags of every run: `{shlex.join(d['settings']['common_flags'])}`. " + where
+              + "Last invocation: " + _provenance(d, "python scripts/repulse_toy.py --paper")]
+    return "\n".join(lines)
+
+
+def finishing_machines(d: dict) -> dict[str, int]:
+    """repulse_toy --paper: how many runs each machine finished (a run's finished_under names its device, or the time
+    of the invocation whose env does), with torch's version, e.g. {"CPU AMD EPYC x2 (torch 2.13.0+cpu)": 22}."""
+    envs = {(inv.get("env") or {}).get("time"): inv.get("env") or {} for inv in d.get("invocations", [])}
+    count: dict[str, int] = {}
+    for runs in d["runs"].values():
+        for r in runs.values():
+            by = r.get("finished_under") or {}
+            env = envs.get(by.get("invocation_time"), {})
+            device = by.get("device") or env.get("device") or "machine not recorded"
+            key = f"{device} (torch {env['torch']})" if env.get("torch") else device
+            count[key] = count.get(key, 0) + 1
+    return count
+
+
+def repulse_toy_cost(d: dict) -> str:
+    """scripts/repulse_toy_cost.py: the toy's step and evaluation pieces timed on one model, a run's cost computed."""
+    st, sec = d["settings"], d["seconds"]
+    lines = ["| piece | seconds |", "|---|---|",
+             f"| sample N = {st['num_samples']} completions of 2 tokens (HF backend) | {sec['generate']:.2f} |",
+             f"| one forward + backward over them and an AdamW step | {sec['train']:.2f} |",
+             f"| exact log P(bad) ({st['vocab']:,}-token vocabulary, {st['bad_tokens']:,} bad tokens) | "
+             f"{sec['exact_log_p_bad']:.1f} |"]
+    h, b = d["per_run_hours"], d["budget"]
+    lines += ["", f"{st['model']}, fp32, prompt of {st['prompt_tokens']} tokens; exact log P(bad): {d['exact_how']}. "
+                  f"Computed from these: a REINFORCE run ({b['p_updates_reinforce']} p updates, {b['exact_evaluations']} "
+                  f"exact evaluations) {h['reinforce']:.1f} h, a RePULSe run ({b['steps_repulse']} steps of p and q) "
+                  f"{h['repulse']:.1f} h, the paper sweep's 10 configurations {d['sweep']['hours_per_seed']:.0f} h per "
+                  f"seed, {d['sweep']['hours_3_seeds']:.0f} h for 3 seeds (estimates from timed pieces, not a timed "
+                  f"run). " + _provenance(d, "python scripts/repulse_toy_cost.py")]
     return "\n".join(lines)
 
 
@@ -1006,6 +1041,7 @@ RENDERERS = {"async_bench": async_bench, "grpo_variants": grpo_variants, "real_m
              "vineppo_value_table": vineppo_value_table, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "repulse_toy_paper": repulse_toy_paper,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
+             "repulse_toy_cost": repulse_toy_cost,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
