@@ -40,7 +40,7 @@ ROOT = bc.ROOT
 # the held-out metrics reported per script (the first is the headline); all are higher-is-better
 METRICS = {"sft": ["eval/accuracy"], "grpo": ["eval/accuracy", "eval/pass@4"],
            "dpo": ["eval/accuracy", "eval/rewards/accuracies"], "rm": ["eval/accuracy"],
-           "restem": ["eval/accuracy", "eval/pass@4"]}
+           "restem": ["eval/accuracy", "eval/pass@4"], "drca": ["eval/accuracy", "eval/reward"]}
 
 
 def samples_before(name: str, row: dict, args: dict) -> int | None:

@@ -154,7 +154,8 @@ def logprob_memory(d: dict) -> str:
 
 HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
                  "grpo": "held-out grader accuracy (4 samples per prompt)",
-                 "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy"}
+                 "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy",
+                 "drca": "held-out grader accuracy (4 samples per prompt)"}
 
 
 def _spread3(x: dict) -> str:
@@ -175,7 +176,7 @@ def headline(files: list[dict]) -> str:
     for d in files:
         for name, r in d["results"].items():
             rows[name] = (r, d)
-    order = [n for n in ("sft", "grpo", "dpo", "rm") if n in rows] + [n for n in rows if n not in HEADLINE_WHAT]
+    order = [n for n in HEADLINE_WHAT if n in rows] + [n for n in rows if n not in HEADLINE_WHAT]  # (unknown: error)
     lines = ["| script (default run) | metric | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
              "minutes | peak RSS | run |", "|---|---|---|---|---|---|---|---|"]
     for name in order:
@@ -190,7 +191,8 @@ def headline(files: list[dict]) -> str:
                      f"{_spread3(r['final'][k])} | {best} | {r['minutes']['mean']:.1f} | "
                      f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB | [{ref}] |")
     lines += ["", "Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
-                  "seed of the first RL script of a run also built the SFT warm start in its fresh cache); peak RSS: "
+                  "seed of the first RL script of a run also built the SFT warm start in its fresh cache, and drca's the reward "
+                  "model it loads); peak RSS: "
                   "the largest over seeds; load: the largest 1-minute load average at the end of a run."]
     for i, d in enumerate(used, 1):
         seeds = sorted({s for n, (r, dd) in rows.items() if dd is d for s in r["seeds"]})
