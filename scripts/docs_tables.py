@@ -191,8 +191,8 @@ def headline(files: list[dict]) -> str:
                      f"{_spread3(r['final'][k])} | {best} | {r['minutes']['mean']:.1f} | "
                      f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB | [{ref}] |")
     lines += ["", "Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
-                  "seed of the first RL script of a run also built the SFT warm start in its fresh cache, and drca's the reward "
-                  "model it loads); peak RSS: "
+                  "seed of the first RL script of a run also built the SFT warm start in its fresh cache, and for drca the "
+                  "reward model it loads); peak RSS: "
                   "the largest over seeds; load: the largest 1-minute load average at the end of a run."]
     for i, d in enumerate(used, 1):
         seeds = sorted({s for n, (r, dd) in rows.items() if dd is d for s in r["seeds"]})
