@@ -31,6 +31,12 @@ first reach PPO's final accuracy of that seed (null if never), read at the evalu
 of the training steps (generate, reward, MC values, log-probs, update, weight sync), without the held-out
 evaluations, set-up and checkpointing: the same for a run done in one go or in chunks, and independent of the
 evaluation frequency.
+
+A K ablation needs no new PPO runs: PPO does not read `--k`, so `--ppo_from <another out>` copies that directory's
+finished PPO runs and SFT start, after checking the same start weights and every PPO flag (paths aside); the result
+names them and their sessions (`ppo_runs_from`):
+
+    python scripts/compare_vineppo_ppo_grpo.py --k 16 --algos ppo vineppo --ppo_from runs/vineppo_k3 --out runs/vineppo_k16
 """
 
 from __future__ import annotations
@@ -75,6 +81,36 @@ def run_argv(algo: str, seed: int, output_dir: Path, start: str, a) -> list[str]
     extra = ["--num_mc_rollouts", str(a.k)] if algo == "vineppo" else []
     return [f"algorithms/{algo}.py", *common, "--num_samples_per_prompt", "8", "--num_ppo_epochs", "2", *extra,
             "--no_gradient_checkpointing"]
+
+
+def argv_mismatches(argv: list[str], recorded: dict, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags of `argv` (a script and its `--flag value` / `--no_flag` words) whose value differs from a run's
+    recorded args.json, `skip` left out: what a reused run would have run differently."""
+    out, i = [], 1
+    while i < len(argv):
+        name = argv[i][2:]
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value, i = argv[i + 1], i + 2
+        elif name.startswith("no_") and name[3:] in recorded:
+            name, value, i = name[3:], False, i + 1
+        else:
+            value, i = True, i + 1
+        if name in skip:
+            continue
+        have = recorded.get(name, "<absent>")
+        same = have == value if isinstance(value, bool) else (
+            str(have) == value or (isinstance(have, (int, float)) and not isinstance(have, bool)
+                                   and _number(value) == have))
+        if not same:
+            out.append(f"--{name}: {have!r} recorded, {value!r} now")
+    return out
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def optimizer_steps(step: int, args: dict) -> int:
@@ -206,6 +242,45 @@ def build_sft_start(out: Path) -> dict:
     return {"path": str(final / "final"), **record, "expected_sha256": EXPECTED_SFT_SHA256}
 
 
+def reuse_ppo_runs(a, runs: dict) -> dict:
+    """Copy the finished PPO runs of `a.ppo_from` (and its SFT start) into `a.out`, after checking that they ran
+    what this runner would run now (the same start weights, every PPO flag but the paths): PPO does not depend on
+    --k, so an ablation of K can share one set of PPO runs. Returns the provenance kept in the session."""
+    src = a.ppo_from.resolve()
+    if "ppo" not in a.algos:
+        raise SystemExit("error: --ppo_from needs ppo in --algos")
+    src_start = json.loads((src / "sft_start" / "build.json").read_text())
+    if (a.out / "sft_start" / "build.json").exists():
+        mine = json.loads((a.out / "sft_start" / "build.json").read_text())
+        if mine["weights_sha256"] != src_start["weights_sha256"]:
+            raise SystemExit(f"error: --ppo_from: {src} started from other weights than {a.out}/sft_start")
+    else:
+        shutil.copytree(src / "sft_start", a.out / "sft_start")
+    copied = []
+    for seed in a.seeds:
+        run, source = runs[("ppo", seed)], src / f"ppo_seed{seed}"
+        if finished(run):
+            continue
+        if not finished(source):
+            raise SystemExit(f"error: --ppo_from: {source} is not a finished run")
+        bad = argv_mismatches(run_argv("ppo", seed, run, "", a), json.loads((source / "args.json").read_text()),
+                              skip=("output_dir", "model_name_or_path", "stop_after_steps"))
+        if bad:
+            raise SystemExit(f"error: --ppo_from: {source} ran other flags: {'; '.join(bad)}")
+        shutil.copytree(source, run)
+        (a.out / "logs").mkdir(parents=True, exist_ok=True)
+        for log in (src / "logs").glob(f"ppo_seed{seed}_from*"):
+            shutil.copytree(log, a.out / "logs" / log.name, dirs_exist_ok=True)
+        copied.append(run.name)
+        print(f"[compare] ppo seed {seed}: reusing {source} (same start weights and flags)", flush=True)
+    src_sessions = bc.read_jsonl(src / "sessions.jsonl")
+    return {"dir": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src), "copied": copied,
+            "weights_sha256": src_start["weights_sha256"],
+            "sessions": [{"command": s["command"], "git_commit": s["env"].get("git_commit"),
+                          "time": s["env"].get("time"), "device": s["env"].get("device"),
+                          "units": [u for u in s["units"] if u["run"].startswith("ppo_seed")]} for s in src_sessions]}
+
+
 def finished(run: Path) -> bool:
     return (run / "checkpoints" / "finished.json").exists()
 
@@ -232,6 +307,8 @@ def main() -> None:
     p.add_argument("--value_num_prompts", type=int, default=200, help="held-out responses of the value analysis")
     p.add_argument("--value_k_truth", type=int, default=256, help="rollouts of the ground truth per state")
     p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS, help="(a smoke test: a subset)")
+    p.add_argument("--ppo_from", type=Path, default=None, help="another work directory of this runner whose "
+                   "finished PPO runs (and SFT start) to reuse: same start weights and PPO flags, checked")
     p.add_argument("--status", action="store_true", help="print what is done and exit")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / "vineppo_vs_ppo.json")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "vineppo_ppo_grpo_sums6_cpu.png")
@@ -263,6 +340,8 @@ def main() -> None:
         with open(a.out / "sessions.jsonl", "a") as fh:
             fh.write(json.dumps({**session, "minutes": (time.time() - t0) / 60}) + "\n")
 
+    if a.ppo_from:
+        session["ppo_from"] = reuse_ppo_runs(a, runs)
     start = build_sft_start(a.out)
     print(f"[compare] SFT start {start['path']} (weights {start['weights_sha256'][:12]}, held-out accuracy "
           f"{start['heldout_accuracy']:.3f})", flush=True)
@@ -337,6 +416,7 @@ def main() -> None:
         "commands": {algo: "python " + shlex.join(run_argv(algo, 0, Path("<out>/<algo>_seed<seed>"), "<sft_start>",
                                                            a)).replace("--seed 0", "--seed <seed>")
                      for algo in a.algos},
+        "ppo_runs_from": next((s["ppo_from"] for s in sessions if "ppo_from" in s), None),
         "per_seed": per_seed,
         "curves": {f"{algo}_seed{seed}": c for (algo, seed), c in curves.items()},
         "value_prediction": {"per_position_mean_over_seeds": table, "per_seed": values,

@@ -652,8 +652,18 @@ def vineppo_vs_ppo(d: dict) -> str:
                   f"start (weights {d['sft_start']['weights_sha256'][:12]}). Training minutes: the training steps' "
                   f"phases, without evaluation and set-up. VinePPO within 1/3 of PPO's gradient steps on every seed: "
                   f"{'yes' if g['vineppo_within_a_third_of_ppo_steps_on_every_seed'] else 'no'}. "
-                  + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py")]
+                  + _reused_ppo(d) + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py")]
     return "\n".join(lines)
+
+
+def _reused_ppo(d: dict) -> str:
+    """The caption's clause for PPO runs copied from another work directory (`--ppo_from`), with their sessions."""
+    src = d.get("ppo_runs_from")
+    if not src:
+        return ""
+    runs = ", ".join(sorted({f"commit {s['git_commit']}, {s['time']}" for s in src["sessions"] if s["units"]}))
+    return (f"The PPO runs are those of `{src['dir']}` (same start weights and PPO flags, checked; trained at "
+            f"{runs}). ")
 
 
 def vineppo_value_table(d: dict) -> str:

@@ -2,6 +2,7 @@
 runner's bookkeeping (scripts/compare_vineppo_ppo_grpo.py), against hand-computed numbers. Nothing is launched."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -205,3 +206,101 @@ def test_docs_renderers_of_the_result():
     assert "| S_0 | 2 | 0.200 | 0.300 | 0.500 | 1.000 |" in text
     assert "| S_1 | 2 | 0.250 | 0.150 | 0.500 | 1.000 |" in text
     assert "MC better on both at every position: no" in text  # S_0: the MC's MAE is higher
+
+
+# --- reusing PPO runs across K ablations (--ppo_from) -------------------------------------------------------------
+def recorded_args(argv: list[str]) -> dict:
+    """What a script's args.json holds for `argv`: typed values (ints, floats, bools), as tyro parses them."""
+    out, i = {}, 1
+    while i < len(argv):
+        name = argv[i][2:]
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            v = argv[i + 1]
+            for cast in (int, float):
+                try:
+                    v = cast(v)
+                    break
+                except ValueError:
+                    pass
+            out[name], i = v, i + 2
+        else:
+            out[name.removeprefix("no_")], i = not name.startswith("no_"), i + 1
+    return out
+
+
+def test_argv_mismatches():
+    a = SimpleNamespace(total_episodes=51200, learning_rate=1e-4, eval_every=2, chunk_steps=25, k=9,
+                        eval_num_prompts=500)
+    argv = cmp.run_argv("ppo", 2, Path("o"), "start", a)
+    rec = recorded_args(argv)
+    assert rec["learning_rate"] == 1e-4 and rec["gradient_checkpointing"] is False and rec["best_metric"] == ""
+    assert cmp.argv_mismatches(argv, rec) == []
+    assert cmp.argv_mismatches(argv, {**rec, "learning_rate": 1.0e-4}) == []  # 0.0001 recorded as a float
+    assert cmp.argv_mismatches(argv, {**rec, "learning_rate": 2e-4}) == ["--learning_rate: 0.0002 recorded, '0.0001' now"]
+    assert cmp.argv_mismatches(argv, {**rec, "gradient_checkpointing": True}) == [
+        "--gradient_checkpointing: True recorded, False now"]
+    assert cmp.argv_mismatches(argv, {**rec, "output_dir": "elsewhere"}, skip=("output_dir",)) == []
+    assert len(cmp.argv_mismatches(argv, {**rec, "output_dir": "elsewhere"})) == 1
+    missing = dict(rec)
+    del missing["eval_every"]
+    assert cmp.argv_mismatches(argv, missing) == ["--eval_every: '<absent>' recorded, '2' now"]
+    # K is VinePPO's flag only: PPO's runs match whatever --k the ablation uses
+    assert cmp.argv_mismatches(cmp.run_argv("ppo", 2, Path("o"), "start", SimpleNamespace(**{**vars(a), "k": 16})),
+                               rec) == []
+
+
+def fake_ppo_source(root: Path, a, seeds=(1, 2), weights="w" * 64) -> Path:
+    src = root / "src"
+    (src / "sft_start" / "final").mkdir(parents=True)
+    (src / "sft_start" / "build.json").write_text(json.dumps({"weights_sha256": weights}))
+    for seed in seeds:
+        run = src / f"ppo_seed{seed}"
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "finished.json").write_text(json.dumps({"num_steps": 100}))
+        rec = recorded_args(cmp.run_argv("ppo", seed, run, str(src / "sft_start" / "final"), a))
+        (run / "args.json").write_text(json.dumps({**rec, "stop_after_steps": 25}))
+        (src / "logs" / f"ppo_seed{seed}_from0000").mkdir(parents=True)
+    sessions = [{"command": "python scripts/compare_vineppo_ppo_grpo.py --k 3", "env": {"git_commit": "abc1234",
+                 "time": "2026-11-26 04:18:12", "device": "CPU X x2"},
+                 "units": [{"run": "ppo_seed1", "from_step": 0, "to_step": 25, "seconds": 1.0},
+                           {"run": "vineppo_seed1", "from_step": 0, "to_step": 25, "seconds": 2.0}]}]
+    (src / "sessions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sessions))
+    return src
+
+
+def test_reuse_ppo_runs(tmp_path):
+    a = SimpleNamespace(total_episodes=51200, learning_rate=1e-4, eval_every=2, chunk_steps=25, k=16,
+                        eval_num_prompts=500, seeds=[1, 2], algos=["ppo", "vineppo"], out=tmp_path / "out")
+    a.ppo_from = fake_ppo_source(tmp_path, a)
+    runs = {(algo, s): a.out / f"{algo}_seed{s}" for s in a.seeds for algo in a.algos}
+    prov = cmp.reuse_ppo_runs(a, runs)
+    assert prov["copied"] == ["ppo_seed1", "ppo_seed2"] and prov["weights_sha256"] == "w" * 64
+    assert [u["run"] for u in prov["sessions"][0]["units"]] == ["ppo_seed1"]  # PPO's units only
+    assert prov["sessions"][0]["git_commit"] == "abc1234"
+    assert cmp.finished(a.out / "ppo_seed1") and (a.out / "sft_start" / "build.json").exists()
+    assert (a.out / "logs" / "ppo_seed2_from0000").is_dir() and not (a.out / "vineppo_seed1").exists()
+    assert cmp.reuse_ppo_runs(a, runs)["copied"] == []  # already there: nothing copied again
+    # the caption of the rendered table names where the PPO runs came from
+    docs_tables = load("docs_tables")
+    assert "commit abc1234, 2026-11-26 04:18:12" in docs_tables._reused_ppo({"ppo_runs_from": prov})
+    assert docs_tables._reused_ppo({}) == ""
+
+
+@pytest.mark.parametrize("break_it", ["flags", "weights", "unfinished", "no_ppo"])
+def test_reuse_ppo_runs_refuses(tmp_path, break_it):
+    a = SimpleNamespace(total_episodes=51200, learning_rate=1e-4, eval_every=2, chunk_steps=25, k=16,
+                        eval_num_prompts=500, seeds=[1], algos=["ppo", "vineppo"], out=tmp_path / "out")
+    a.ppo_from = fake_ppo_source(tmp_path, a, seeds=(1,))
+    if break_it == "flags":
+        a.learning_rate = 3e-4
+    elif break_it == "weights":
+        (a.out / "sft_start").mkdir(parents=True)
+        (a.out / "sft_start" / "build.json").write_text(json.dumps({"weights_sha256": "x" * 64}))
+    elif break_it == "unfinished":
+        (a.ppo_from / "ppo_seed1" / "checkpoints" / "finished.json").unlink()
+    else:
+        a.algos = ["vineppo"]
+    runs = {(algo, s): a.out / f"{algo}_seed{s}" for s in a.seeds for algo in a.algos}
+    with pytest.raises(SystemExit, match="--ppo_from"):
+        cmp.reuse_ppo_runs(a, runs)
+    assert not (a.out / "ppo_seed1").exists()
