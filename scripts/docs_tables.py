@@ -709,7 +709,9 @@ def drca_vs_ppo(d: dict) -> str:
     extra = d.get("extra", [])
     rm = extra[extra.index("--reward_model_path") + 1] if "--reward_model_path" in extra else "builtin:tiny-rm"
     scorer = ("the per-line grader (`--scorer line_grader`)" if "line_grader" in extra else rm)
-    lines += ["", f"Both arms train on the score of {scorer}; \"RM reward\" is {rm}'s held-out mean normalised score. "
+    kl = (f" with the KL coefficient eta = {extra[extra.index('--kl_coef') + 1]} (drca.py's default: 0.01)"
+          if "--kl_coef" in extra else "")
+    lines += ["", f"Both arms train on the score of {scorer}{kl}; \"RM reward\" is {rm}'s held-out mean normalised score. "
                   f"DRCA minus PPO, final accuracy: {100 * diff['mean']:+.1f} points (per seed {per_seed}); final RM "
                   f"reward: {m('drca_final_reward') - m('ppo_final_reward'):+.3f}. "
               + _provenance(d, f"python scripts/compare_drca_ppo.py --seeds {' '.join(map(str, d['seeds']))}"

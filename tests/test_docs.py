@@ -166,6 +166,9 @@ def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_
            "env": {"device": "CPU X x2", "time": "2026-01-01 00:00:00", "git_commit": "abc1234"}}
     assert "`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2, 2026-01-01 00:00:00, commit abc1234." in \
         docs_tables.drca_vs_ppo(new)
+    assert "Both arms train on the score of builtin:tiny-rm; " in docs_tables.drca_vs_ppo(new)
+    kl = docs_tables.drca_vs_ppo({**new, "extra": ["--reward_model_path", "builtin:tiny-cf-rm", "--kl_coef", "0.1"]})
+    assert "Both arms train on the score of builtin:tiny-cf-rm with the KL coefficient eta = 0.1 (drca.py's " in kl
 
 
 def test_grpo_default_batch_of_the_restem_comparison_is_grpo_s_default():
