@@ -176,7 +176,10 @@ def headline(files: list[dict]) -> str:
     for d in files:
         for name, r in d["results"].items():
             rows[name] = (r, d)
-    order = [n for n in HEADLINE_WHAT if n in rows] + [n for n in rows if n not in HEADLINE_WHAT]  # (unknown: error)
+    unknown = [n for n in rows if n not in HEADLINE_WHAT]
+    if unknown:
+        raise ValueError(f"headline: no metric description for {', '.join(unknown)} (add it to HEADLINE_WHAT)")
+    order = [n for n in HEADLINE_WHAT if n in rows]
     lines = ["| script (default run) | metric | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
              "minutes | peak RSS | run |", "|---|---|---|---|---|---|---|---|"]
     for name in order:

@@ -188,3 +188,9 @@ def test_default_run_results_before_the_defaults_changed_name_the_defaults_they_
     explicit = docs_tables.commit({"benchmark": "grpo", "env": {**env, "time": "2026-11-22 10:01:43"}})
     assert "micro-batch 256" in old and "--local_micro_batch_size 256" in old
     assert new == explicit == "commit abc1234"
+
+
+def test_headline_table_names_a_script_it_cannot_describe():
+    """A default-run benchmark of a script without a metric description is an error naming it, not a KeyError."""
+    with pytest.raises(ValueError, match="no metric description for ppo"):
+        docs_tables.headline([{"results": {"grpo": {}, "ppo": {}}}])
