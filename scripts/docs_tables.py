@@ -659,6 +659,48 @@ def vineppo_vs_ppo(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _window_mean(points: list[dict], end: int, width: int) -> float | None:
+    """Mean held-out accuracy of a curve's evaluations at rollout steps in (end - width, end]."""
+    xs = [p["accuracy"] for p in points if end - width < p["step"] <= end]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _first_window_reach(points: list[dict], target: float, width: int) -> dict | None:
+    """The first evaluation at which the mean over the window (step - width, step] reaches target (None if never)."""
+    return next((p for p in points if p["step"] >= width and _window_mean(points, p["step"], width) >= target), None)
+
+
+def vineppo_plateau(d: dict, width: int = 10) -> str:
+    """compare_vineppo_ppo_grpo.py's curves, smoothed: each run's mean held-out accuracy over the evaluations of the
+    last `width` rollout steps of each half of the run, and the gradient steps after which that windowed mean first
+    reaches PPO's end-of-run windowed mean (a target less at the mercy of one evaluation's noise than the main table's
+    single final evaluation)."""
+    st = d["settings"]
+    half, end = st["rollout_steps"] // 2, st["rollout_steps"]
+    names = {"ppo": "PPO", "vineppo": f"VinePPO (K = {st['vineppo_k']})", "grpo": "GRPO"}
+    g = st["gradient_steps_per_rollout_step"]
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = [f"| seed | algorithm | accuracy, rollout steps {half - width + 1}-{half} | accuracy, rollout steps "
+             f"{end - width + 1}-{end} | second half's gain | gradient steps to PPO's accuracy of steps "
+             f"{end - width + 1}-{end} |", "|---|---|---|---|---|---|"]
+    for s in d["per_seed"]:
+        target = _window_mean(d["curves"][f"ppo_seed{s['seed']}"], end, width)
+        for algo in s["algorithms"]:
+            pts = d["curves"][f"{algo}_seed{s['seed']}"]
+            a, b = _window_mean(pts, half, width), _window_mean(pts, end, width)
+            hit = _first_window_reach(pts, target, width)
+            lines.append(f"| {s['seed']} | {names.get(algo, algo)} | {f(a)} | {f(b)} | "
+                         f"{'-' if a is None or b is None else f'{b - a:+.3f}'} | "
+                         f"{'never' if hit is None else hit['step'] * g} / {end * g} |")
+    lines += ["", f"Rollout steps of {g} gradient steps; an accuracy: the mean of the held-out evaluations in those "
+                  f"{width} rollout steps ({st['eval']}, every {st['eval_every']} rollout steps); the last column: "
+                  f"gradient steps until the mean over the preceding {width} rollout steps' evaluations first reaches "
+                  f"PPO's mean over its last {width}. From the curves of "
+                  f"[`{d['_path'].removeprefix('docs/')}`]({d['_path'].removeprefix('docs/')}), the runs of the table "
+                  f"above."]
+    return "\n".join(lines)
+
+
 def _reused_ppo(d: dict) -> str:
     """The caption's clause for PPO runs copied from another work directory (`--ppo_from`), with their sessions."""
     src = d.get("ppo_runs_from")
@@ -1055,7 +1097,7 @@ RENDERERS = {"async_bench": async_bench, "grpo_variants": grpo_variants, "real_m
              "bench_grpo_profile": bench_grpo_profile, "generation_sweep": generation_sweep,
              "bench_vineppo_phases": bench_vineppo_phases, "ppo_vs_vineppo": ppo_vs_vineppo,
              "value_prediction": value_prediction, "vineppo_vs_ppo": vineppo_vs_ppo,
-             "vineppo_value_table": vineppo_value_table, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
+             "vineppo_value_table": vineppo_value_table, "vineppo_plateau": vineppo_plateau, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
              "repulse_toy_paper": repulse_toy_paper,
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "repulse_toy_cost": repulse_toy_cost,

@@ -304,3 +304,22 @@ def test_reuse_ppo_runs_refuses(tmp_path, break_it):
     with pytest.raises(SystemExit, match="--ppo_from"):
         cmp.reuse_ppo_runs(a, runs)
     assert not (a.out / "ppo_seed1").exists()
+
+
+def test_plateau_renderer_by_hand():
+    """Windowed means of each half's last `width` rollout steps, and the gradient steps until the trailing windowed
+    mean first reaches PPO's last window (by hand: evaluations every 2 rollout steps, width 4, 8 rollout steps)."""
+    docs_tables = load("docs_tables")
+    #                  steps: 0    2    4    6    8
+    curves = {"ppo_seed1": pts(0.3, 0.4, 0.5, 0.5, 0.7), "vineppo_seed1": pts(0.3, 0.5, 0.7, 0.6, 0.6)}
+    d = {"settings": {"vineppo_k": 9, "eval": "E", "eval_every": 2, "gradient_steps_per_rollout_step": 4,
+                      "rollout_steps": 8}, "curves": curves, "_path": "docs/results/x.json",
+         "per_seed": [{"seed": 1, "algorithms": {"ppo": {}, "vineppo": {}}}]}
+    text = docs_tables.vineppo_plateau(d, width=4)
+    # PPO: steps 1-4 -> evaluations at 2, 4: 0.45; steps 5-8 -> 6, 8: 0.6; target 0.6, first reached (trailing window)
+    # at step 8. VinePPO: 0.6 and 0.6; its trailing window reaches 0.6 at step 4 ((0.5 + 0.7) / 2), 16 gradient steps
+    assert "| 1 | PPO | 0.450 | 0.600 | +0.150 | 32 / 32 |" in text
+    assert "| 1 | VinePPO (K = 9) | 0.600 | 0.600 | +0.000 | 16 / 32 |" in text
+    assert "accuracy, rollout steps 1-4 | accuracy, rollout steps 5-8 |" in text
+    assert "[`results/x.json`](results/x.json)" in text
+
