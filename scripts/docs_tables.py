@@ -697,7 +697,7 @@ def vineppo_plateau(d: dict, width: int = 10) -> str:
                   f"gradient steps until the mean over the preceding {width} rollout steps' evaluations first reaches "
                   f"PPO's mean over its last {width}. From the curves of "
                   f"[`{d['_path'].removeprefix('docs/')}`]({d['_path'].removeprefix('docs/')}), the runs of the table "
-                  f"above."]
+                  f"above: " + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py")]
     return "\n".join(lines)
 
 
