@@ -1,18 +1,21 @@
-"""The built-in tiny model: a character-level tokenizer and a small Llama, built locally (no download).
+"""The built-in tiny models: a character-level tokenizer and a small Llama, shipped with the code (no download).
 
-`builtin:tiny` is the randomly initialised model; `builtin:tiny-sft` is that model warm-started by
-`algorithms/sft.py` on the built-in task; `builtin:tiny-rm` is a reward model trained by `algorithms/rm.py` (its
-defaults) from `builtin:tiny-sft` on the built-in preference pairs; `builtin:tiny-cf-rm` is `builtin:tiny-rm` trained
-further by rm.py on the counterfactual-format pairs of `builtin:counterfactual` (shared/task.py), a reward model that
-can score DRCA's counterfactuals (a response with a line blanked or cut). All are created on first use and cached under
-`$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`), guarded by a file lock so concurrent ranks or test
-processes build each one exactly once.
+    builtin:tiny        the randomly initialised model (seed 0)
+    builtin:tiny-sft    builtin:tiny warm-started by `algorithms/sft.py` (its defaults, seed 1) on the built-in task
+    builtin:tiny-rm     a Bradley-Terry reward model trained by `algorithms/rm.py` (its defaults) from builtin:tiny-sft
+                        on the built-in preference pairs
+    builtin:tiny-cf-rm  builtin:tiny-rm trained further by rm.py on the counterfactual-format pairs of
+                        `builtin:counterfactual` (shared/task.py): a reward model that can score DRCA's counterfactuals
 
-The builds are deterministic, so that every machine starts from the same weights: each runs in a child process on
-CPU with one thread, ATen's kernels pinned to AVX2 and MKL's to its AVX2 reproducible path (`BUILD_ENV`), and seed 1.
-Each model directory gets `build.json` with the SHA-256 of its weights; `EXPECTED_SHA256` holds the values this
-code gives on x86-64 (tests/test_builtin_models.py checks them), and every stored benchmark names the hashes of the
-built-in models it ran on (`scripts/bench_common.py`).
+Their weights are committed in shared/builtin_models/<name>/ (2.7 MB each), so that every machine starts from the
+same bits: training is not bit-reproducible across CPUs (the order in which the kernels sum depends on the CPU model
+and vendor, whatever threads or instruction sets are pinned), so a warm start rebuilt on another machine is a
+slightly different model, and everything measured from it moves. On first use a model is copied into
+`$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`) under a lock, and its SHA-256 is checked against `EXPECTED_SHA256`.
+
+`python scripts/build_builtin_models.py` rebuilds all four from scratch with `RECIPES` (each in a child process on
+CPU with one thread and seed 1: `BUILD_ENV`) and compares them with the committed ones; `--write` replaces them
+(then re-measure the stored results that start from them).
 """
 
 from __future__ import annotations
@@ -34,22 +37,26 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-# Bump when the architecture, tokenizer or warm-start recipe changes, so stale caches are not reused.
-BUILTIN_VERSION = "v3"  # v2: deterministic builds (BUILD_ENV); v3: sft.py / rm.py train with the fused AdamW
-# (0ea16ae), which rounds differently: tiny-sft v2 was bd9048d7..., the start of the results that name it
 # The environment of every build: CPU only, one thread (a reduction's order depends on the thread count), ATen's
-# vectorised kernels and MKL's BLAS pinned to AVX2 (which every x86-64 server has), so an AVX-512 machine computes
-# the same sums in the same order as an AVX2 one.
+# vectorised kernels and MKL's BLAS pinned to AVX2. This makes a rebuild on the same machine bit-identical; on another
+# CPU only the random-init build is (tests/test_builtin_models.py).
 BUILD_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
              "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "PYTHONHASHSEED": "0"}
-# SHA-256 of model.safetensors of each build on x86-64 (torch 2.13.0, transformers 5.19.0); a change of the build
-# recipe or of the stack that moves them is a new start model: bump BUILTIN_VERSION and re-measure stored results.
+# How each model is built: (script in algorithms/, the model it starts from, flags beyond the script's defaults)
+RECIPES = {
+    "tiny-sft": ("sft.py", "tiny", ()),
+    "tiny-rm": ("rm.py", "tiny-sft", ()),
+    # 256,000 pairs (9 epochs): starting from an RM that already ranks whole responses, it learns the counterfactuals
+    "tiny-cf-rm": ("rm.py", "tiny-rm", ("--dataset", "builtin:counterfactual", "--total_episodes", "256000")),
+}
+# SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
     "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",
     "tiny-cf-rm": "b71ffa025fda562642ac7c12ee590d4afa394d070a387e27d4863a92091e7c0e",
 }
+COMMITTED = Path(__file__).resolve().parent / "builtin_models"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -145,48 +152,51 @@ def weights_sha256(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def write_build_record(model_dir: Path, name: str) -> None:
-    """`build.json`: the weights' hash, whether it is the expected one, and the build environment."""
-    sha = weights_sha256(model_dir)
-    record = {"name": f"builtin:{name}", "version": BUILTIN_VERSION, "weights_sha256": sha,
-              "expected_sha256": EXPECTED_SHA256.get(name) or None, "build_env": BUILD_ENV}
-    (model_dir / "build.json").write_text(json.dumps(record, indent=1) + "\n")
-    if EXPECTED_SHA256.get(name) and sha != EXPECTED_SHA256[name]:
-        print(f"[cleanrlhf] warning: builtin:{name} built with weights {sha[:12]}, not the expected "
-              f"{EXPECTED_SHA256[name][:12]} (another CPU architecture or library version): results will differ "
-              "from the stored ones", file=sys.stderr, flush=True)
-
-
 def build_record(name: str, cache: Path | None = None) -> dict | None:
-    """The `build.json` of built-in model `name` (`tiny`, `tiny-sft`, `tiny-rm`) in `cache` (default: the cache),
-    if it was built there."""
-    path = Path(cache or cache_dir()) / f"{name}-{BUILTIN_VERSION}" / "build.json"
+    """The `build.json` of built-in model `name` (`tiny`, `tiny-sft`, ...) as installed in `cache` (default: the
+    cache), if it was used there: its weights' hash and the recipe, machine and stack that built it."""
+    path = Path(cache or cache_dir()) / f"{name}-{EXPECTED_SHA256[name][:12]}" / "build.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _run_build(cmd: list[str], what: str) -> None:
-    """Run a build command in the deterministic environment; its console is shown only if it fails."""
-    proc = subprocess.run(cmd, env={**_clean_env(), **BUILD_ENV}, cwd=PROJECT_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise RuntimeError(f"building {what} failed (exit {proc.returncode})")
+def builtin_model(name: str) -> Path:
+    """Path of built-in model `name` in the cache, copied there from shared/builtin_models/ on first use (or when the
+    cached copy's weights are not the committed ones)."""
+    expected = EXPECTED_SHA256[name]
+    with cache_lock(name) as root:
+        final = root / f"{name}-{expected[:12]}"
+        if (final / "config.json").exists() and weights_sha256(final) == expected:
+            return final
+        source = COMMITTED / name
+        if not (source / "model.safetensors").exists() or weights_sha256(source) != expected:
+            raise RuntimeError(f"builtin:{name}: {source}/model.safetensors is missing or not the committed file "
+                               f"(SHA-256 {expected[:12]}...); restore it with git (git checkout -- {source})")
+        shutil.rmtree(final, ignore_errors=True)
+        return build_atomically(final, lambda tmp: shutil.copytree(source, tmp))
 
 
 def builtin_tiny() -> Path:
-    """Path of the random-init tiny model, created on first use (in a child process: BUILD_ENV)."""
-    with cache_lock("tiny") as root:
-        final = root / f"tiny-{BUILTIN_VERSION}"
-        if not (final / "config.json").exists():
-
-            def build(tmp: Path):
-                code = f"from shared.tiny import save_random_tiny; save_random_tiny({str(tmp)!r})"
-                _run_build([sys.executable, "-c", code], str(final))
-                write_build_record(tmp, "tiny")
-
-            build_atomically(final, build)
-        return final
+    """Path of the random-init tiny model."""
+    return builtin_model("tiny")
 
 
+def builtin_tiny_sft() -> Path:
+    """Path of the tiny model warm-started by `algorithms/sft.py` on the built-in task."""
+    return builtin_model("tiny-sft")
+
+
+def builtin_tiny_rm() -> Path:
+    """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
+    return builtin_model("tiny-rm")
+
+
+def builtin_tiny_cf_rm() -> Path:
+    """Path of the reward model trained by `algorithms/rm.py` from `builtin:tiny-rm` on the counterfactual-format
+    pairs of `builtin:counterfactual` (DRCA's counterfactuals ranked by the per-line grader)."""
+    return builtin_model("tiny-cf-rm")
+
+
+# Rebuilding from scratch (scripts/build_builtin_models.py, tests/test_builtin_models.py)
 def _clean_env() -> dict:
     """The environment for a clean single-process run: the launcher's rendezvous and DeepSpeed settings dropped."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -195,42 +205,57 @@ def _clean_env() -> dict:
             if k not in launcher and not k.startswith(("TORCHELASTIC_", "ACCELERATE_", "DEEPSPEED_"))}
 
 
-def _built_by(name: str, script: str, base: Path, flags: tuple[str, ...] = ()) -> Path:
-    """Path of `name`, trained on first use by `algorithms/<script>` (default flags and `flags`, seed 1) from `base`."""
-    with cache_lock(name) as root:
-        final = root / f"{name}-{BUILTIN_VERSION}"
-        if not (final / "config.json").exists():
-
-            def build(tmp: Path):
-                print(f"[cleanrlhf] building {final} with algorithms/{script} (once)", flush=True)
-                cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / script),
-                       "--model_name_or_path", str(base), "--output_dir", str(tmp), "--seed", "1",
-                       "--save_every", "0", "--best_metric", "", "--dev_num_prompts", "0", *flags]  # the final model,
-                # trained on the whole train split (no dev slice: nothing selects a best checkpoint here)
-                # its console stays out of the caller's (one progress bar per run); shown only if it fails
-                _run_build(cmd, f"{final} with algorithms/{script}")
-                # the scripts write their final checkpoint under output_dir/final
-                for item in (tmp / "final").iterdir():
-                    shutil.move(str(item), tmp / item.name)
-                write_build_record(tmp, name)
-
-            build_atomically(final, build)
-        return final
+def _run_build(cmd: list[str], what: str) -> None:
+    """Run a build command in BUILD_ENV; its console is shown only if it fails."""
+    proc = subprocess.run(cmd, env={**_clean_env(), **BUILD_ENV}, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"building {what} failed (exit {proc.returncode})")
 
 
-def builtin_tiny_sft() -> Path:
-    """Path of the tiny model warm-started by `algorithms/sft.py` on the built-in task, trained on first use."""
-    return _built_by("tiny-sft", "sft.py", builtin_tiny())
+def build_model(name: str, out: str | Path, base: str | Path | None = None) -> Path:
+    """Build `name` from scratch into the new directory `out` with its recipe, in a child process under BUILD_ENV:
+    `tiny` by save_random_tiny, the others by their script from `base` (the model RECIPES names, built or
+    committed). Writes out/build.json (hash, recipe, build environment, machine, library versions, and the script's
+    last held-out evaluation: what a rebuild on another CPU is compared with)."""
+    import platform
+
+    import torch
+    import transformers
+
+    out = Path(out)
+    if name == "tiny":
+        _run_build([sys.executable, "-c", f"from shared.tiny import save_random_tiny; save_random_tiny({str(out)!r})"],
+                   f"builtin:{name}")
+        recipe, final_eval = "shared.tiny.save_random_tiny(seed 0)", {}
+    else:
+        script, _, flags = RECIPES[name]
+        tmp = out.with_name(out.name + ".run")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, str(PROJECT_ROOT / "algorithms" / script), "--model_name_or_path", str(base),
+               "--output_dir", str(tmp), "--seed", "1", "--save_every", "0", "--best_metric", "",
+               "--dev_num_prompts", "0", *flags]  # the final model, trained on the whole train split
+        _run_build(cmd, f"builtin:{name} with algorithms/{script}")
+        shutil.move(str(tmp / "final"), out)  # the scripts write their final checkpoint under output_dir/final
+        rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        final_eval = {k: v for row in rows for k, v in row.items() if k.startswith("eval/")}  # the last of each
+        shutil.rmtree(tmp, ignore_errors=True)
+        recipe = " ".join(["python", f"algorithms/{script}", "--model_name_or_path", f"builtin:{RECIPES[name][1]}",
+                           "--seed", "1", "--save_every", "0", "--best_metric", "''", "--dev_num_prompts", "0", *flags])
+    record = {"name": f"builtin:{name}", "weights_sha256": weights_sha256(out), "recipe": recipe,
+              "build_env": BUILD_ENV, "machine": _cpu_name(), "platform": platform.platform(),
+              "torch": torch.__version__, "transformers": transformers.__version__, "final_eval": final_eval}
+    (out / "build.json").write_text(json.dumps(record, indent=1) + "\n")
+    return out
 
 
-def builtin_tiny_rm() -> Path:
-    """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
-    return _built_by("tiny-rm", "rm.py", builtin_tiny_sft())
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
 
-
-def builtin_tiny_cf_rm() -> Path:
-    """Path of the reward model trained by `algorithms/rm.py` from `builtin:tiny-rm` on the counterfactual-format
-    pairs of `builtin:counterfactual` (DRCA's counterfactuals ranked by the per-line grader), 256,000 pairs (9 epochs;
-    rm.py's other defaults): starting from an RM that already ranks whole responses, it learns the counterfactuals."""
-    return _built_by("tiny-cf-rm", "rm.py", builtin_tiny_rm(),
-                     ("--dataset", "builtin:counterfactual", "--total_episodes", "256000"))
+    return platform.processor() or platform.machine()
