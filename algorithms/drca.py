@@ -544,6 +544,8 @@ def main(args: Args) -> str:
     args.num_prompts = args.local_num_prompts * info.world_size
     args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
                                           "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
+    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
+    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
     args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
                                                  "local_micro_batch_size: local minibatch / local_micro_batch_size")
     args.num_steps = args.total_episodes // args.batch_size

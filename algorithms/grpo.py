@@ -21,9 +21,10 @@ instead of GAE on a learned critic. Variants (grpo.md):
   --beta, --kl_estimator                    KL to the reference as a loss term (reference loaded only if beta>0)
   --num_iterations                          mu: updates per batch, ratio against the sampling-time log-probs
   --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
-  --tis                                     truncated importance sampling against the sampler's log-probs
-  --async_steps k                           generate step t+k's batch while step t trains (off-policy by <= k
-                                            updates, corrected by --tis against the generator's log-probs)
+  --tis                                     importance weights against the sampler's log-probs, per token or
+                                            per completion, truncated or masked
+  --async_steps 1                           generate step t+1's batch while step t trains (one update off-policy,
+                                            corrected by --tis against the generator's log-probs)
   --dynamic_sampling, --max_refill_rounds   drop groups with all-equal rewards, sample more prompts to refill the
                                             batch, at most max_refill_rounds extra rounds (DAPO)
 Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is ~0 (beta=0), yet the
@@ -76,7 +77,7 @@ class Args:
     output_dir: str = "runs/grpo"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
     model_name_or_path: str = "builtin:tiny-sft"
-    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (committed weights)"""
     dataset: str = "builtin"
     """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
@@ -110,7 +111,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: int = 0
-    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
+    """1: generate step t+1's batch in a background thread while step t trains, with the weights step t-1 started from (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
     lora_r: int = 0
@@ -174,21 +175,21 @@ class Args:
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: float = 0.2
-    """lower clip range: ratio >= 1 - epsilon_low (1: no lower bound)"""
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound; CISPO has none)"""
     epsilon_high: float = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     importance_level: Literal["token", "sequence"] = "token"
     """importance ratio per token (PPO, GRPO) or per completion, exp(mean over its tokens of the log ratio), clipped once per sequence (GSPO; its paper uses --epsilon_low 3e-4 --epsilon_high 4e-4)"""
     policy_loss: Literal["clip", "cispo"] = "clip"
-    """`clip`: PPO's clipped surrogate; `cispo`: -sg(clip(ratio, 1-epsilon_low, 1+epsilon_high)) * A * log pi, so clipped tokens keep their gradient (MiniMax-M1)"""
+    """`clip`: PPO's clipped surrogate; `cispo`: -sg(min(ratio, 1+epsilon_high)) * A * log pi, truncated tokens keep their gradient (MiniMax-M1)"""
     beta: float = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
-    tis: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """correction for sampler/trainer mismatch: `none`, `token_truncate` (clip w at tis_cap), `token_mask`, `sequence_mask`"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    """correction for sampler/trainer mismatch: `none`, per token `token_truncate` / `token_mask`, or one weight per completion `sequence_truncate` / `sequence_mask` (docs/grpo.md)"""
     tis_cap: float = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     dynamic_sampling: bool = False
@@ -309,18 +310,19 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
     return loss, is_clipped.float(), ratio
 
 
-def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                    eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
-    """CISPO per-token loss -sg(clip(rho, 1-eps_low, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1)
-    and the indicator of tokens whose weight was clipped.
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
+                    mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
+    indicator of tokens whose weight was truncated.
 
-    The clipped importance weight is detached, so every token keeps the gradient -w A grad log pi, also where
-    PPO-clip would zero it (ratio outside the range on the side the advantage pushes). The loss value contains
-    log pi and is not an objective. MiniMax-M1 sets no lower bound (here --epsilon_low 1: weight >= 0)."""
+    The truncated importance weight is detached, so every token keeps the gradient -w A grad log pi, also where
+    PPO-clip would zero it (ratio outside the range on the side the advantage pushes). No lower bound: MiniMax-M1
+    sets none (and ScaleRL's CISPO, arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not
+    apply. The loss value contains log pi and is not an objective."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
-    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
     loss = -weight * advantages * (logp if mask is None else logp * mask)
-    is_clipped = (ratio > 1 + eps_high) | (ratio < 1 - eps_low)
+    is_clipped = ratio > 1 + eps_high
     return loss, is_clipped.float(), ratio
 
 
@@ -328,21 +330,25 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
                 cap: float) -> torch.Tensor:
     """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
 
-    token_truncate: min(w_t, C); token_mask: w_t if 1/C <= w_t <= C else 0;
-    sequence_mask: w_t if the sequence's geometric-mean ratio is within [1/C, C] else 0."""
-    log_w = (logp_old - logp_sampler).detach() * mask
-    w = torch.exp(log_w)
+    token_truncate:    w_t = min(rho_t, C)                       rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if 1/C <= rho_t <= C else 0
+    sequence_truncate: w_t = min(rho_seq, C) on every token        rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if 1/C <= rho_seq <= C else 0 on every token
+    The sequence modes are TRL's `vllm_importance_sampling_mode` sequence_truncate / sequence_mask (its clip_min
+    = 1/C, clip_max = C) and verl's sequence-level rollout importance weight; log rho_seq is clamped to [-20, 20]
+    before the exp (verl's bound against overflow), which changes no weight for C < e^20. cap = inf gives the
+    uncorrected weights of the mode's level (for logging what the correction changed)."""
+    log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
     if mode == "none":
-        return torch.ones_like(w)
-    if mode == "token_truncate":
+        return torch.ones_like(log_w)
+    if mode.startswith("sequence_"):
+        log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
+    w = torch.exp(log_w)
+    if mode.endswith("_truncate"):
         return w.clamp(max=cap)
-    if mode == "token_mask":
+    if mode.endswith("_mask"):
         return w * ((w <= cap) & (w >= 1 / cap)).float()
-    if mode == "sequence_mask":
-        seq = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1))
-        keep = ((seq <= cap) & (seq >= 1 / cap)).float().unsqueeze(1)
-        return w * keep
-    raise ValueError(f"tis: expected none, token_truncate, token_mask or sequence_mask, got {mode!r}")
+    raise ValueError(f"tis: expected none, token_truncate, token_mask, sequence_truncate or sequence_mask, got {mode!r}")
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
@@ -521,6 +527,9 @@ def check_async(args) -> None:
     """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
     if not args.async_steps:
         return
+    if args.async_steps > 1:
+        raise ValueError(f"async_steps: must be 0 or 1, got {args.async_steps} (the weight sync waits for every pending "
+                         "batch, so k >= 2 would add staleness without more overlap)")
     if args.generator == "hf":
         raise ValueError("async_steps: needs --generator vllm (the HF backend generates with the training model "
                          "itself, which the update would change mid-generation)")
@@ -563,6 +572,8 @@ def main(args: Args) -> str:
     args.num_prompts = args.local_num_prompts * info.world_size
     args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
                                           "num_minibatches: local_num_prompts * num_generations / num_minibatches")
+    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
+    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
     args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
                                                  "local_micro_batch_size: local minibatch / local_micro_batch_size")
     args.num_steps = args.total_episodes // args.batch_size
@@ -851,11 +862,14 @@ def main(args: Args) -> str:
                         logp, entropy = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
                                                              args.micro_batching, args.temperature, True)
                         logp_old = old_logp[idx] if reuse else logp.detach()
-                        surrogate = cispo_surrogate if args.policy_loss == "cispo" else clipped_surrogate
-                        pg, is_clipped, ratio = surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                          args.epsilon_high, m_mask, args.importance_level)
+                        if args.policy_loss == "cispo":
+                            pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
+                                                                    m_mask, args.importance_level)
+                        else:
+                            pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                      args.epsilon_high, m_mask, args.importance_level)
                         # TIS: w = pi_old / pi_sampler, the behaviour policy being the generator's weights (with
-                        # --async_steps k, up to k updates older than pi_old), truncated or masked at tis_cap
+                        # --async_steps 1, one update older than pi_old), truncated or masked at tis_cap
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         per_token = pg * w
                         kl = torch.zeros_like(logp)
@@ -881,9 +895,10 @@ def main(args: Args) -> str:
                             stats["entropy"].append(mm(entropy).item())
                             stats["tis"].append(mm(w).item())
                             stats["lpdiff"].append(mm((logp_old - sampler_logp[idx]).abs()).item())
-                            raw_w = torch.exp((logp_old - sampler_logp[idx]) * m_mask)  # before the cap
+                            raw_w = torch.exp((logp_old - sampler_logp[idx]) * m_mask)  # per token, before the cap
                             stats["tis_ratio"].append(mm(raw_w).item())
-                            stats["tis_clip"].append(mm((w != raw_w).float()).item() if args.tis != "none" else 0.0)
+                            uncorrected = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, math.inf)
+                            stats["tis_clip"].append(mm((w != uncorrected).float()).item())
 
         # 7. weight sync: push the updated policy into the generation engine
         if rollouts is not None:

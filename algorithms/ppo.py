@@ -15,9 +15,8 @@ Two flavours from the same file:
      non-EOS penalty and adaptive KL controller.
 Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic instead of group statistics.
 Delta to VinePPO (algorithms/vineppo.py): VinePPO replaces the critic with Monte Carlo value estimates.
-Options: --tis (truncated importance sampling against the sampler's log-probs, as grpo.py), --async_steps k
-(generate step t+k's batch while step t trains, at most k updates stale;
-docs/grpo.md#asynchronous-generation---async_steps).
+Options: --tis (importance weights against the sampler's log-probs, as grpo.py), --async_steps 1 (generate step
+t+1's batch while step t trains, one update stale; docs/grpo.md#asynchronous-generation---async_steps).
 
 Launch:
     python algorithms/ppo.py                                                   # CPU, built-in task
@@ -66,7 +65,7 @@ class Args:
     output_dir: str = "runs/ppo"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
     model_name_or_path: str = "builtin:tiny-sft"
-    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (committed weights)"""
     dataset: str = "builtin"
     """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
@@ -102,7 +101,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: int = 0
-    """k > 0: generate step t+k's batch in a background thread while step t trains, with the weights step t-k started from (at most k updates old; docs/grpo.md#asynchronous-generation---async_steps); 0: synchronous"""
+    """1: generate step t+1's batch in a background thread while step t trains, with the weights step t-1 started from (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
     lora_r: int = 0
@@ -185,8 +184,8 @@ class Args:
     """score given to completions without EOS when non_stop_penalty is on"""
     ratio_threshold: float = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
-    tis: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "none"
-    """correction for sampler/trainer mismatch (stale weights with --async_steps): `none`, `token_truncate` (clip w at tis_cap), `token_mask`, `sequence_mask`"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """correction for sampler/trainer mismatch (stale weights with --async_steps): `none`, per token `token_truncate` / `token_mask`, or one weight per completion `sequence_truncate` / `sequence_mask` (docs/grpo.md)"""
     tis_cap: float = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     eval_every: int = 25
@@ -286,21 +285,25 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
     With --async_steps the sampler is the policy of up to k updates ago, so the policy-gradient term is weighted by
     (pi_theta / pi_old, clipped) * (pi_old / pi_sampler, truncated): decoupled PPO (Hilton et al. 2021, arXiv
     2110.00641), the proximal policy being the one the step starts from.
-    token_truncate: min(w_t, C); token_mask: w_t if 1/C <= w_t <= C else 0;
-    sequence_mask: w_t if the sequence's geometric-mean ratio is within [1/C, C] else 0."""
-    log_w = (logp_old - logp_sampler).detach() * mask
-    w = torch.exp(log_w)
+    token_truncate:    w_t = min(rho_t, C)                       rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if 1/C <= rho_t <= C else 0
+    sequence_truncate: w_t = min(rho_seq, C) on every token        rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if 1/C <= rho_seq <= C else 0 on every token
+    The sequence modes are TRL's `vllm_importance_sampling_mode` sequence_truncate / sequence_mask (its clip_min
+    = 1/C, clip_max = C) and verl's sequence-level rollout importance weight; log rho_seq is clamped to [-20, 20]
+    before the exp (verl's bound against overflow), which changes no weight for C < e^20. cap = inf gives the
+    uncorrected weights of the mode's level (for logging what the correction changed)."""
+    log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
     if mode == "none":
-        return torch.ones_like(w)
-    if mode == "token_truncate":
+        return torch.ones_like(log_w)
+    if mode.startswith("sequence_"):
+        log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
+    w = torch.exp(log_w)
+    if mode.endswith("_truncate"):
         return w.clamp(max=cap)
-    if mode == "token_mask":
+    if mode.endswith("_mask"):
         return w * ((w <= cap) & (w >= 1 / cap)).float()
-    if mode == "sequence_mask":
-        seq = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1))
-        keep = ((seq <= cap) & (seq >= 1 / cap)).float().unsqueeze(1)
-        return w * keep
-    raise ValueError(f"tis: expected none, token_truncate, token_mask or sequence_mask, got {mode!r}")
+    raise ValueError(f"tis: expected none, token_truncate, token_mask, sequence_truncate or sequence_mask, got {mode!r}")
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
@@ -392,6 +395,9 @@ def check_async(args) -> None:
     """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
     if not args.async_steps:
         return
+    if args.async_steps > 1:
+        raise ValueError(f"async_steps: must be 0 or 1, got {args.async_steps} (the weight sync waits for every pending "
+                         "batch, so k >= 2 would add staleness without more overlap)")
     if args.generator == "hf":
         raise ValueError("async_steps: needs --generator vllm (the HF backend generates with the training model "
                          "itself, which the update would change mid-generation)")
@@ -428,6 +434,8 @@ def main(args: Args) -> str:
     args.num_prompts = args.local_num_prompts * info.world_size
     args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
                                           "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
+    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
+    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
     args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
                                                  "local_micro_batch_size: local minibatch / local_micro_batch_size")
     args.num_steps = args.total_episodes // args.batch_size
@@ -665,7 +673,7 @@ def main(args: Args) -> str:
                         pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
                                                            m_mask)
                         # TIS: w = pi_old / pi_sampler, the behaviour policy being the generator's weights (with
-                        # --async_steps k, up to k updates older than pi_old), truncated or masked at tis_cap
+                        # --async_steps 1, one update older than pi_old), truncated or masked at tis_cap
                         w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
@@ -696,10 +704,11 @@ def main(args: Args) -> str:
                             stats["ratio_var"].append(mm((ratio - mean_ratio) ** 2))
                             stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
                             stats["skip"].append(float(skip))
-                            raw_w = torch.exp((old_logp[idx] - sampler_logp[idx]) * m_mask)  # before the cap
+                            raw_w = torch.exp((old_logp[idx] - sampler_logp[idx]) * m_mask)  # per token, before the cap
                             stats["tis"].append(mm(w))
                             stats["tis_ratio"].append(mm(raw_w))
-                            stats["tis_clip"].append(mm((w != raw_w).float()) if args.tis != "none" else 0.0)
+                            uncorrected = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, math.inf)
+                            stats["tis_clip"].append(mm((w != uncorrected).float()))
                             stats["lpdiff"].append(mm((old_logp[idx] - sampler_logp[idx]).abs()))
 
         # 7. weight sync

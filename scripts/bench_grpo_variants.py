@@ -5,7 +5,7 @@
     python scripts/bench_grpo_variants.py --stop_after_steps 100             # spread over sessions: rerun to continue
 
 Every run is `python algorithms/grpo.py --seed k` plus the variant's flags (VARIANTS below: each paper's own
-settings where it gives them, e.g. GSPO's clip range), so all of them train on 102,400 samples (200 steps of
+settings where it gives them, e.g. GSPO's clip range and minibatches), so all of them train on 102,400 samples (200 steps of
 64 prompts x 8 completions) from the same start model (builtin:tiny-sft, built once in <out>/cache). Dynamic sampling trains on
 as many batches but samples more to fill them: the table gives its generated samples, and its held-out accuracy at
 the last evaluation before it had generated the other variants' 102,400 (equal generated samples) beside the final.
@@ -30,8 +30,11 @@ VARIANTS = {
     "default": "",
     "rloo": "--advantage_estimator rloo",
     "reinforce_pp_baseline": "--advantage_estimator reinforce_pp_baseline",
-    "cispo": "--policy_loss cispo --epsilon_low 1 --epsilon_high 0.28",  # MiniMax-M1: no lower clip of the weight
-    "gspo": "--importance_level sequence --epsilon_low 3e-4 --epsilon_high 4e-4",  # the GSPO paper's clip range
+    # no lower bound on the weight (MiniMax-M1, and grpo.py's cispo), truncated at 5 (ScaleRL)
+    "cispo": "--policy_loss cispo --epsilon_high 4",
+    # the GSPO paper: its clip range, the sequence-mean objective, one pass over each batch in 4 minibatches
+    "gspo": "--importance_level sequence --epsilon_low 3e-4 --epsilon_high 4e-4 --loss_aggregation seq_mean "
+            "--num_iterations 1 --num_minibatches 4",
     "dynamic_sampling": "--dynamic_sampling",
 }
 

@@ -219,26 +219,26 @@ def test_gspo_on_policy_gradient_is_the_token_level_one():
 # ---------------------------------------------------------------- CISPO (MiniMax-M1, arXiv 2506.13585)
 def test_cispo_hand_computed_and_every_token_keeps_its_gradient():
     # ratios 1.5, 0.5, 1.1 (logp_old = 0, so logp = log ratio = 0.405465, -0.693147, 0.095310), A = +1, +1, -1,
-    # eps 0.2 / 0.28: weights sg(clip(r)) = 1.28, 0.8, 1.1; loss = -w A logp:
-    #   -1.28 * 1 * 0.405465 = -0.518995;  -0.8 * 1 * -0.693147 = 0.554518;  -1.1 * -1 * 0.095310 = 0.104841
+    # eps_high 0.28, no lower bound: weights sg(min(r, 1.28)) = 1.28, 0.5, 1.1; loss = -w A logp:
+    #   -1.28 * 1 * 0.405465 = -0.518995;  -0.5 * 1 * -0.693147 = 0.346574;  -1.1 * -1 * 0.095310 = 0.104841
     logp = torch.log(torch.tensor([1.5, 0.5, 1.1])).requires_grad_()
     adv = torch.tensor([1.0, 1.0, -1.0])
-    loss, clipped, ratio = cispo_surrogate(logp, torch.zeros(3), adv, 0.2, 0.28)
-    torch.testing.assert_close(loss.detach(), torch.tensor([-0.518995, 0.554518, 0.104841]))
-    torch.testing.assert_close(clipped, torch.tensor([1.0, 1.0, 0.0]))  # weight clipped, whatever A's sign
+    loss, clipped, ratio = cispo_surrogate(logp, torch.zeros(3), adv, 0.28)
+    torch.testing.assert_close(loss.detach(), torch.tensor([-0.518995, 0.346574, 0.104841]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0]))  # truncated above 1.28 only
     torch.testing.assert_close(ratio.detach(), torch.tensor([1.5, 0.5, 1.1]))
     # d loss / d logp = -w A exactly: the weight carries no gradient (else d/dlogp would add -A logp dw/dlogp), and
-    # token 0, clipped, still gets -1.28 where PPO-clip gives 0
+    # token 0, truncated, still gets -1.28 where PPO-clip gives 0
     loss.sum().backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([-1.28, -0.8, 1.1]))
+    torch.testing.assert_close(logp.grad, torch.tensor([-1.28, -0.5, 1.1]))
     g_clip = torch.autograd.grad(clipped_surrogate(logp, torch.zeros(3), adv, 0.2, 0.28)[0].sum(), logp)[0]
     assert g_clip[0] == 0 and g_clip[1] != 0  # PPO-clip: token 0 clipped (no gradient); token 1 pessimistic, kept
 
 
-def test_cispo_epsilon_low_one_is_no_lower_bound_and_padding_is_finite():
+def test_cispo_has_no_lower_bound_and_padding_is_finite():
     logp = torch.tensor([[math.log(0.01), -300.0]], requires_grad=True)  # ratio 0.01, then a padding position
-    loss, clipped, _ = cispo_surrogate(logp, torch.zeros(1, 2), torch.ones(1, 2), 1.0, 0.28, torch.tensor([[1.0, 0]]))
-    # weight = clip(0.01, 0, 1.28) = 0.01: unclipped; loss = -0.01 * log(0.01) = 0.0460517
+    loss, clipped, _ = cispo_surrogate(logp, torch.zeros(1, 2), torch.ones(1, 2), 0.28, torch.tensor([[1.0, 0]]))
+    # weight = min(0.01, 1.28) = 0.01 (MiniMax-M1: no lower bound); loss = -0.01 * log(0.01) = 0.0460517
     torch.testing.assert_close(loss[0, 0].item(), -0.01 * math.log(0.01))
     assert clipped[0, 0] == 0 and loss[0, 1] == 0
 
@@ -247,7 +247,7 @@ def test_cispo_on_policy_gradient_is_reinforce():
     torch.manual_seed(2)
     logp = torch.randn(2, 3, requires_grad=True)
     adv = torch.tensor([[0.8], [-1.1]]).expand(2, 3)
-    loss = cispo_surrogate(logp, logp.detach(), adv, 0.2, 0.28)[0]
+    loss = cispo_surrogate(logp, logp.detach(), adv, 0.28)[0]
     torch.testing.assert_close(torch.autograd.grad(loss.sum(), logp)[0], -adv)
 
 
@@ -304,17 +304,41 @@ def test_length_bias_per_token_weights():
 
 # ---------------------------------------------------------------- TIS (P9)
 def test_tis_modes_on_hand_made_ratios():
-    logp_old = torch.log(torch.tensor([[1.0, 3.0, 0.25], [1.0, 1.0, 1.0]]))
+    # per-token ratios rho = pi_old / pi_sampler: row 0 = 1, 3, 0.25 (3 tokens); row 1 = 1.5, 1.2 and a padding token
+    logp_old = torch.log(torch.tensor([[1.0, 3.0, 0.25], [1.5, 1.2, 7.0]]))
     sampler = torch.zeros(2, 3)
-    mask = torch.ones(2, 3)
-    torch.testing.assert_close(tis_weights(logp_old, sampler, mask, "token_truncate", 2.0),
-                               torch.tensor([[1.0, 2.0, 0.25], [1, 1, 1]]))
-    torch.testing.assert_close(tis_weights(logp_old, sampler, mask, "token_mask", 2.0),
-                               torch.tensor([[1.0, 0.0, 0.0], [1, 1, 1]]))
-    # sequence 0: geometric mean ratio (3 * 0.25)^(1/3) = 0.909 is inside [0.5, 2] -> kept as per-token w
-    torch.testing.assert_close(tis_weights(logp_old, sampler, mask, "sequence_mask", 2.0), torch.exp(logp_old))
-    torch.testing.assert_close(tis_weights(logp_old, sampler, mask, "sequence_mask", 1.05)[0], torch.zeros(3))
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    w = lambda mode, cap=2.0: tis_weights(logp_old, sampler, mask, mode, cap) * mask  # noqa: E731 (padding aside)
+    torch.testing.assert_close(w("token_truncate"), torch.tensor([[1.0, 2.0, 0.25], [1.5, 1.2, 0]]))
+    # masks keep [1/C, C] = [0.5, 2]
+    torch.testing.assert_close(w("token_mask"), torch.tensor([[1.0, 0.0, 0.0], [1.5, 1.2, 0]]))
+    # one weight per completion, the product of its tokens' ratios (TRL, verl): row 0: 1 * 3 * 0.25 = 0.75;
+    # row 1: 1.5 * 1.2 = 1.8 (the padding token's 7 does not count)
+    torch.testing.assert_close(w("sequence_truncate"), torch.tensor([[0.75, 0.75, 0.75], [1.8, 1.8, 0]]))
+    torch.testing.assert_close(w("sequence_truncate", 1.5), torch.tensor([[0.75, 0.75, 0.75], [1.5, 1.5, 0]]))
+    torch.testing.assert_close(w("sequence_mask"), torch.tensor([[0.75, 0.75, 0.75], [1.8, 1.8, 0]]))
+    # cap 1.5: row 1's 1.8 is outside [2/3, 1.5]: masked; row 0's 0.75 inside, kept
+    torch.testing.assert_close(w("sequence_mask", 1.5), torch.tensor([[0.75, 0.75, 0.75], [0.0, 0, 0]]))
+    # no token of a masked or truncated sequence keeps a weight of its own: one token with ratio 50 in a 20-token
+    # completion of ratio 1 elsewhere gets the sequence's weight min(50, 2) = 2, not 50
+    one_off = torch.zeros(1, 20)
+    one_off[0, 7] = math.log(50.0)
+    torch.testing.assert_close(tis_weights(one_off, torch.zeros(1, 20), torch.ones(1, 20), "sequence_truncate", 2.0),
+                               torch.full((1, 20), 2.0))
+    assert (tis_weights(one_off, torch.zeros(1, 20), torch.ones(1, 20), "sequence_mask", 2.0) == 0).all()
     assert (tis_weights(logp_old, sampler, mask, "none", 2.0) == 1).all()
+    # cap = inf: the uncorrected weights at the mode's level (what the logged correction fraction compares with)
+    torch.testing.assert_close(w("token_mask", math.inf), torch.tensor([[1.0, 3.0, 0.25], [1.5, 1.2, 0]]))
+    torch.testing.assert_close(w("sequence_mask", math.inf), torch.tensor([[0.75, 0.75, 0.75], [1.8, 1.8, 0]]))
+
+
+def test_sequence_weights_do_not_overflow():
+    """log rho_seq is clamped to [-20, 20] before the exp: a 1,000-token completion 0.1 nat off per token is masked
+    (or truncated to C), never inf or NaN."""
+    old = torch.full((1, 1000), 0.1)
+    for mode, expected in (("sequence_mask", 0.0), ("sequence_truncate", 2.0)):
+        w = tis_weights(old, torch.zeros(1, 1000), torch.ones(1, 1000), mode, 2.0)
+        assert torch.isfinite(w).all() and (w == expected).all()
 
 
 def test_tis_weight_carries_no_gradient():
