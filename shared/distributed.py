@@ -627,11 +627,15 @@ def run_cli(main, args_cls) -> None:
     """`main(parse_cli(Args))` after `check_args`, with a rejected command line (parse_cli), configuration and data
     errors (ValueError, e.g. DataError, a bad flag, a missing model) and a diverged run printed as one line
     `error: ...` (exit status 2) instead of a traceback or tyro's error box. Library INFO/WARNING output is hidden
-    unless `--verbose` (shared/console.py). Set CLEANRLHF_TRACEBACK=1 to see the traceback."""
+    unless `--verbose` (shared/console.py). Set CLEANRLHF_TRACEBACK=1 to see the traceback. A run that finishes, or
+    stops at a checkpoint after SIGTERM / SIGINT (exit status 143 / 130 kept), ends the process group
+    (end_process_group)."""
+    import signal
     import sys
 
     from shared.console import quiet_libraries
 
+    stop_status = None
     try:
         args = parse_cli(args_cls)
         quiet_libraries(getattr(args, "verbose", False))
@@ -646,6 +650,42 @@ def run_cli(main, args_cls) -> None:
             bar.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except SystemExit as e:
+        # a stop at a checkpoint after SIGTERM / SIGINT (shared/checkpoint.py): every rank agreed on it and exits
+        # here, so the group can be ended as after a finished run; any other exit passes through untouched
+        if e.code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            raise
+        stop_status = e.code
+    # Only after a finished or stopped run, where every rank gets here: after an error other ranks may never reach
+    # the barrier. Outside the handler above, so a teardown failure is a traceback, not a one-line `error:`.
+    end_process_group()
+    if stop_status is not None:
+        sys.exit(stop_status)
+
+
+def end_process_group() -> None:
+    """End torch.distributed before interpreter exit (run_cli calls it when a run finishes or stops at a checkpoint;
+    a second call does nothing). Left to interpreter exit, gloo's C++ worker threads can still be alive while the
+    interpreter is torn down, and the process aborts after printing its results: "terminate called without an
+    active exception", SIGABRT (pytorch/pytorch#190489)."""
+    import sys
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1:  # no rank closes its connections while another still waits on a collective
+        nccl = dist.get_backend() == "nccl"  # NCCL's barrier runs on this rank's GPU (named: no warning)
+        dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
+    if "vllm" in sys.modules:
+        # vLLM's groups (an in-process engine's) are subgroups of torch's default group: destroying the default
+        # group alone leaves vLLM holding dead groups, and its own exit-time clean-up (EngineCore.shutdown ->
+        # cleanup_dist_env_and_memory) then fails with "Invalid process group specified". Its teardown, in its own
+        # order, destroys its groups, then torch's default group, and leaves that clean-up nothing to do.
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def weights_fingerprint(model: torch.nn.Module, info: DistInfo) -> str:

@@ -1,4 +1,5 @@
-"""shared/distributed.py::DistInfo collectives: a single process makes none (see the comment in DistInfo)."""
+"""shared/distributed.py::DistInfo collectives: a single process makes none (see the comment in DistInfo); and
+end_process_group: run_cli ends torch.distributed (vLLM's groups first) after a finished or checkpoint-stopped run."""
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import assert_clean_exit
 from shared.distributed import DistInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,3 +187,174 @@ def test_one_process_without_zero_skips_deepspeeds_gradient_all_reduce_and_steps
         opt.zero_grad()
     assert not reduced
     assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), plain.parameters()))
+
+
+# --- end_process_group: run_cli ends torch.distributed before interpreter exit ---------------------------------------
+RUN_CLI_SCRIPT = textwrap.dedent("""
+    import atexit, json, os, signal, sys, types
+    sys.path.insert(0, {root!r})
+    from dataclasses import dataclass
+    import torch, torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+    from shared.distributed import end_process_group, init_distributed, run_cli
+
+    def left():  # what is left of torch's process groups
+        return {{"initialized": dist.is_initialized(), "groups": len(_world.pg_map)}}
+
+    # at interpreter exit, after run_cli has returned or raised SystemExit
+    atexit.register(lambda: print("left at exit:", json.dumps(left()), flush=True))
+
+    calls = []
+    if {stand_in!r}:
+        # a stand-in for vLLM 0.32's teardown (vllm/distributed/parallel_state.py): its groups are subgroups of torch's
+        # default group; destroy_distributed_environment also destroys the default group, unless told not to
+        state = types.SimpleNamespace(group=None)
+
+        def destroy_model_parallel():
+            calls.append(["destroy_model_parallel", dist.is_initialized()])
+            if {stand_in!r} == "fails":
+                raise ValueError("teardown failed")
+            if state.group is not None:  # "Invalid process group specified" once the default group is gone
+                dist.destroy_process_group(state.group)
+            state.group = None
+
+        def destroy_distributed_environment():
+            calls.append(["destroy_distributed_environment", dist.is_initialized()])
+            if {stand_in!r} == "destroys the default group" and dist.is_initialized():
+                dist.destroy_process_group()
+
+        ps = types.ModuleType("vllm.distributed.parallel_state")
+        ps.destroy_model_parallel = destroy_model_parallel
+        ps.destroy_distributed_environment = destroy_distributed_environment
+        for name in ("vllm", "vllm.distributed"):
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[ps.__name__] = ps
+
+    @dataclass
+    class Args:
+        output_dir: str = ""
+        stop: bool = False
+        resume: str = "auto"
+        save_every: int = 0
+        keep_checkpoints: int = 1
+        stop_after_steps: int = 0
+        num_steps: int = 10
+
+    def main(args):
+        info = init_distributed()
+        info.all_reduce(torch.ones(4))  # with 2 ranks, gloo's worker threads have run a collective
+        if {stand_in!r}:
+            state.group = dist.new_group(list(range(info.world_size)))  # as vLLM's engine makes its groups
+        if args.stop:  # a checkpoint stop after SIGTERM, through the real Checkpointer: SystemExit(143)
+            from shared.checkpoint import Checkpointer
+            from shared.tracking import Tracker
+
+            ckpt = Checkpointer(args, info)
+            ckpt.restore({{}})
+            os.kill(os.getpid(), signal.SIGTERM)  # only sets a flag
+            assert ckpt.step_end(1) and ckpt.stopping
+            return ckpt.stop(Tracker(args, args.output_dir, "r", enabled=False, total=1))
+        print("finished", flush=True)
+
+    run_cli(main, Args)
+    after_run = left()
+    n = len(calls)
+    end_process_group()  # a second call: nothing to do
+    print("result:", json.dumps({{"calls": calls, "after_run": after_run, "second_call_added": len(calls) - n}}),
+          flush=True)
+""")
+
+
+def _run_cli(tmp_path, world_size: int, argv=(), stand_in: str = "") -> list[subprocess.CompletedProcess]:
+    """run_cli in `world_size` processes (a gloo group: the CPU backend), each with its output."""
+    import os
+    import socket
+
+    script = tmp_path / "entry.py"
+    script.write_text(RUN_CLI_SCRIPT.format(root=str(ROOT), stand_in=stand_in))
+    with socket.socket() as s:  # world size 1 rendezvouses in memory (init_distributed); 2 over this port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script), "--output_dir", str(tmp_path / "run"), *argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
+                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in range(world_size)]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=180)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def _left_at_exit(proc: subprocess.CompletedProcess) -> dict:
+    import json
+
+    line = [x for x in proc.stdout.splitlines() if x.startswith("left at exit:")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(line[-1].split(":", 1)[1])
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    """What the script printed after run_cli returned (a finished run): its calls, what run_cli left, the 2nd call."""
+    import json
+
+    line = [x for x in proc.stdout.splitlines() if x.startswith("result:")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(line[-1].split(":", 1)[1])
+
+
+def _clean_exit(proc: subprocess.CompletedProcess) -> None:
+    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_finished_run_ends_the_process_group_before_exit(tmp_path, world_size):
+    """Left to interpreter exit, gloo's worker threads can abort a finished run ("terminate called without an active
+    exception", SIGABRT); run_cli destroys the group once main returns, so none is left at exit."""
+    for proc in _run_cli(tmp_path, world_size):
+        assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-3000:]
+        assert _result(proc)["after_run"] == {"initialized": False, "groups": 0}  # before the script's 2nd call
+        assert _left_at_exit(proc) == {"initialized": False, "groups": 0}
+        _clean_exit(proc)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_checkpoint_stop_after_sigterm_ends_the_process_group_and_keeps_status_143(tmp_path, world_size):
+    for proc in _run_cli(tmp_path, world_size, ["--stop"]):
+        assert proc.returncode == 143, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "finished" not in proc.stdout
+        assert _left_at_exit(proc) == {"initialized": False, "groups": 0}
+        _clean_exit(proc)
+
+
+@pytest.mark.parametrize("stand_in", ["destroys the default group", "leaves the default group"])
+def test_vllms_teardown_runs_first_then_nothing_of_torchs_group_is_left(tmp_path, stand_in):
+    """With vLLM loaded, its teardown runs before torch's default group is destroyed (destroyed first, vLLM's own
+    exit-time clean-up fails on its dead subgroups: "Invalid process group specified"), in vLLM's order; the default
+    group is gone afterwards whether vLLM's teardown destroyed it (vLLM 0.32 does) or not; a second call does
+    nothing."""
+    (proc,) = _run_cli(tmp_path, 1, stand_in=stand_in)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _clean_exit(proc)
+    result = _result(proc)
+    assert result["calls"] == [["destroy_model_parallel", True], ["destroy_distributed_environment", True]]
+    assert result["after_run"] == {"initialized": False, "groups": 0}
+    assert result["second_call_added"] == 0
+    assert _left_at_exit(proc) == {"initialized": False, "groups": 0}
+
+
+def test_a_failing_teardown_is_a_traceback_not_a_one_line_configuration_error(tmp_path):
+    """run_cli reports a ValueError of `main` as one line `error: ...` (status 2); one raised by the teardown after
+    main returned is no configuration error: a traceback, status 1."""
+    (proc,) = _run_cli(tmp_path, 1, stand_in="fails")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and "ValueError: teardown failed" in proc.stderr
+    assert "error: teardown failed" not in proc.stderr
