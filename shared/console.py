@@ -3,7 +3,8 @@
 `quiet_libraries(verbose)` runs once at start-up (`run_cli`, before any library but torch is imported):
   - vLLM, transformers, datasets, huggingface_hub: their verbosity environment variables (read when they are
     imported) and their loggers' levels (for one already imported) set to ERROR; HF progress bars off;
-  - DeepSpeed, accelerate, torch: their loggers at ERROR (DeepSpeed resets its level on import: a filter);
+  - DeepSpeed, accelerate, torch, math_verify: their loggers at ERROR (DeepSpeed resets its level on import: a
+    filter); the grader worker process (shared/graders.py) sets math_verify's level there too;
   - wandb: WANDB_SILENT (its banner and end-of-run summary; the tracker prints one line naming the run);
   - Python warnings raised inside installed packages (site-packages) are not shown; those from this project's
     code or a user's reward function still are.
@@ -25,7 +26,7 @@ import warnings
 
 _verbose = True  # until quiet_libraries(False): code that never calls it (tests, notebooks) keeps library output
 LIBRARY_LOGGERS = ("vllm", "transformers", "datasets", "huggingface_hub", "accelerate", "torch", "DeepSpeed",
-                   "trackio", "wandb")
+                   "trackio", "wandb", "math_verify")  # math_verify in-process; the grader worker: shared/graders.py
 LIBRARY_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "DATASETS_VERBOSITY": "error",
                "HF_HUB_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",

@@ -368,11 +368,18 @@ def _sympy_equal_worker(a: str, b: str) -> bool:
         return False
 
 
-def _math_verify_worker(pred: str, gold: str) -> bool:
+def _math_verify_worker(pred: str, gold: str, verbose: bool = True) -> bool:
     """Runs in the worker process: math-verify's `verify` of two extracted answers, each read as LaTeX. Its own
     signal-based timeouts are off (our worker's timeout kills a stuck call); only its LaTeX reader is used, which
-    parses with a grammar into sympy and never evaluates the text as Python."""
+    parses with a grammar into sympy and never evaluates the text as Python.
+    Turning them off makes math-verify log "Timeout is disabled ..." warnings (once per worker process): hidden here,
+    with its other INFO/WARNING logs, unless the caller runs with --verbose (shared/console.py; the spawned worker
+    does not inherit the caller's logger levels)."""
+    import logging
+
     from math_verify import LatexExtractionConfig, parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.NOTSET if verbose else logging.ERROR)
 
     latex_only = [LatexExtractionConfig()]  # its plain-expression reader would call sympy's eval-based parse_expr
     try:
@@ -388,7 +395,9 @@ def math_verify_equal(pred: str, gold: str, timeout: float = 15.0) -> bool:
     pred, gold = str(pred).strip(), str(gold).strip()
     if pred == gold:
         return bool(pred)
-    return _call_with_timeout(_math_verify_worker, (pred, gold), timeout)
+    from shared.console import verbose
+
+    return _call_with_timeout(_math_verify_worker, (pred, gold, verbose()), timeout)
 
 
 class GraderWorkerError(RuntimeError):

@@ -300,3 +300,39 @@ def test_math_verify_checker_times_out_instead_of_hanging():
     start = time.time()
     assert not math_verify_equal("9^{9^{9^{9}}}", "1", timeout=3.0)
     assert time.time() - start < 30
+
+
+def _new_grader_worker():
+    """End the grader's worker process (a fresh one starts on the next call): math-verify logs its "Timeout is
+    disabled" warnings once per process, and a worker started inside a test writes to that test's captured fds."""
+    from shared import graders
+
+    with graders._POOL_LOCK:
+        if graders._POOL is not None:
+            graders._POOL.terminate()
+            graders._POOL = None
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_math_verify_reward_prints_nothing_of_math_verify_unless_verbose(capfd, verbose):
+    """`--reward_fn math_verify` runs math-verify with its own timeouts off, and it logs "Timeout is disabled ..."
+    (logger math_verify.parser / math_verify.grader, in the grader's worker process): not shown in a run without
+    --verbose (run_cli's quiet_libraries(False)), shown with --verbose. conftest.py undoes quiet_libraries."""
+    from shared.console import quiet_libraries
+    from shared.rewards import load_reward_fn
+
+    quiet_libraries(verbose)
+    _new_grader_worker()  # started below, inside the capture, with math-verify's warning not yet logged
+    try:
+        capfd.readouterr()
+        reward_fn = load_reward_fn("math_verify", "builtin")
+        # different strings, so that math-verify (not the string-equality shortcut) decides
+        completions = [r"so \boxed{\frac{1}{2}}", r"\boxed{3}"]
+        assert reward_fn(["q", "q"], completions, ["0.5", "4"], [True, True]) == [1.0, 0.0]
+    finally:
+        _new_grader_worker()  # the worker's stderr is this test's capture: end it here
+    out, err = capfd.readouterr()
+    if verbose:
+        assert "Timeout is disabled" in err, (out, err)
+    else:
+        assert out == "" and err == "", (out, err)

@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from algorithms import dpo, drca, grpo, ppo, repulse, sft, vineppo
+from algorithms import dpo, drca, grpo, ppo, repulse, restem, sft, vineppo
 from shared import data
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -44,8 +44,9 @@ SCRIPTS = {
     "grpo": _rl(grpo), "ppo": _rl(ppo), "vineppo": _rl(vineppo), "drca": _rl(drca),
     "repulse": lambda m, ids, attn, resp, t, chunk: (repulse.forward_logprobs(m, ids, attn, resp[:, 1:], chunk), None),
     "sft": lambda m, ids, attn, resp, t, chunk: (-sft.sequence_nll(m, ids, attn, resp, chunk)[0], None),
+    "restem": lambda m, ids, attn, resp, t, chunk: (restem.forward_logprobs(m, ids, attn, resp, t, chunk), None),
 }
-TEMPERATURE = {"grpo": 0.7, "ppo": 0.7, "vineppo": 0.7, "drca": 0.7, "repulse": 1.0, "sft": 1.0}
+TEMPERATURE = {"grpo": 0.7, "ppo": 0.7, "vineppo": 0.7, "drca": 0.7, "repulse": 1.0, "sft": 1.0, "restem": 0.6}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from algorithms.restem import choose_checkpoint, filter_correct, sequence_mean_nll
+from algorithms.restem import choose_checkpoint, filter_correct, forward_logprobs, sequence_mean_nll
 
 
 def test_filter_keeps_only_correct_and_at_most_the_cap_per_prompt_the_first_ones():
@@ -32,6 +32,50 @@ def test_loss_is_the_mean_of_per_sequence_token_means_not_a_global_token_mean():
     # micro-batches summed give the step's loss (num_seqs counts the whole step)
     parts = sequence_mean_nll(logp[:1], mask[:1], 2) + sequence_mean_nll(logp[1:], mask[1:], 2)
     assert parts.item() == pytest.approx(2.5)
+
+
+def _full_logits_logprobs(model, input_ids, attention_mask, temperature):
+    """The straightforward computation restem.py had before: float32 logits of every position, [B, L-1, V]."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    return logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 512])
+def test_lean_loss_equals_the_full_logits_loss_in_value_and_gradient(tiny_model, chunk):
+    """The M-step loss from the lean log-probs (LM head on the completion positions only, in chunks) is the same
+    number, with the same parameter gradients, as the per-sequence token-mean NLL from full float32 logits; so is
+    the logged KL to the base (here: a second model). Rows of different prompt and completion lengths, right-padded,
+    temperature 0.6; chunks of 1, 4 (which does not divide the 14 completion tokens) and 512."""
+    from transformers import LlamaForCausalLM
+
+    from shared import data
+
+    model, tok = tiny_model
+    prompts = [tok(x).input_ids for x in ["1+2=", "12+30+4+50=", "7=", "3+4+5="]]
+    completions = [tok(x, add_special_tokens=False).input_ids + [tok.eos_token_id]
+                   for x in ["3", "96\n1\n2", "", "12\n"]]
+    ids, attn, resp = data.pad_batch(prompts, completions, tok.pad_token_id)
+    mask = resp[:, 1:].float()
+    T, num_seqs = 0.6, 6  # the step's sequences on this rank: this micro-batch is a share of the loss
+
+    ref_loss = sequence_mean_nll(_full_logits_logprobs(model, ids, attn, T), mask, num_seqs)
+    loss = sequence_mean_nll(forward_logprobs(model, ids, attn, resp, T, chunk), mask, num_seqs)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    params = list(model.parameters())
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref_loss, params)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(model.config)
+    with torch.no_grad():
+        kl = ((forward_logprobs(model, ids, attn, resp, T, chunk) - forward_logprobs(other, ids, attn, resp, T, chunk))
+              * mask).sum()
+        ref_kl = ((_full_logits_logprobs(model, ids, attn, T) - _full_logits_logprobs(other, ids, attn, T))
+                  * mask).sum()
+    assert kl.item() != 0
+    torch.testing.assert_close(kl, ref_kl, atol=1e-5, rtol=1e-5)
 
 
 def test_choose_checkpoint_paper_original_stops_at_the_first_non_improvement():
