@@ -570,7 +570,8 @@ def bench_vineppo_phases(d: dict) -> str:
 def _provenance(d: dict, command: str) -> str:
     e = d.get("env")
     if e:
-        return f"`{d.get('command', command)}`, {e['device']}, {e['time']}, {commit(d)}."
+        kernels = f" (ATen kernels {e['aten_cpu_capability']})" if e.get("aten_cpu_capability") else ""
+        return f"`{d.get('command', command)}`, {e['device']}{kernels}, {e['time']}, {commit(d)}."
     return f"`{command}` (this file records no machine, time or commit)."
 
 
@@ -937,6 +938,31 @@ def gpu_tests(d: dict) -> str:
     return "\n".join(lines)
 
 
+def test_suite(d: dict) -> str:
+    """scripts/record_test_suite.py: the counts of the recorded run (a subset says so first), its failing tests and
+    its 5 slowest tests."""
+    c, e = d["counts"], d["env"]
+    minutes = lambda t: f"{round(t) // 60} min {round(t) % 60} s"  # noqa: E731
+    lines = [f"**A subset, not the whole suite**: pytest args `{shlex.join(d['pytest_args'])}`.", ""] \
+        if d["pytest_args"] else []
+    errors = f", {c['errors']} errors" if c["errors"] else ""
+    lines.append(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped{errors} in "
+                 f"{minutes(d['total_time_s'])}, exit status {d['exit_status']}, load average "
+                 f"{e['loadavg_at_start'][0]:.1f} at the start and {e['loadavg_at_end'][0]:.1f} at the end: "
+                 + _provenance(d, "python scripts/record_test_suite.py"))
+    changed = d["uncommitted_changes"]
+    if changed:
+        more = f" and {len(changed) - 10} more (listed in the file)" if len(changed) > 10 else ""
+        lines += ["", f"The tested tree had uncommitted changes in {len(changed)} tracked files: "
+                  + ", ".join(f"`{f}`" for f in changed[:10]) + more + "."]
+    if d["failing"]:
+        lines += ["", "Failing:", ""]
+        lines += [f"- `{f['test']}` ({f['outcome']}): {f['message'][:200].replace('`', chr(39))}" for f in d["failing"]]
+    lines += ["", "| slowest test | seconds |", "|---|---|"]
+    lines += [f"| `{t['test'].replace('|', chr(92) + '|')}` | {t['time_s']:.1f} |" for t in d["slowest"][:5]]
+    return "\n".join(lines)
+
+
 def drca_localisation(d: dict) -> str:
     """scripts/drca_localisation.py: the share of held-out slips whose lowest DRCA credit is the slipped line."""
     st = d["settings"]
@@ -1103,7 +1129,7 @@ RENDERERS = {"async_bench": async_bench, "grpo_variants": grpo_variants, "real_m
              "repulse_toy_cost": repulse_toy_cost,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
-             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 

@@ -11,6 +11,19 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Signs of an unclean exit, also with exit status 0: C++ std::terminate (e.g. a process group left to interpreter
+# exit), an exception in a destructor or exit-time finalizer (Python prints it and goes on), a process group used after
+# it was destroyed
+UNCLEAN_EXIT = ("terminate called", "Exception ignored in", "Invalid process group")
+
+
+def assert_clean_exit(output: str, what: str) -> None:
+    """Fail when a finished run's output (stdout and stderr) shows an unclean exit; `what` names the run (its
+    command). The subprocess helpers of the tests call it after checking the exit status (`from conftest import
+    assert_clean_exit`: tests/ is on sys.path under pytest)."""
+    unclean = [s for s in UNCLEAN_EXIT if s in output]
+    assert not unclean, f"{what} printed {unclean[0]!r} (an unclean exit):\n{output[-6000:]}"
+
 
 @pytest.fixture(scope="session")
 def tiny_model():

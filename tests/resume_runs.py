@@ -196,6 +196,10 @@ def main() -> None:
         results[case] = compare(case, script, flags, k, base, rank)
     if rank == 0:
         (base / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    # as run_cli does after a finished run: end the process group before interpreter exit
+    from shared.distributed import end_process_group
+
+    end_process_group()
 
 
 if __name__ == "__main__":

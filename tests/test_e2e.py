@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_clean_exit
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
@@ -27,6 +29,7 @@ def run(cmd: list[str], timeout: int = 600) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+    assert_clean_exit(out, " ".join(cmd))
     return out
 
 
@@ -116,7 +119,7 @@ TINY_RUN = [*SMALL, "--generator", "hf", "--total_episodes", "32", "--eval_every
 VARIANTS = {
     "gspo": ["--importance_level", "sequence", "--epsilon_low", "3e-4", "--epsilon_high", "4e-4",
              "--loss_aggregation", "seq_mean"],
-    "cispo": ["--policy_loss", "cispo", "--epsilon_low", "1"],
+    "cispo": ["--policy_loss", "cispo", "--epsilon_high", "4"],
     "rloo": ["--advantage_estimator", "rloo"],
     "reinforce_pp_baseline": ["--advantage_estimator", "reinforce_pp_baseline", "--mask_truncated_completions"],
 }

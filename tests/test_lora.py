@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from algorithms.grpo import forward_logprobs
+from conftest import assert_clean_exit
 from shared import data
 from shared.distributed import DistInfo, full_named_parameters
 from shared.generation import HFGenerator
@@ -245,6 +246,7 @@ def run_script(script: str, out: Path, *flags: str, timeout: int = 900) -> list[
     proc = subprocess.run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(out), *flags], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -318,6 +320,7 @@ def test_lora_resumes_exactly_with_two_processes_under_zero2(tmp_path):
                            "scripts/accelerate/zero2.yaml", "tests/resume_runs.py", str(tmp_path), "grpo_lora@zero2",
                            "sft_lora@zero2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
     results = json.loads((tmp_path / "results.json").read_text())
     for case, r in results.items():
         assert r["rows_equal"], (case, r["first_diff"])
@@ -342,6 +345,7 @@ def test_lora_grpo_with_vllm_two_processes(tmp_path, stage):
                            "--eval_every", "0", "--dev_num_prompts", "8"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["check/engine_greedy_match"] == 1.0 and last["check/ranks_identical_weights"] == 1.0
     assert last["check/world_size"] == 2.0 and (tmp_path / "final" / "adapter" / "adapter_config.json").exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_clean_exit
 from shared.checkpoint import BestModel, Checkpointer, list_checkpoints
 from shared.distributed import NonFiniteError, NonFiniteGuard, init_distributed, prepare
 from shared.models import resolve_model_path
@@ -36,6 +37,7 @@ def launch(cmd: list[str], timeout: int = 600, ok: bool = True) -> subprocess.Co
     if ok:
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+        assert_clean_exit(out, " ".join(cmd))
     return proc
 
 

@@ -15,6 +15,7 @@ import torch
 from algorithms.repulse import (ctl_loss, ctl_weights, exact_log_prob_bad, forward_logprobs, kl_return, masked_mean,
                                 neg_loss, neg_weight_logp_sum, rl_loss, rloo_baseline, snis_weights, tail_metrics,
                                 transform_reward)
+from conftest import assert_clean_exit
 from shared import toy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -399,6 +400,7 @@ def run(cmd: list[str], timeout: int = 600) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+    assert_clean_exit(out, " ".join(cmd))
     return out
 
 
