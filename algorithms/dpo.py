@@ -39,19 +39,21 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare,
-                                prepare_frozen, run_cli, seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
+                                load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare, prepare_frozen,
+                                seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import completion_decoder, make_generator
 from shared.lora import adapters_disabled, add_lora, check_lora
@@ -65,7 +67,7 @@ class Args:
     # common args
     exp_name: str = "dpo"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (data order, sampling)"""
     output_dir: str = "runs/dpo"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
@@ -93,9 +95,9 @@ class Args:
     """template applied to each offline response text"""
     chat_template: bool = False
     """wrap text prompts with the tokenizer's chat template (conversational rows always use it)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """pairs or prompts whose prompt is longer than this many tokens are skipped (and counted)"""
-    max_seq_length: int = 512
+    max_seq_length: Annotated[int, Ge(1)] = 512
     """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
     reward_fn: str = "auto"
     """grader for held-out accuracy and self-generated pairs: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
@@ -107,17 +109,17 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend for self-generated pairs and evaluation: `vllm` (colocated) or `hf`"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
-    lora_r: int = 0
+    lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
-    lora_alpha: int = 32
+    lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
     """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
@@ -125,15 +127,15 @@ class Args:
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # reliability (shared/checkpoint.py; docs/dpo.md#reliability)
-    save_every: int = 150
+    save_every: Annotated[int, Ge(0)] = 150
     """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG, loss window) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/rewards/accuracies` without task accuracy"""
@@ -141,67 +143,67 @@ class Args:
     # algorithm args
     loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"] = "dpop"
     """`sigmoid` (DPO) | `cdpo` | `robust` | `hinge` | `ipo` | `dpop` (DPO-Positive, VinePPO's DPO+; default: plain DPO lowers the built-in task's accuracy, docs/dpo.md)"""
-    beta: float = 0.1
+    beta: Annotated[float, Ge(0)] = 0.1
     """beta: strength of the implicit KL to the reference (TRL 0.1; VinePPO DPO+ 0.1 MATH / 0.3 GSM8K)"""
-    label_smoothing: float = 0.0
+    label_smoothing: Annotated[float, Interval(ge=0, lt=0.5)] = 0.0
     """eps: probability that a label is flipped, for cdpo / robust / dpop (must be 0 for sigmoid, hinge, ipo)"""
-    dpop_lambda: float = 50.0
+    dpop_lambda: Annotated[float, Ge(0)] = 50.0
     """lambda of DPO-Positive: weight of max(0, s_ref(y_w) - s_theta(y_w)) (VinePPO 50)"""
     ipo_length_normalize: bool = True
     """IPO on length-averaged log-ratios (TRL, confirmed with the IPO authors); False: summed (OpenRLHF, SFFD)"""
-    logit_temperature: float = 1.0
+    logit_temperature: Annotated[float, Gt(0)] = 1.0
     """divide policy and reference logits by this (VinePPO DPO+ uses its sampling temperature 0.6; TRL 1)"""
     precompute_ref_logps: bool = True
     """compute reference log-probs once before training (no reference model in memory) instead of on the fly"""
-    total_episodes: int = 28800
+    total_episodes: Annotated[int, Ge(1)] = 28800
     """number of preference pairs to consume (epochs = total_episodes / number of pairs)"""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
     """peak learning rate (linear warm-up, cosine decay to 10%); 1e-6 to 5e-7 suits 0.5B-7B models"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.03
     """fraction of optimizer steps used for linear warm-up (VinePPO 3%)"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """pairs per forward pass on each rank (chosen and rejected go through one forward: 2x sequences)"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Ge(1)] = 1
     """micro-batches per optimizer step"""
 
     # self-generated pairs (pair_source=self_generated)
     pair_source: Literal["offline", "self_generated"] = "offline"
     """`offline`: pairs from the dataset's chosen/rejected columns; `self_generated`: sample and grade (DPO+)"""
-    num_generation_prompts: int = 2048
+    num_generation_prompts: Annotated[int, Ge(0)] = 2048
     """train prompts to sample from for self-generated pairs (0: all)"""
-    num_samples_per_prompt: int = 16
+    num_samples_per_prompt: Annotated[int, Ge(1)] = 16
     """samples per prompt for self-generated pairs (VinePPO 64)"""
-    generation_temperature: float = 0.6
+    generation_temperature: Annotated[float, Gt(0)] = 0.6
     """sampling temperature for self-generated pairs (VinePPO 0.6)"""
-    generation_top_p: float = 0.9
+    generation_top_p: Annotated[float, Interval(gt=0, le=1)] = 0.9
     """nucleus sampling for self-generated pairs (VinePPO 0.9)"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit (self-generated pairs and evaluation)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
-    correct_threshold: float = 0.5
+    correct_threshold: Annotated[float, Interval()] = 0.5  # any real number
     """a sample is correct if its reward is >= this (VinePPO 0.5)"""
-    max_pairs_per_prompt: int = 64
+    max_pairs_per_prompt: Annotated[int, Ge(1)] = 64
     """at most this many (correct, incorrect) pairs per prompt, drawn without replacement (VinePPO 64)"""
 
     # evaluation
-    eval_every: int = 150
+    eval_every: Annotated[int, Ge(0)] = 150
     """evaluate every this many optimizer steps (0: only before and after training)"""
-    eval_num_prompts: int = 500
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts for task accuracy (0: skip; skipped too when eval_split has no answer column); a fixed-seed sample, the same every run"""
-    eval_num_samples: int = 4
+    eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt"""
-    eval_temperature: float = 1.0
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for held-out accuracy"""
-    eval_num_pairs: int = 500
+    eval_num_pairs: Annotated[int, Ge(0)] = 500
     """held-out pairs for implicit-reward accuracy (0: skip; needs chosen/rejected columns in eval_split); a fixed-seed sample"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split (at most 10%; their pairs are not trained on) whose task accuracy, and offline their pairs' implicit-reward accuracy, select output_dir/best (0: no best checkpoint)"""
-    num_sample_completions: int = 4
+    num_sample_completions: Annotated[int, Ge(0)] = 4
     """held-out completions written to samples.jsonl (and printed) at each evaluation"""
 
     # to be filled at runtime

@@ -43,18 +43,20 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared import task as builtin_task
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, enable_gradient_checkpointing,
-                                exact_div, full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                max_over_ranks, output_head, prepare, prepare_frozen, run_cli, seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, max_over_ranks,
+                                output_head, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.rewards import load_reward_fn, probe_reward_fn
@@ -75,7 +77,7 @@ class Args:
     # common args
     exp_name: str = "drca"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (init, data order, sampling)"""
     output_dir: str = "runs/drca"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoints (output_dir/final, output_dir/critic) go"""
@@ -99,7 +101,7 @@ class Args:
     """template applied to the prompt; `{prompt}` is replaced"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """held-out grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
@@ -111,7 +113,7 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
@@ -121,29 +123,29 @@ class Args:
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
     # reliability (shared/checkpoint.py; docs/drca.md#reliability)
-    save_every: int = 25
+    save_every: Annotated[int, Ge(0)] = 25
     """save a resumable checkpoint (policy, critic, optimizers, schedulers, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with --reward_fn none"""
 
     # algorithm args: DRCA
-    drca_beta: float = 0.8
+    drca_beta: Annotated[float, Interval(ge=0, le=1)] = 0.8
     """beta: share of the reward spread over units (beta * d_k); (1 - beta) * R stays on the last token; 0 = PPO"""
-    max_units_per_sequence: int = 10
+    max_units_per_sequence: Annotated[int, Ge(1)] = 10
     """N: at most this many units per response (the N-th absorbs the rest)"""
     unit_extraction: Literal["regex", "entropy"] = "regex"
     """`regex` (a pattern marks where units start) or `entropy` (units start at policy-entropy peaks)"""
     unit_pattern: str = "auto"
     """regex units: `labels` (reference: "A. "), `labels+digits`, `lines`, a raw regex, or `auto` (lines for builtin)"""
-    unit_entropy_threshold: float = 1.5
+    unit_entropy_threshold: Annotated[float, Ge(0)] = 1.5
     """entropy units: tau, in nats; a token whose entropy exceeds it starts a new unit"""
     entropy_boundary: Literal["before", "after"] = "before"
     """entropy units: `before` (a peak token starts a unit) or `after` (the reference: it ends one)"""
@@ -157,67 +159,67 @@ class Args:
     """`truncate` (reference: prefix + blanked unit + EOS) or `mask` (leave-one-out: blank the unit, keep the rest)"""
     unitless_fallback: Literal["terminal", "zeros"] = "terminal"
     """a response without units gets R on its last token (`terminal`) or, as the reference, nothing (`zeros`)"""
-    response_skip_tokens: int = -1
+    response_skip_tokens: Annotated[int, Ge(-1)] = -1
     """response tokens before the unit region: -1 = auto (a leading <think>...</think> block and whitespace)"""
     code_compat_regex_offsets: bool = False
     """reproduce the reference's regex offsets (blank lines shift later units one character left)"""
 
     # algorithm args: PPO
-    total_episodes: int = 25600
+    total_episodes: Annotated[int, Ge(1)] = 25600
     """total completions to sample over the run (steps = total_episodes / batch_size; 50 steps by default)"""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
     """policy AdamW learning rate (constant after warm-up)"""
-    critic_learning_rate: float = 3e-4
+    critic_learning_rate: Annotated[float, Gt(0)] = 3e-4
     """critic AdamW learning rate (its own optimizer)"""
-    warmup_steps: int = 5
+    warmup_steps: Annotated[int, Ge(0)] = 5
     """linear learning-rate warm-up steps (both optimizers)"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm (each model)"""
-    num_samples_per_prompt: int = 8
+    num_samples_per_prompt: Annotated[int, Ge(1)] = 8
     """completions per prompt"""
-    local_num_prompts: int = 64
+    local_num_prompts: Annotated[int, Ge(1)] = 64
     """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
-    num_ppo_epochs: int = 2
+    num_ppo_epochs: Annotated[int, Ge(1)] = 2
     """passes over each batch (reference DRCA: 1, its PPO baseline: 2)"""
-    num_minibatches: int = 2
+    num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """completions per forward/backward (and reward-model forward) on each rank; 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
-    temperature: float = 1.0
+    temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
-    kl_coef: float = 0.01
+    kl_coef: Annotated[float, Ge(0)] = 0.01
     """eta: per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference model"""
-    reward_clip: float = 10.0
+    reward_clip: Annotated[float, Gt(0)] = 10.0
     """per-token rewards are clipped to [-reward_clip, reward_clip] before the KL term (reference 10)"""
-    gamma: float = 1.0
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE discount (reference 1)"""
-    lam: float = 1.0
+    lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE lambda (reference 1)"""
-    cliprange: float = 0.2
+    cliprange: Annotated[float, Gt(0)] = 0.2
     """policy ratio clip range"""
-    cliprange_value: float = 0.5
+    cliprange_value: Annotated[float, Gt(0)] = 0.5
     """value clip range around the old values (reference 0.5)"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over all tokens of the batch (all ranks)"""
-    eval_every: int = 10
+    eval_every: Annotated[int, Ge(0)] = 10
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
-    eval_num_prompts: int = 500
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
-    eval_num_samples: int = 4
+    eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness, reward = mean RM score)"""
-    eval_temperature: float = 1.0
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for evaluation"""
-    sample_every: int = 25
+    sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions with their units and credits every this many steps"""
-    localisation_num_pairs: int = 200
+    localisation_num_pairs: Annotated[int, Ge(1)] = 200
     """built-in task only: held-out slip pairs (a response with one slipped line) on which each evaluation measures eval/localisation, the share whose lowest-credit unit holds the slip (0: off)"""
 
     # to be filled at runtime

@@ -29,14 +29,16 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.distributed import default_dtype, init_distributed, load_causal_lm, load_tokenizer, run_cli, seed_everything
+from shared.cli import run_cli
+from shared.distributed import default_dtype, init_distributed, load_causal_lm, load_tokenizer, seed_everything
 from shared.evaluation import (EVAL_CHUNK, bootstrap_ci, eval_seed, generate_chunks, maj_at_k, pass_at_k,
                                prompt_chunks)
 from shared.generation import completion_decoder, make_generator
@@ -48,7 +50,7 @@ from shared.tracking import duration
 @dataclass
 class Args:
     # common args
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the run to reproduce: samples are drawn with seed + 1000003, as in the held-out evaluation of grpo.py, ppo.py, vineppo.py and drca.py; also seeds the bootstrap"""
     output_dir: str = "runs/evaluate"
     """where completions.jsonl (every completion, its extracted answer and grade), summary.json and args.json go; the same command there resumes"""
@@ -58,7 +60,7 @@ class Args:
     """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     split: str = "test"
     """split to evaluate (a training run's --eval_split)"""
-    num_prompts: int = 0
+    num_prompts: Annotated[int, Ge(0)] = 0
     """a fixed-seed sample of this many prompts of the split, the same rows as a training run's --eval_num_prompts (0: all)"""
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
@@ -68,7 +70,7 @@ class Args:
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify` (these extract answers for maj@k), or `module:function` / `file.py:function` (no maj@k)"""
@@ -78,29 +80,29 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (in-process engine) or `hf` (model.generate)"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
 
     # evaluation args
-    num_samples: int = 4
+    num_samples: Annotated[int, Ge(1)] = 4
     """n: sampled completions per prompt (a training run's --eval_num_samples); pass@k and maj@k need k <= n"""
-    temperature: float = 1.0
+    temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature of the n samples (a training run's --eval_temperature)"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling of the n samples (the training scripts evaluate with 1.0)"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; a completion that hits it is truncated and graded 0 by the built-in graders"""
     greedy: bool = True
     """also generate one greedy completion per prompt (eval/greedy_accuracy)"""
     k: tuple[int, ...] = (1, 4)
     """the k of pass@k and maj@k, each at most num_samples"""
-    num_bootstrap: int = 1000
+    num_bootstrap: Annotated[int, Ge(0)] = 1000
     """bootstrap resamples of the prompts for the confidence intervals (0: no intervals)"""
-    confidence: float = 0.95
+    confidence: Annotated[float, Interval(gt=0, lt=1)] = 0.95
     """confidence level of the bootstrap intervals"""
-    chunk_size: int = EVAL_CHUNK
+    chunk_size: Annotated[int, Ge(1)] = EVAL_CHUNK
     """prompts per generate call, saved after each call; the call is the seeding unit, so the completions depend on it (64: those of the training scripts' held-out evaluation)"""
-    stop_after_prompts: int = 0
+    stop_after_prompts: Annotated[int, Ge(0)] = 0
     """stop after about this many prompts of this invocation, at the end of a call (0: run to the end); the same command continues"""
 
     # to be filled at runtime

@@ -46,17 +46,19 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                max_over_ranks, output_head, prepare, prepare_frozen, run_cli, seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
+                                init_distributed, load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare,
+                                prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.lora import adapters_disabled, add_lora, check_lora
@@ -72,7 +74,7 @@ class Args:
     # common args
     exp_name: str = "grpo"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (init, data order, sampling)"""
     output_dir: str = "runs/grpo"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
@@ -92,7 +94,7 @@ class Args:
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
@@ -106,19 +108,19 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
-    async_steps: int = 0
+    async_steps: Annotated[int, Ge(0)] = 0
     """1: generate step t+1's batch in a background thread while step t trains, with the weights step t-1 started from (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
-    lora_r: int = 0
+    lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
-    lora_alpha: int = 32
+    lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
     """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
@@ -126,45 +128,45 @@ class Args:
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # reliability (shared/checkpoint.py; docs/grpo.md#reliability)
-    save_every: int = 25
+    save_every: Annotated[int, Ge(0)] = 25
     """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
 
     # algorithm args
-    total_episodes: int = 102400
+    total_episodes: Annotated[int, Ge(1)] = 102400
     """total completions to sample over the run (steps = total_episodes / batch_size)"""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
     """AdamW learning rate (constant after warm-up)"""
-    warmup_steps: int = 5
+    warmup_steps: Annotated[int, Ge(0)] = 5
     """linear learning-rate warm-up steps"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm"""
-    num_generations: int = 8
+    num_generations: Annotated[int, Ge(1)] = 8
     """G: completions per prompt (the group); must be > 1"""
-    local_num_prompts: int = 64
+    local_num_prompts: Annotated[int, Ge(1)] = 64
     """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
-    num_minibatches: int = 2
+    num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`); 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
     micro_batching: Literal["padded", "sorted", "packed"] = "padded"
     """rows of a training/log-prob forward: `padded` (slices of the batch, padded to its longest row), `sorted` (each minibatch ordered by length, each micro-batch cut to its longest row) or `packed` (a micro-batch's sequences packed, longest first, several to a row as wide as its longest sequence, position ids restarting); docs/grpo.md"""
-    num_iterations: int = 2
+    num_iterations: Annotated[int, Ge(1)] = 2
     """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
-    temperature: float = 1.0
+    temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
@@ -174,15 +176,15 @@ class Args:
     """with --advantage_estimator grpo: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
-    epsilon_low: float = 0.2
+    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
     """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound; CISPO has none)"""
-    epsilon_high: float = 0.28
+    epsilon_high: Annotated[float, Ge(0)] = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     importance_level: Literal["token", "sequence"] = "token"
     """importance ratio per token (PPO, GRPO) or per completion, exp(mean over its tokens of the log ratio), clipped once per sequence (GSPO; its paper uses --epsilon_low 3e-4 --epsilon_high 4e-4)"""
     policy_loss: Literal["clip", "cispo"] = "clip"
     """`clip`: PPO's clipped surrogate; `cispo`: -sg(min(ratio, 1+epsilon_high)) * A * log pi, truncated tokens keep their gradient (MiniMax-M1)"""
-    beta: float = 0.0
+    beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
@@ -190,23 +192,23 @@ class Args:
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     """correction for sampler/trainer mismatch: `none`, per token `token_truncate` / `token_mask`, or one weight per completion `sequence_truncate` / `sequence_mask` (docs/grpo.md)"""
-    tis_cap: float = 2.0
+    tis_cap: Annotated[float, Gt(0)] = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     dynamic_sampling: bool = False
     """drop groups whose rewards are all equal (no gradient) and sample more prompts to refill the batch (DAPO's dynamic sampling)"""
-    max_refill_rounds: int = 3
+    max_refill_rounds: Annotated[int, Ge(0)] = 3
     """with --dynamic_sampling: at most this many extra rounds per step, each sampling a full batch of new prompts (local_num_prompts per rank); still short after them, the step trains on the informative groups it has (logged as dynamic_sampling/unfilled_groups)"""
-    eval_every: int = 25
+    eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
-    eval_num_prompts: int = 500
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
-    eval_num_samples: int = 4
+    eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
-    eval_temperature: float = 1.0
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for evaluation"""
-    sample_every: int = 25
+    sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions every this many steps"""
 
     # to be filled at runtime

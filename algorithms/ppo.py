@@ -34,17 +34,19 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, enable_gradient_checkpointing,
-                                exact_div, full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                max_over_ranks, output_head, prepare, prepare_frozen, run_cli, seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing, exact_div,
+                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer, max_over_ranks,
+                                output_head, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.lora import adapters_disabled, add_lora, check_lora
@@ -60,7 +62,7 @@ class Args:
     # common args
     exp_name: str = "ppo"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (init, data order, sampling)"""
     output_dir: str = "runs/ppo"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
@@ -80,7 +82,7 @@ class Args:
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
@@ -96,19 +98,19 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
-    async_steps: int = 0
+    async_steps: Annotated[int, Ge(0)] = 0
     """1: generate step t+1's batch in a background thread while step t trains, with the weights step t-1 started from (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
-    lora_r: int = 0
+    lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the policy and the critic (whose value head trains in full), frozen otherwise (0: off, every weight trains)"""
-    lora_alpha: int = 32
+    lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
     """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
@@ -116,89 +118,89 @@ class Args:
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
     # reliability (shared/checkpoint.py; docs/ppo.md#reliability)
-    save_every: int = 25
+    save_every: Annotated[int, Ge(0)] = 25
     """save a resumable checkpoint (models, optimizers, schedulers, data position, RNG, KL coefficient) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
 
     # algorithm args
-    total_episodes: int = 51200
+    total_episodes: Annotated[int, Ge(1)] = 51200
     """total completions to sample over the run (steps = total_episodes / batch_size)"""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
     """policy AdamW learning rate (constant after warm-up)"""
-    critic_learning_rate: float = 3e-4
+    critic_learning_rate: Annotated[float, Gt(0)] = 3e-4
     """critic AdamW learning rate (its own optimizer)"""
-    warmup_steps: int = 5
+    warmup_steps: Annotated[int, Ge(0)] = 5
     """linear learning-rate warm-up steps (both optimizers)"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm (each model)"""
-    num_samples_per_prompt: int = 8
+    num_samples_per_prompt: Annotated[int, Ge(1)] = 8
     """completions per prompt"""
-    local_num_prompts: int = 64
+    local_num_prompts: Annotated[int, Ge(1)] = 64
     """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
-    num_ppo_epochs: int = 2
+    num_ppo_epochs: Annotated[int, Ge(1)] = 2
     """passes over each batch (VinePPO: 2; TRL/SFFD: 4)"""
-    num_minibatches: int = 2
+    num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`); 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
-    temperature: float = 1.0
+    temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
-    gamma: float = 1.0
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE discount"""
-    lam: float = 1.0
+    lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE lambda (VinePPO's PPO: 1; RLHF PPO: 0.95)"""
-    cliprange: float = 0.2
+    cliprange: Annotated[float, Gt(0)] = 0.2
     """policy ratio clip range"""
-    cliprange_value: float = 0.2
+    cliprange_value: Annotated[float, Gt(0)] = 0.2
     """value clip range around the old values"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
     kl_placement: Literal["loss", "reward"] = "loss"
     """`loss`: beta * k3 as a loss term (VinePPO); `reward`: -beta * k1 on every token's reward (RLHF)"""
-    kl_coef: float = 1e-4
+    kl_coef: Annotated[float, Ge(0)] = 1e-4
     """beta: KL coefficient (VinePPO 1e-4; RLHF with a reward model 0.05); 0 skips the reference model"""
     adaptive_kl: bool = False
     """adapt beta towards kl_target (Ziegler et al.)"""
-    kl_target: float = 6.0
+    kl_target: Annotated[float, Gt(0)] = 6.0
     """target per-sequence KL for the adaptive controller"""
-    kl_horizon: int = 10000
+    kl_horizon: Annotated[int, Ge(1)] = 10000
     """horizon (in episodes) of the adaptive controller"""
     non_stop_penalty: bool = False
     """replace the score of completions without EOS by penalty_reward_value (RLHF flavour)"""
-    penalty_reward_value: float = -1.0
+    penalty_reward_value: Annotated[float, Interval()] = -1.0  # any real number
     """score given to completions without EOS when non_stop_penalty is on"""
-    ratio_threshold: float = 10.0
+    ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     """correction for sampler/trainer mismatch (stale weights with --async_steps): `none`, per token `token_truncate` / `token_mask`, or one weight per completion `sequence_truncate` / `sequence_mask` (docs/grpo.md)"""
-    tis_cap: float = 2.0
+    tis_cap: Annotated[float, Gt(0)] = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
-    eval_every: int = 25
+    eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
-    eval_num_prompts: int = 500
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
-    eval_num_samples: int = 4
+    eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
-    eval_temperature: float = 1.0
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for evaluation"""
-    sample_every: int = 25
+    sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions every this many steps"""
 
     # to be filled at runtime

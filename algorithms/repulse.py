@@ -50,18 +50,20 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared import toy
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype, exact_div,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                max_over_ranks, output_head, prepare, prepare_frozen, run_cli, seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
+                                init_distributed, load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare,
+                                prepare_frozen, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
@@ -74,7 +76,7 @@ class Args:
     # common args
     exp_name: str = "repulse"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (init, data order, sampling)"""
     output_dir: str = "runs/repulse"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint of p_theta (output_dir/final) are written"""
@@ -94,7 +96,7 @@ class Args:
     """template applied to the prompt; `{prompt}` is replaced"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """`auto` (`toy_classifier` for the toy dataset, else by dataset), `toy_classifier` or `toy` (the toy's classifier-like and indicator rewards, shared/toy.py), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
@@ -108,7 +110,7 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["hf", "vllm"] = "hf"
     """backend sampling p_theta: `hf` (model.generate) or `vllm`; q_xi is always sampled with `hf` (one engine/rank)"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
@@ -118,69 +120,69 @@ class Args:
     """save the final p_theta as an HF checkpoint in output_dir/final"""
 
     # reliability (shared/checkpoint.py; docs/repulse.md#reliability)
-    save_every: int = 20
+    save_every: Annotated[int, Ge(0)] = 20
     """save a resumable checkpoint (p_theta and q_xi with their optimizers, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/p_bad:min"
     """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); on the toy dev/p_bad is exact; empty: none)"""
 
     # algorithm args
-    total_episodes: int = 30_000
+    total_episodes: Annotated[int, Ge(1)] = 30_000
     """completions sampled for training, from p and q together (RePULSe: 2N per prompt per step)"""
-    base_actor_learning_rate: float = 1e-4
+    base_actor_learning_rate: Annotated[float, Gt(0)] = 1e-4
     """Adam learning rate of p_theta (constant)"""
-    actor_learning_rate: float = 3e-4
+    actor_learning_rate: Annotated[float, Gt(0)] = 3e-4
     """Adam learning rate of the proposal q_xi (constant; 0 keeps q frozen at the initial model)"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm, applied to each model separately"""
-    num_generations: int = 250
+    num_generations: Annotated[int, Ge(1)] = 250
     """N: samples per prompt, from p and (separately) from q; the reference's `duplicate_rollout_batch_by`; > 1"""
-    local_num_prompts: int = 1
+    local_num_prompts: Annotated[int, Ge(1)] = 1
     """prompts per rank per step (local_batch_size = local_num_prompts * num_generations)"""
-    local_micro_batch_size: int = 250
+    local_micro_batch_size: Annotated[int, Ge(1)] = 250
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`)"""
-    max_new_tokens: int = 2
+    max_new_tokens: Annotated[int, Ge(1)] = 2
     """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
     loss_type: Literal["neg_training", "reinforce"] = "neg_training"
     """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
-    alpha: float = 10.0
+    alpha: Annotated[float, Ge(0)] = 10.0
     """alpha: weight of the negative term (code units: the term is a mean over J*N samples, alpha_eff = alpha/N)"""
-    target_dist_beta: float = -10.0
+    target_dist_beta: Annotated[float, Interval()] = -10.0  # any real number
     """beta (code sign): log phi = beta * r, sigma ∝ p exp(beta r); beta < 0 targets low reward (paper's -beta)"""
     use_base_as_proposal: bool = False
     """use p_theta itself as the proposal (ablation): S_q := S_p, weights ≈ softmax(beta r), no q model"""
     reward_transform: Literal["none", "minus_alpha_exp_beta_r"] = "none"
     """`none` or `minus_alpha_exp_beta_r`: r' = r - rew_trans_alpha * exp(rew_trans_beta * r) in the RL term only"""
-    rew_trans_alpha: float | None = None
+    rew_trans_alpha: Annotated[float | None, Interval()] = None  # any real number
     """alpha of the reward transform (default: --alpha)"""
-    rew_trans_beta: float | None = None
+    rew_trans_beta: Annotated[float | None, Interval()] = None  # any real number
     """beta of the reward transform (default: --target_dist_beta)"""
-    kl_coef: float = 0.0
+    kl_coef: Annotated[float, Ge(0)] = 0.0
     """c_KL = 1/beta_KL: fixed coefficient of the summed k1 KL(p_theta || p_0) subtracted from the return"""
     code_compat_unmasked_neg_weights: bool = False
     """reproduce the reference's UNMASKED sum of log p_theta in the negative term's weights (spec §6.3)"""
-    eta: float = -1.0
+    eta: Annotated[float, Interval()] = -1.0  # any real number
     """bad-output threshold for evaluation: P(bad) = fraction of held-out samples with r < eta"""
-    cvar_level: float = 0.01
+    cvar_level: Annotated[float, Interval(gt=0, le=1)] = 0.01
     """a: CVaR_a = mean of the k = max(1, floor(a M)) lowest rewards among the M held-out samples"""
-    eval_every: int = 20
+    eval_every: Annotated[int, Ge(0)] = 20
     """evaluate by held-out sampling every this many steps (0: only before and after training)"""
-    eval_num_prompts: int = 500
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split (at most 10%; not trained on) that select output_dir/best (0: no best checkpoint); the toy's one prompt is its own dev set, sampled with another seed"""
-    eval_num_samples: int = 1000
+    eval_num_samples: Annotated[int, Ge(1)] = 1000
     """samples per held-out prompt"""
-    sample_every: int = 20
+    sample_every: Annotated[int, Ge(0)] = 20
     """log a table of sample completions (p and q) every this many steps"""
 
     # to be filled at runtime

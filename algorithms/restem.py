@@ -30,17 +30,18 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_sizes, default_dtype, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare, prepare_frozen,
-                                run_cli, seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, default_dtype, full_named_parameters, init_distributed, load_causal_lm,
+                                load_tokenizer, max_over_ranks, output_head, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.models import resolve_model_path
@@ -53,7 +54,7 @@ class Args:
     # common args
     exp_name: str = "restem"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (data order, sampling)"""
     output_dir: str = "runs/restem"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
@@ -73,7 +74,7 @@ class Args:
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
@@ -85,7 +86,7 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["vllm", "hf"] = "vllm"
     """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
@@ -93,61 +94,61 @@ class Args:
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
 
     # reliability (shared/checkpoint.py; docs/restem.md#reliability)
-    save_every: int = 50
+    save_every: Annotated[int, Ge(0)] = 50
     """save a resumable checkpoint every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps); steps are slots, see docs/restem.md"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best among the iterations' policies (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
-    total_episodes: int = 8192
+    total_episodes: Annotated[int, Ge(1)] = 8192
     """total completions to sample over the run (iterations = total_episodes / (num_prompts * num_samples_per_prompt))"""
-    local_num_prompts: int = 512
+    local_num_prompts: Annotated[int, Ge(1)] = 512
     """training prompts sampled per iteration on each rank (a new slice of the shuffled train split every iteration)"""
-    num_samples_per_prompt: int = 8
+    num_samples_per_prompt: Annotated[int, Ge(1)] = 8
     """K: completions sampled per prompt in the E-step (VinePPO: 8)"""
-    correct_threshold: float = 1.0
+    correct_threshold: Annotated[float, Interval()] = 1.0  # any real number
     """a completion is kept when its reward is >= this (VinePPO: 1.0, i.e. graded correct)"""
-    max_responses_per_prompt: int = 10
+    max_responses_per_prompt: Annotated[int, Ge(1)] = 10
     """at most this many kept completions per prompt, the first ones in sampling order (VinePPO / paper: 10)"""
-    num_epochs: int = 3
+    num_epochs: Annotated[int, Ge(1)] = 3
     """M-step epochs over the kept samples, from the base model (VinePPO: 8)"""
     early_stop: Literal["restem_paper_original", "choose_best"] = "restem_paper_original"
     """candidate choice on the dev slice: advance while dev accuracy strictly improves (stops training there), or the best of all epochs"""
-    learning_rate: float = 2e-4
+    learning_rate: Annotated[float, Gt(0)] = 2e-4
     """AdamW peak learning rate of every M-step (VinePPO, 1B models: 1e-6)"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.03
     """fraction of an iteration's planned steps used for linear warm-up (then linear decay to 0, VinePPO's WarmupDecayLR)"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """sequences per forward/backward on each rank (HF `per_device_train_batch_size`)"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Ge(1)] = 1
     """micro-batches per optimizer step"""
-    temperature: float = 1.0
+    temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature of the E-step; the trainer divides logits by it too (VinePPO: 0.6)"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling in the E-step (VinePPO: 0.9)"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it get reward 0 from the graders"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it"""
-    eval_num_prompts: int = 500
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split (at most 10%; never sampled for training) that choose each iteration's candidate and output_dir/best (0: none, the last epoch is kept)"""
-    eval_num_samples: int = 4
+    eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out (and dev) prompt: accuracy = mean correctness, pass@k over them"""
-    eval_temperature: float = 1.0
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for evaluation"""
 
     # to be filled at runtime

@@ -28,17 +28,18 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 import tyro
+from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_ranks, check_sizes, default_dtype,
-                                enable_gradient_checkpointing, init_distributed, load_tokenizer, prepare, run_cli,
-                                seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
+                                init_distributed, load_tokenizer, prepare, seed_everything)
 from shared.lora import add_lora, check_lora
 from shared.scalar import head, load_scalar_model, score_last_token, use_distinct_pad_token
 from shared.models import resolve_model_path
@@ -50,7 +51,7 @@ class Args:
     # common args
     exp_name: str = "rm"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (head init, data order)"""
     output_dir: str = "runs/rm"
     """where metrics.jsonl, samples.jsonl and the final reward model (output_dir/final) are written"""
@@ -76,9 +77,9 @@ class Args:
     """template applied to each response text"""
     chat_template: bool = False
     """wrap text prompts with the tokenizer's chat template (conversational rows always use it)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """pairs whose prompt is longer than this many tokens are skipped (and counted)"""
-    max_seq_length: int = 512
+    max_seq_length: Annotated[int, Ge(1)] = 512
     """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
@@ -88,53 +89,53 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
-    lora_r: int = 0
+    lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the backbone (the score head trains in full), frozen otherwise (0: off, every weight trains)"""
-    lora_alpha: int = 32
+    lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
     """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
 
     # reliability (shared/checkpoint.py; docs/rm.md#reliability)
-    save_every: int = 250
+    save_every: Annotated[int, Ge(0)] = 250
     """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG, loss window) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best, saved with that evaluation's reward_mean/std (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
-    total_episodes: int = 128000
+    total_episodes: Annotated[int, Ge(1)] = 128000
     """number of preference pairs to consume (epochs = total_episodes / number of pairs)"""
-    learning_rate: float = 3e-4
+    learning_rate: Annotated[float, Gt(0)] = 3e-4
     """peak learning rate (linear warm-up, cosine decay to 10%); 1e-5 suits 0.5B-7B backbones"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.03
     """fraction of optimizer steps used for linear warm-up"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """pairs per forward pass on each rank (chosen and rejected go through one forward: 2x sequences)"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Ge(1)] = 1
     """micro-batches per optimizer step"""
-    center_rewards_coefficient: float = 0.0
+    center_rewards_coefficient: Annotated[float, Ge(0)] = 0.0
     """eta in eta * mean((r_w + r_l)^2), which keeps rewards centred at 0 (TRL suggests 0.01); 0 disables it"""
-    eval_every: int = 250
+    eval_every: Annotated[int, Ge(0)] = 250
     """evaluate held-out pairwise accuracy every this many optimizer steps (0: only at the end)"""
-    eval_num_pairs: int = 500
+    eval_num_pairs: Annotated[int, Ge(0)] = 500
     """held-out pairs per evaluation, a fixed-seed sample (the final one also sets reward_mean / reward_std)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: prompts held out of the train split with all their pairs (at most 10%; not trained on) whose pairwise accuracy selects output_dir/best (0: no best checkpoint)"""
-    num_sample_pairs: int = 4
+    num_sample_pairs: Annotated[int, Ge(0)] = 4
     """held-out pairs whose scores are written to samples.jsonl at each evaluation"""
 
     # to be filled at runtime

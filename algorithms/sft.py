@@ -20,17 +20,18 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.distributed import (NonFiniteGuard, check_sizes, default_dtype, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare, run_cli,
-                                seed_everything)
+from shared.cli import check_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, default_dtype, full_named_parameters, init_distributed, load_causal_lm,
+                                load_tokenizer, max_over_ranks, output_head, prepare, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import completion_decoder, make_generator
 from shared.lora import add_lora, check_lora
@@ -44,7 +45,7 @@ class Args:
     # common args
     exp_name: str = "sft"
     """the name of this experiment (prefix of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (model init, data order)"""
     output_dir: str = "runs/sft"
     """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
@@ -68,9 +69,9 @@ class Args:
     """template applied to the response text (VinePPO uses `\\n{response}\\n`)"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
-    max_prompt_length: int = 256
+    max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
-    max_seq_length: int = 512
+    max_seq_length: Annotated[int, Ge(1)] = 512
     """examples whose prompt+response exceed this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
@@ -82,61 +83,61 @@ class Args:
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     generator: Literal["hf", "vllm"] = "hf"
     """generation backend for held-out evaluation: `hf` (default here: no engine start for a short run) or `vllm`"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
     """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
-    lora_r: int = 0
+    lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the model, frozen otherwise (0: off, every weight trains)"""
-    lora_alpha: int = 32
+    lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
     """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
 
     # reliability (shared/checkpoint.py; docs/sft.md#reliability)
-    save_every: int = 100
+    save_every: Annotated[int, Ge(0)] = 100
     """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
     """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
-    stop_after_steps: int = 0
+    stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
     """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none)"""
 
     # algorithm args
-    total_episodes: int = 20480
+    total_episodes: Annotated[int, Ge(1)] = 20480
     """number of training examples to consume (epochs = total_episodes / dataset size)"""
-    learning_rate: float = 3e-3
+    learning_rate: Annotated[float, Gt(0)] = 3e-3
     """peak learning rate (linear warm-up, cosine decay to 10%)"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.03
     """fraction of optimizer steps used for linear warm-up"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm"""
-    local_micro_batch_size: int = 64
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """examples per forward pass on each rank (HF `per_device_train_batch_size`)"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Ge(1)] = 1
     """micro-batches per optimizer step"""
     loss_reduction: Literal["seq_mean", "token_mean"] = "seq_mean"
     """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over all tokens of the step, on all ranks"""
-    eval_every: int = 100
+    eval_every: Annotated[int, Ge(0)] = 100
     """evaluate held-out accuracy every this many optimizer steps (0: only at the end)"""
-    eval_num_prompts: int = 200
+    eval_num_prompts: Annotated[int, Ge(0)] = 200
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
-    dev_num_prompts: int = 100
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: examples held out of the train split (at most 10%; not trained on; needs the answer column there) whose accuracy selects output_dir/best (0: no best checkpoint)"""
-    eval_temperature: float = 1.0
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for held-out evaluation (0 = greedy)"""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Ge(1)] = 16
     """generation length limit for evaluation"""
     stop: tuple[str, ...] = ()
     """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""

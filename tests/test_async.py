@@ -303,7 +303,7 @@ def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer,
 def test_bad_async_flags_exit_2_before_anything_is_written(script, argv, message, tmp_path, monkeypatch, capsys):
     import importlib
 
-    from shared.distributed import run_cli
+    from shared.cli import run_cli
 
     mod = importlib.import_module(f"algorithms.{script}")
     monkeypatch.chdir(tmp_path)

@@ -196,7 +196,8 @@ RUN_CLI_SCRIPT = textwrap.dedent("""
     from dataclasses import dataclass
     import torch, torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
-    from shared.distributed import end_process_group, init_distributed, run_cli
+    from shared.cli import run_cli
+    from shared.distributed import end_process_group, init_distributed
 
     def left():  # what is left of torch's process groups
         return {{"initialized": dist.is_initialized(), "groups": len(_world.pg_map)}}

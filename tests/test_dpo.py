@@ -8,7 +8,7 @@ import torch
 
 from algorithms.dpo import Args, make_pairs, preference_loss, sequence_logps, validate
 from shared import data, task
-from shared.distributed import check_args
+from shared.cli import check_args
 
 
 def sig(x):

@@ -8,7 +8,7 @@ from algorithms.drca import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_sp
                              slip_localisation,
                              counterfactual_response, entropy_units, masked_whiten, regex_units, shaped_rewards,
                              think_prefix_length, unit_token_rewards)
-from shared.distributed import check_args
+from shared.cli import check_args
 
 
 def units_text(text, spans):

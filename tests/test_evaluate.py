@@ -228,7 +228,7 @@ def test_evaluate_hf_end_to_end(tmp_path):
 
 def run_in_process(out: Path, monkeypatch, capsys, *flags: str) -> tuple[int, str]:
     """evaluate.py's command line in this process; (exit status, stderr)."""
-    from shared.distributed import run_cli
+    from shared.cli import run_cli
 
     monkeypatch.setattr(sys, "argv", ["evaluate.py", "--output_dir", str(out), *flags])
     code = 0

@@ -391,7 +391,7 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
                                            "advantage_scaling"),
                                           ({"tis": "yes"}, "tis"), ({"generator": "sglang"}, "generator")])
 def test_invalid_config_is_rejected_naming_the_flag(change, flag):
-    from shared.distributed import check_args
+    from shared.cli import check_args
 
     args = Args(**change)
     with pytest.raises(ValueError, match=f"^{flag}: "):
@@ -400,7 +400,7 @@ def test_invalid_config_is_rejected_naming_the_flag(change, flag):
 
 
 def test_variant_flags_parse():
-    from shared.distributed import parse_cli
+    from shared.cli import parse_cli
 
     args = parse_cli(Args, ["--importance_level", "sequence", "--policy_loss", "cispo", "--advantage_estimator",
                             "reinforce_pp_baseline", "--dynamic_sampling", "--max_refill_rounds", "0",
@@ -427,7 +427,7 @@ def test_variant_flags_parse():
 def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
     """Through the real entry point (run_cli(grpo.main)): one line naming the flag, exit status 2, no output_dir."""
     from algorithms import grpo
-    from shared.distributed import run_cli
+    from shared.cli import run_cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["grpo.py", *argv, "--output_dir", str(tmp_path / "run")])

@@ -86,7 +86,7 @@ def test_off_by_default_and_only_adapters_train(sft_path):
 
 
 def test_lora_flags_are_checked_at_start_up(sft_path):
-    from shared.distributed import check_args
+    from shared.cli import check_args
 
     from algorithms import grpo
 

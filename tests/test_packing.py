@@ -198,7 +198,7 @@ def test_check_packing_passes_the_model_and_rejects_a_leaking_one(tiny_model):
 
 def test_flag_parses_and_defaults_to_padded():
     from algorithms.grpo import Args
-    from shared.distributed import parse_cli
+    from shared.cli import parse_cli
 
     assert Args().micro_batching == "padded"
     assert parse_cli(Args, ["--micro_batching", "packed"]).micro_batching == "packed"

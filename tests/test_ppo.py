@@ -109,7 +109,7 @@ def test_adaptive_kl_controller_formula_and_clip():
 @pytest.mark.parametrize("change, flag", [({"kl_placement": "both"}, "kl_placement"), ({"generator": "x"}, "generator"),
                                           ({"adaptive_kl": True, "kl_coef": 0.0}, "adaptive_kl")])
 def test_invalid_config_is_rejected(change, flag):
-    from shared.distributed import check_args
+    from shared.cli import check_args
 
     args = Args(**change)
     with pytest.raises(ValueError, match=f"^{flag}: "):

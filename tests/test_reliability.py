@@ -364,7 +364,7 @@ def test_a_diverging_run_aborts_with_one_line(tmp_path, monkeypatch, capsys):
     """sft.py at a learning rate of 1e30: every step after the first is non-finite, skipped and counted, and the
     run stops after max_nonfinite_steps with one line on stderr (status 2), after its progress bar's line."""
     from algorithms import sft
-    from shared.distributed import run_cli
+    from shared.cli import run_cli
 
     monkeypatch.setattr(sys, "argv", ["sft.py", "--output_dir", str(tmp_path), "--learning_rate", "1e30",
                                       "--total_episodes", "640", "--local_micro_batch_size", "32", "--eval_every",
@@ -502,7 +502,7 @@ def test_builtin_smollm2_without_its_package_is_a_one_line_error(monkeypatch, tm
 def test_the_command_line_prints_one_line(tmp_path, monkeypatch, capsys):
     """`python algorithms/x.py ...` (run_cli): a bad input is `error: ...` on stderr and exit status 2."""
     from algorithms import grpo
-    from shared.distributed import run_cli
+    from shared.cli import run_cli
 
     path = tmp_path / "d.jsonl"
     path.write_bytes(_lines(GOOD, b'{"prompt": "1+'))
@@ -551,7 +551,7 @@ def test_a_reward_function_raising_mid_run_saves_a_checkpoint_and_the_run_resume
     a run that never failed (the failed evaluation's metrics line aside)."""
     import importlib
 
-    from shared.distributed import run_cli
+    from shared.cli import run_cli
 
     grpo = importlib.import_module("algorithms.grpo")
     fn_dir = tmp_path / "fn"

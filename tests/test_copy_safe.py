@@ -1,0 +1,117 @@
+"""A copied script runs with new flags of its own, with no edit in shared/ (the CleanRL workflow: copy
+algorithms/grpo.py to my_grpo.py, add `entropy_coef: float = 0.01` to its Args, run it).
+
+Each script is copied out of the repository, five new fields (a float, an int, a str, a bool and a fixed choice)
+are added to its Args, and the copy runs one step on the built-in tiny model with the new flags given on the
+command line. A numeric flag that declares no range (shared/cli.py) is only checked to be finite."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_clean_exit
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+NEW_FIELDS = '''    my_float: float = 0.01
+    """a float flag of the copy"""
+    my_int: int = 0
+    """an int flag of the copy"""
+    my_str: str = "x"
+    """a str flag of the copy"""
+    my_flag: bool = False
+    """a boolean flag of the copy"""
+    my_choice: Literal["a", "b"] = "a"
+    """a fixed-choice flag of the copy"""
+'''
+NEW_FLAGS = ["--my_float", "0.5", "--my_int", "3", "--my_str", "y", "--my_flag", "--my_choice", "b"]
+NEW_VALUES = {"my_float": 0.5, "my_int": 3, "my_str": "y", "my_flag": True, "my_choice": "b"}
+
+# held-out evaluation, dev slice and checkpoints kept small or off: one step, then the end-of-run evaluation
+EVAL = ["--eval_every", "0", "--eval_num_prompts", "8", "--eval_num_samples", "2", "--dev_num_prompts", "8",
+        "--save_every", "0"]
+RL = ["--generator", "hf", "--total_episodes", "16", "--local_num_prompts", "4", "--local_micro_batch_size", "16",
+      "--num_minibatches", "1", "--max_new_tokens", "8", *EVAL, "--no_save_model"]
+# each script's smallest one-step run (tests/test_e2e.py, tests/resume_runs.py); the output file to expect
+ONE_STEP = {
+    "sft": (["--generator", "hf", "--total_episodes", "16", "--local_micro_batch_size", "16", "--eval_every", "0",
+             "--eval_num_prompts", "8", "--dev_num_prompts", "8", "--max_new_tokens", "8", "--save_every", "0"],
+            "metrics.jsonl"),
+    "rm": (["--total_episodes", "16", "--local_micro_batch_size", "16", "--eval_every", "0", "--eval_num_pairs", "16",
+            "--dev_num_prompts", "8", "--num_sample_pairs", "2", "--save_every", "0"], "metrics.jsonl"),
+    "dpo": (["--generator", "hf", "--total_episodes", "16", "--local_micro_batch_size", "16", *EVAL,
+             "--eval_num_pairs", "16", "--num_sample_completions", "2", "--max_new_tokens", "8", "--no_save_model"],
+            "metrics.jsonl"),
+    "grpo": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
+    "ppo": ([*RL, "--num_samples_per_prompt", "4", "--num_ppo_epochs", "1"], "metrics.jsonl"),
+    "vineppo": ([*RL, "--num_samples_per_prompt", "4", "--num_ppo_epochs", "1", "--num_mc_rollouts", "2"],
+                "metrics.jsonl"),
+    "drca": ([*RL, "--num_samples_per_prompt", "4", "--num_ppo_epochs", "1", "--localisation_num_pairs", "4"],
+             "metrics.jsonl"),
+    "repulse": (["--generator", "hf", "--total_episodes", "40", "--num_generations", "20", "--local_micro_batch_size",
+                 "20", "--eval_every", "0", "--eval_num_samples", "40", "--save_every", "0", "--no_save_model"],
+                "metrics.jsonl"),
+    "restem": (["--generator", "hf", "--total_episodes", "16", "--local_num_prompts", "4", "--num_samples_per_prompt",
+                "4", "--num_epochs", "1", "--local_micro_batch_size", "16", "--max_new_tokens", "8",
+                "--eval_num_prompts", "8", "--eval_num_samples", "2", "--dev_num_prompts", "8", "--save_every", "0"],
+               "metrics.jsonl"),
+    # an evaluation tool, not a trainer: a few prompts, no training; its metrics go to summary.json
+    "evaluate": (["--generator", "hf", "--num_prompts", "4", "--num_samples", "2", "--k", "1", "2",
+                  "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),
+}
+SCRIPTS = sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__")
+
+
+def test_every_script_has_a_one_step_run():
+    assert sorted(ONE_STEP) == SCRIPTS
+
+
+def copy_with_new_fields(script: str, dest: Path) -> Path:
+    """algorithms/<script>.py copied to dest/my_<script>.py, NEW_FIELDS added after Args's first field (and its
+    docstring), `Literal` imported where the script does not import it."""
+    src = (ROOT / "algorithms" / f"{script}.py").read_text()
+    tree = ast.parse(src)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    first = next(i for i, n in enumerate(cls.body) if isinstance(n, ast.AnnAssign))
+    after = cls.body[first]
+    if first + 1 < len(cls.body) and isinstance(cls.body[first + 1], ast.Expr) and isinstance(
+            cls.body[first + 1].value, ast.Constant) and isinstance(cls.body[first + 1].value.value, str):
+        after = cls.body[first + 1]
+    lines = src.splitlines(keepends=True)
+    lines.insert(after.end_lineno, NEW_FIELDS)
+    copied = "".join(lines)
+    imports_literal = any(isinstance(n, ast.ImportFrom) and n.module == "typing" and
+                          any(a.name == "Literal" for a in n.names) for n in tree.body)
+    if not imports_literal:  # after `from __future__ import ...`, which must come first
+        future = next((n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"), None)
+        at = future.end_lineno if future else 0
+        lines = copied.splitlines(keepends=True)
+        lines.insert(at, "from typing import Literal\n")
+        copied = "".join(lines)
+    path = dest / f"my_{script}.py"
+    path.write_text(copied)
+    return path
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_copied_script_with_new_flags_runs(script, tmp_path):
+    copy = copy_with_new_fields(script, tmp_path)
+    flags, written = ONE_STEP[script]
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(copy), "--output_dir", str(out), *flags, *NEW_FLAGS]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    assert "Traceback" not in output, output[-6000:]
+    assert_clean_exit(output, " ".join(cmd))
+    assert (out / written).is_file() and (out / written).read_text().strip(), f"{written} missing or empty"
+    config = json.loads((out / "args.json").read_text())  # the run's flags (shared/tracking.py, evaluate.py)
+    assert {k: config[k] for k in NEW_VALUES} == NEW_VALUES
