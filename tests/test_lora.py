@@ -193,17 +193,19 @@ def test_engine_and_exports_serve_the_trained_lora_weights(sft_path, tmp_path):
     tok = build_tokenizer()
     policy = lora_policy(sft_path)
     trainer = HFGenerator(policy, tok)
-    start = greedy(trainer, tok)
+    ids = torch.tensor([data.encode_prompt(tok, p, False) for p in PROMPTS[:1]])
+    with torch.no_grad():
+        start_logits = policy(input_ids=ids).logits
     train_steps(policy, tok, 4)
     first = greedy(trainer, tok)
-    assert first != start  # the update changed what the model says
 
     final = save_hf(policy, tok, tmp_path / "final", INFO)
     adapter_config = json.loads((final / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["r"] == 8 and adapter_config["base_model_name_or_path"] == sft_path
-    ids = torch.tensor([data.encode_prompt(tok, p, False) for p in PROMPTS[:1]])
     with torch.no_grad():
         want = policy(input_ids=ids).logits
+        # the update changed the model (whether its greedy text changes too depends on the CPU's rounding)
+        assert (want - start_logits).abs().max() > 1e-3
         loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_path), final / "adapter")
         assert torch.allclose(loaded(input_ids=ids).logits, want, atol=1e-5)
         merged = AutoModelForCausalLM.from_pretrained(final)
@@ -214,7 +216,8 @@ def test_engine_and_exports_serve_the_trained_lora_weights(sft_path, tmp_path):
 
     train_steps(policy, tok, 4)
     second = greedy(trainer, tok)
-    assert second != first
+    with torch.no_grad():
+        assert (policy(input_ids=ids).logits - want).abs().max() > 1e-3  # the sync below carries new weights
     engine.sync_weights(full_named_parameters(policy, INFO))  # merged W + BA under the base names, in place
     assert greedy(engine, tok) == second
     prompts = [data.encode_prompt(tok, p, False) for p in PROMPTS]
@@ -223,8 +226,13 @@ def test_engine_and_exports_serve_the_trained_lora_weights(sft_path, tmp_path):
 
 
 def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(sft_path, tmp_path):
+    import gc
+
     from shared.distributed import init_distributed, prepare
 
+    # a vLLM engine an earlier test of this process left behind tears torch's default group down when it is
+    # collected (its exit-time clean-up); collect it now, not between init_distributed and DeepSpeed's start
+    gc.collect()
     info = init_distributed()
     policy = lora_policy(sft_path)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
