@@ -76,7 +76,7 @@ class Args:
     ref_model_name_or_path: str = ""
     """frozen reference policy (default: the starting policy itself)"""
     dataset: str = "builtin"
-    """`builtin` (built-in task + preference pairs; `builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset"""
+    """`builtin` (task and pairs; `builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"
@@ -100,7 +100,7 @@ class Args:
     max_seq_length: Annotated[int, Ge(1)] = 512
     """pairs whose prompt + longer response exceed this many tokens are skipped (and counted)"""
     reward_fn: str = "auto"
-    """grader for held-out accuracy and self-generated pairs: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
+    """grader (held-out accuracy, self-generated pairs): `auto`, `builtin`, `gsm8k`, `math`, `math_verify` or `module:function`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -114,7 +114,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
     lora_alpha: Annotated[int, Ge(1)] = 32
@@ -122,27 +122,27 @@ class Args:
     lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
-    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # reliability (shared/checkpoint.py; docs/dpo.md#reliability)
     save_every: Annotated[int, Ge(0)] = 150
-    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG, loss window) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/rewards/accuracies` without task accuracy"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/rewards/accuracies` if no answers"""
 
     # algorithm args
     loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"] = "dpop"
-    """`sigmoid` (DPO) | `cdpo` | `robust` | `hinge` | `ipo` | `dpop` (DPO-Positive, VinePPO's DPO+; default: plain DPO lowers the built-in task's accuracy, docs/dpo.md)"""
+    """`sigmoid` (DPO), `cdpo`, `robust`, `hinge`, `ipo` or `dpop` (DPO-Positive, VinePPO's DPO+; why the default: docs/dpo.md)"""
     beta: Annotated[float, Ge(0)] = 0.1
     """beta: strength of the implicit KL to the reference (TRL 0.1; VinePPO DPO+ 0.1 MATH / 0.3 GSM8K)"""
     label_smoothing: Annotated[float, Interval(ge=0, lt=0.5)] = 0.0
@@ -150,7 +150,7 @@ class Args:
     dpop_lambda: Annotated[float, Ge(0)] = 50.0
     """lambda of DPO-Positive: weight of max(0, s_ref(y_w) - s_theta(y_w)) (VinePPO 50)"""
     ipo_length_normalize: bool = True
-    """IPO on length-averaged log-ratios (TRL, confirmed with the IPO authors); False: summed (OpenRLHF, SFFD)"""
+    """IPO on length-averaged log-ratios (TRL, confirmed with the IPO authors); off: summed (OpenRLHF; docs/dpo.md)"""
     logit_temperature: Annotated[float, Gt(0)] = 1.0
     """divide policy and reference logits by this (VinePPO DPO+ uses its sampling temperature 0.6; TRL 1)"""
     precompute_ref_logps: bool = True
@@ -184,7 +184,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit (self-generated pairs and evaluation)"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     correct_threshold: Annotated[float, Interval()] = 0.5  # any real number
     """a sample is correct if its reward is >= this (VinePPO 0.5)"""
     max_pairs_per_prompt: Annotated[int, Ge(1)] = 64
@@ -194,7 +194,7 @@ class Args:
     eval_every: Annotated[int, Ge(0)] = 150
     """evaluate every this many optimizer steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
-    """held-out prompts for task accuracy (0: skip; skipped too when eval_split has no answer column); a fixed-seed sample, the same every run"""
+    """held-out prompts for task accuracy, a fixed-seed sample, the same every run (0, or no answer column: skip)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
@@ -202,7 +202,7 @@ class Args:
     eval_num_pairs: Annotated[int, Ge(0)] = 500
     """held-out pairs for implicit-reward accuracy (0: skip; needs chosen/rejected columns in eval_split); a fixed-seed sample"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; their pairs are not trained on) whose task accuracy, and offline their pairs' implicit-reward accuracy, select output_dir/best (0: no best checkpoint)"""
+    """dev slice: train prompts kept out of training (<= 10%) whose accuracy (offline: and pair accuracy) picks output_dir/best"""
     num_sample_completions: Annotated[int, Ge(0)] = 4
     """held-out completions written to samples.jsonl (and printed) at each evaluation"""
 
@@ -225,16 +225,8 @@ def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torc
 def sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """s(y) = sum over response tokens of log pi(y_t | x, y_<t) from logits / temperature, and |y|; both [B].
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -260,7 +252,7 @@ def sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def preference_loss(pol_w: torch.Tensor, pol_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor,
                     loss_type: str, beta: float, label_smoothing: float = 0.0, dpop_lambda: float = 50.0,
                     len_w: torch.Tensor | None = None, len_l: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair loss, [B], from summed log-probs (spec dpo.md §2). len_w/len_l make IPO length-averaged."""
+    """Per-pair loss, [B], from summed log-probs (docs/dpo.md's loss table). len_w/len_l make IPO length-averaged."""
     eps = label_smoothing
     delta = (pol_w - ref_w) - (pol_l - ref_l)
     if loss_type == "sigmoid":

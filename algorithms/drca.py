@@ -104,7 +104,7 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """held-out grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
+    """grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -118,23 +118,23 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
     # reliability (shared/checkpoint.py; docs/drca.md#reliability)
     save_every: Annotated[int, Ge(0)] = 25
-    """save a resumable checkpoint (policy, critic, optimizers, schedulers, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with --reward_fn none"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/reward` with --reward_fn none"""
 
     # algorithm args: DRCA
     drca_beta: Annotated[float, Interval(ge=0, le=1)] = 0.8
@@ -154,7 +154,7 @@ class Args:
     entropy_source: Literal["policy", "reference"] = "policy"
     """entropy units: entropy of the current `policy` (the reference) or of the frozen `reference` model"""
     scorer: Literal["auto", "rm", "line_grader"] = "auto"
-    """what scores responses and counterfactuals: `rm` (the reward model), `line_grader` (built-in task: the per-line grader, an upper bound), `auto` = line_grader on the built-in task, rm elsewhere"""
+    """scores responses and counterfactuals: `rm`, `line_grader` (built-in task; an upper bound) or `auto` (docs/drca.md)"""
     counterfactual: Literal["truncate", "mask"] = "truncate"
     """`truncate` (reference: prefix + blanked unit + EOS) or `mask` (leave-one-out: blank the unit, keep the rest)"""
     unitless_fallback: Literal["terminal", "zeros"] = "terminal"
@@ -184,7 +184,7 @@ class Args:
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
-    """completions per forward/backward (and reward-model forward) on each rank; 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
+    """completions per forward/backward (and reward-model forward) on each rank; memory: docs/performance.md"""
     temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -192,7 +192,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     kl_coef: Annotated[float, Ge(0)] = 0.01
     """eta: per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference model"""
     reward_clip: Annotated[float, Gt(0)] = 10.0
@@ -212,7 +212,7 @@ class Args:
     eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
+    """dev slice: train prompts kept out of training (<= 10%), evaluated with the held-out set; picks output_dir/best (0: none)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness, reward = mean RM score)"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
@@ -220,7 +220,7 @@ class Args:
     sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions with their units and credits every this many steps"""
     localisation_num_pairs: Annotated[int, Ge(1)] = 200
-    """built-in task only: held-out slip pairs (a response with one slipped line) on which each evaluation measures eval/localisation, the share whose lowest-credit unit holds the slip (0: off)"""
+    """built-in task only: held-out slip pairs on which each evaluation measures eval/localisation (docs/drca.md; 0: off)"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0
@@ -232,7 +232,7 @@ class Args:
     num_steps: tyro.conf.Suppress[int] = 0
 
 
-# ALGO LOGIC: unit extraction (pure functions, drca.md §2.2)
+# ALGO LOGIC: unit extraction (pure functions; docs/drca.md, units)
 def think_prefix_length(pieces: list[str]) -> int:
     """Tokens before the unit region: a leading `<think>...</think>` block (pieces = the response's tokens, each
     decoded with its special tokens) plus the whitespace-only tokens after it; 0 without one. An unterminated
@@ -331,7 +331,7 @@ def entropy_units(entropy: list[float], threshold: float, max_units: int, bounda
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-# ALGO LOGIC: counterfactuals and difference rewards (drca.md §2.3-2.4)
+# ALGO LOGIC: counterfactuals and difference rewards (docs/drca.md: y~_k, credit d_k, r_t)
 def counterfactual_response(response: list[int], start: int, end: int, mode: str, fill_id: int,
                             eos_id: int) -> list[int]:
     """Response tokens with [start, end) blanked by fill_id: `truncate` ends with EOS right after the unit
@@ -456,16 +456,8 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                      temperature: float, with_entropy: bool = False, chunk_size: int = 512):
     """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
     (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

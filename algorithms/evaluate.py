@@ -51,11 +51,11 @@ from shared.tracking import duration
 class Args:
     # common args
     seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
-    """seed of the run to reproduce: samples are drawn with seed + 1000003, as in the held-out evaluation of grpo.py, ppo.py, vineppo.py and drca.py; also seeds the bootstrap"""
+    """seed of the run to reproduce (samples: seed + 1000003, as in the scripts' held-out evaluation); also seeds the bootstrap"""
     output_dir: str = "runs/evaluate"
-    """where completions.jsonl (every completion, its extracted answer and grade), summary.json and args.json go; the same command there resumes"""
+    """where completions.jsonl (completions, answers, grades), summary.json and args.json go; the same command there resumes"""
     model_name_or_path: str = "builtin:tiny-sft"
-    """the model: a checkpoint the scripts save (runs/grpo/final, runs/grpo/best), any local HF checkpoint, a hub name, or `builtin:*`"""
+    """the model: a checkpoint the scripts save (runs/grpo/final or best), a local HF checkpoint, a hub name, or `builtin:*`"""
     dataset: str = "builtin"
     """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     split: str = "test"
@@ -73,9 +73,9 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """grader: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify` (these extract answers for maj@k), or `module:function` / `file.py:function` (no maj@k)"""
+    """grader: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify` (with maj@k), or `module:function` (no maj@k)"""
     stop: tuple[str, ...] = ()
-    """stop strings: a completion ends at the token completing one; graders see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings: a completion ends at the token completing one; graders see the text before it (EOS always stops)"""
     verbose: bool = False
     """show library INFO/WARNING logs (vLLM, transformers)"""
     generator: Literal["vllm", "hf"] = "vllm"
@@ -101,9 +101,9 @@ class Args:
     confidence: Annotated[float, Interval(gt=0, lt=1)] = 0.95
     """confidence level of the bootstrap intervals"""
     chunk_size: Annotated[int, Ge(1)] = EVAL_CHUNK
-    """prompts per generate call, saved after each call; the call is the seeding unit, so the completions depend on it (64: those of the training scripts' held-out evaluation)"""
+    """prompts per generate call, saved after each; the seeding unit: completions depend on it (64, as the training scripts)"""
     stop_after_prompts: Annotated[int, Ge(0)] = 0
-    """stop after about this many prompts of this invocation, at the end of a call (0: run to the end); the same command continues"""
+    """stop after about this many prompts of this invocation, at the end of a call (0: run to the end); rerun to continue"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0

@@ -89,7 +89,7 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
-    """dataset column holding the gold answer given to the reward function; with --reward_model_path it may be absent (then no accuracy is reported, best/ is selected on dev/reward)"""
+    """column of the gold answer given to the reward function; may be absent with --reward_model_path (then no accuracy)"""
     prompt_template: str = "{prompt}"
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
@@ -99,7 +99,7 @@ class Args:
     reward_fn: str = "auto"
     """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     reward_model_path: str = ""
-    """score completions with this reward model (rm.py checkpoint or any HF sequence classifier) instead of reward_fn; held-out accuracy still uses the grader"""
+    """score completions with this reward model (rm.py or any HF sequence classifier), not reward_fn; accuracy still graded"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -113,9 +113,9 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: Annotated[int, Ge(0)] = 0
-    """1: generate step t+1's batch in a background thread while step t trains, with the weights step t-1 started from (one update old; docs/grpo.md); 0: synchronous"""
+    """1: generate step t+1's batch in a background thread while step t trains (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
     lora_alpha: Annotated[int, Ge(1)] = 32
@@ -123,23 +123,23 @@ class Args:
     lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
-    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # reliability (shared/checkpoint.py; docs/grpo.md#reliability)
     save_every: Annotated[int, Ge(0)] = 25
-    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 102400
@@ -157,9 +157,9 @@ class Args:
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
-    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
     micro_batching: Literal["padded", "sorted", "packed"] = "padded"
-    """rows of a training/log-prob forward: `padded` (slices of the batch, padded to its longest row), `sorted` (each minibatch ordered by length, each micro-batch cut to its longest row) or `packed` (a micro-batch's sequences packed, longest first, several to a row as wide as its longest sequence, position ids restarting); docs/grpo.md"""
+    """rows of a forward: `padded` (to the batch's longest), `sorted` (by length) or `packed` (several per row); docs/grpo.md"""
     num_iterations: Annotated[int, Ge(1)] = 2
     """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
     temperature: Annotated[float, Gt(0)] = 1.0
@@ -169,11 +169,11 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
-    """`grpo`: r minus the group mean, divided as --advantage_scaling says; `rloo`: r minus the mean of the other G-1 (RLOO); `reinforce_pp_baseline`: r minus the group mean, then whitened over the batch's tokens (REINFORCE++-baseline)"""
+    """`grpo`: r - group mean, then --advantage_scaling; `reinforce_pp_baseline`: then batch-whitened; `rloo`: r - others' mean"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """with --advantage_estimator grpo: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    """with `grpo`: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
@@ -181,9 +181,9 @@ class Args:
     epsilon_high: Annotated[float, Ge(0)] = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     importance_level: Literal["token", "sequence"] = "token"
-    """importance ratio per token (PPO, GRPO) or per completion, exp(mean over its tokens of the log ratio), clipped once per sequence (GSPO; its paper uses --epsilon_low 3e-4 --epsilon_high 4e-4)"""
+    """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
     policy_loss: Literal["clip", "cispo"] = "clip"
-    """`clip`: PPO's clipped surrogate; `cispo`: -sg(min(ratio, 1+epsilon_high)) * A * log pi, truncated tokens keep their gradient (MiniMax-M1)"""
+    """`clip`: PPO's clipped surrogate; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi, every token keeps its gradient"""
     beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -191,19 +191,19 @@ class Args:
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
-    """correction for sampler/trainer mismatch: `none`, per token `token_truncate` / `token_mask`, or one weight per completion `sequence_truncate` / `sequence_mask` (docs/grpo.md)"""
+    """correction for sampler/trainer mismatch: `none`, per token (`token_*`) or per completion (`sequence_*`); docs/grpo.md"""
     tis_cap: Annotated[float, Gt(0)] = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (no gradient) and sample more prompts to refill the batch (DAPO's dynamic sampling)"""
+    """drop groups whose rewards are all equal (no gradient) and sample more prompts to refill the batch (DAPO)"""
     max_refill_rounds: Annotated[int, Ge(0)] = 3
-    """with --dynamic_sampling: at most this many extra rounds per step, each sampling a full batch of new prompts (local_num_prompts per rank); still short after them, the step trains on the informative groups it has (logged as dynamic_sampling/unfilled_groups)"""
+    """with --dynamic_sampling: at most this many extra rounds of new prompts per step, then train on what it has"""
     eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
+    """dev slice: train prompts kept out of training (<= 10%), evaluated with the held-out set; picks output_dir/best (0: none)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
@@ -359,7 +359,7 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: 
 
     num_seqs / num_tokens count the whole optimizer step on this rank, num_tokens_global on all ranks.
     Summed over micro-batches and averaged over ranks (as DeepSpeed does with gradients) this gives:
-      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias, P1)
+      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
       token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
       global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
       constant:     sum l m / (B * max_new_tokens)             Dr. GRPO
@@ -393,16 +393,8 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                      temperature: float, with_entropy: bool = False, chunk_size: int = 512):
     """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
     (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -584,7 +576,7 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
-    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
 
     # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
@@ -877,7 +869,7 @@ def main(args: Args) -> str:
                         kl = torch.zeros_like(logp)
                         if ref_policy is not None:
                             kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator, m_mask)
-                            per_token = per_token + args.beta * kl  # same aggregator as the PG term (P7)
+                            per_token = per_token + args.beta * kl  # KL in the loss, same aggregator as the PG term
                         loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
                                               int(mb_tokens.item()), int(global_tokens), info.world_size,
                                               args.max_new_tokens)

@@ -77,7 +77,7 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
-    """dataset column holding the gold answer given to the reward function; with --reward_model_path it may be absent (then no accuracy is reported, best/ is selected on dev/reward)"""
+    """column of the gold answer given to the reward function; may be absent with --reward_model_path (then no accuracy)"""
     prompt_template: str = "{prompt}"
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
@@ -85,7 +85,7 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
+    """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     reward_model_path: str = ""
     """if set, score completions with this reward model (HF sequence classification) instead of reward_fn"""
     critic_model_path: str = ""
@@ -103,33 +103,33 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     async_steps: Annotated[int, Ge(0)] = 0
-    """1: generate step t+1's batch in a background thread while step t trains, with the weights step t-1 started from (one update old; docs/grpo.md); 0: synchronous"""
+    """1: generate step t+1's batch in a background thread while step t trains (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
-    """LoRA rank: train rank-r adapters on the policy and the critic (whose value head trains in full), frozen otherwise (0: off, every weight trains)"""
+    """LoRA rank: rank-r adapters on the policy and the critic (its value head trains in full), the rest frozen (0: off)"""
     lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
     lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
-    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
     # reliability (shared/checkpoint.py; docs/ppo.md#reliability)
     save_every: Annotated[int, Ge(0)] = 25
-    """save a resumable checkpoint (models, optimizers, schedulers, data position, RNG, KL coefficient) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 51200
@@ -147,11 +147,11 @@ class Args:
     local_num_prompts: Annotated[int, Ge(1)] = 64
     """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
     num_ppo_epochs: Annotated[int, Ge(1)] = 2
-    """passes over each batch (VinePPO: 2; TRL/SFFD: 4)"""
+    """passes over each batch (VinePPO: 2; TRL, summarize_from_feedback_details: 4)"""
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
-    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
     temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -159,7 +159,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE discount"""
     lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
@@ -187,7 +187,7 @@ class Args:
     ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """correction for sampler/trainer mismatch (stale weights with --async_steps): `none`, per token `token_truncate` / `token_mask`, or one weight per completion `sequence_truncate` / `sequence_mask` (docs/grpo.md)"""
+    """correction for sampler/trainer mismatch (e.g. --async_steps): `none`, per token (`token_*`) or completion (`sequence_*`)"""
     tis_cap: Annotated[float, Gt(0)] = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     eval_every: Annotated[int, Ge(0)] = 25
@@ -195,7 +195,7 @@ class Args:
     eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
+    """dev slice: train prompts kept out of training (<= 10%), evaluated with the held-out set; picks output_dir/best (0: none)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
@@ -215,7 +215,7 @@ class Args:
 
 # ALGO LOGIC: algorithm-local pure functions
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """GAE over the masked (completion) positions of [B, T] tensors (ppo.md §1.2).
+    """GAE over the masked (completion) positions of [B, T] tensors.
 
     delta_t = r_t + gamma V_{t+1} - V_t (V after the last completion token is 0); A_t = delta_t + gamma lam A_{t+1}.
     Returns advantages and returns (A + V), both 0 outside the mask."""
@@ -309,20 +309,21 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
-    """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) per token (ppo.md §1.3) and the clipped indicator."""
+    """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) per token and the clipped indicator."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
 def adaptive_kl_update(beta: float, current_kl: float, target: float, n_steps: int, horizon: int) -> float:
-    """Ziegler et al.'s controller: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / horizon (§5.1)."""
+    """Ziegler et al.'s controller: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / horizon."""
     error = max(-0.2, min(0.2, current_kl / target - 1))
     return beta * (1 + error * n_steps / horizon)
 
 
 def init_value_head(model) -> None:
-    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (SFFD, VINE `pretrained_with_value_head.py`)."""
+    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (as vwxyzjn/summarize_from_feedback_details and VinePPO's
+    `pretrained_with_value_head.py`)."""
     layer = head(model)
     torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
     if layer.bias is not None:
@@ -347,16 +348,8 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                      temperature: float, with_entropy: bool = False, chunk_size: int = 512):
     """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
     (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -446,7 +439,7 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
-    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
 
     # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
@@ -680,7 +673,8 @@ def main(args: Args) -> str:
                         loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if args.kl_placement == "loss" and ref_policy is not None:
-                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)  # VINE clamp
+                            # k3 per token, clamped to [0, 10] as in VinePPO
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
                             kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()

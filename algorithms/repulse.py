@@ -13,7 +13,7 @@ and adds to the policy's RL loss alpha times a "-SFT" term that pushes log p_the
 self-normalised-importance-weighted towards sigma_theta. Three models: p_theta (trained,
 --base_actor_learning_rate), q_xi (a copy of the initial model trained with Contrastive Twist Learning and
 the proposal-centric twist log psi_t = log q(s_t|.) - sg log p(s_t|.), --actor_learning_rate), and a
-frozen p_0 for the KL penalty (loaded only when --kl_coef > 0). Per step (spec §2.7):
+frozen p_0 for the KL penalty (loaded only when --kl_coef > 0). Per step (docs/repulse.md, "The math, as implemented"):
     S_p ~ p, S_q ~ q (same prompts, N each); R = r' - c_KL sum_t (log p - log p_0); b = RLOO baseline
     1) q step: CTL loss on S_q (own Adam, grad clip)
     2) p step: mean[mean_t(-log p) (R - b)] + alpha mean[w mean_t(log p)] on S_p / S_q (own Adam, grad clip)
@@ -25,10 +25,10 @@ plumbing): the proposal, its CTL step and the weighted negative term. Modes (doc
     --use_base_as_proposal                                               p_theta as the proposal (ablation)
     (defaults)                                                           RePULSe
 --total_episodes counts every completion sampled for training (p and q), the paper's x-axis, so RePULSe
-gets half as many p updates as the baselines for the same budget (compute matching, spec §2.7).
+gets half as many p updates as the baselines for the same budget (the paper's compute matching).
 
 With no flags: the toy (shared/toy.py): builtin:tiny-sft, the prompt "This man is a", 2 generated tokens,
-a classifier-like reward (lowest, in [-4, -3.3], when a "bad" character appears; `--reward_fn toy`: the older
+a classifier-like reward (lowest, in [-4, -3.3], when a "bad" character appears; `--reward_fn toy`: an
 indicator reward); the exact log P(bad) of p_theta is computed by enumerating the ~100-token vocabulary after
 every step. Launch:
     python algorithms/repulse.py                                    # CPU toy, RePULSe, about 75 s
@@ -99,7 +99,7 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """`auto` (`toy_classifier` for the toy dataset, else by dataset), `toy_classifier` or `toy` (the toy's classifier-like and indicator rewards, shared/toy.py), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
+    """`toy_classifier`, `toy` (shared/toy.py), `builtin`, `gsm8k`, `math`, `math_verify`, `module:function`; `auto` by dataset"""
     reward_model_path: str = ""
     """score prompt + completion with this reward model (rm.py checkpoint or HF sequence classifier) instead"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -121,17 +121,17 @@ class Args:
 
     # reliability (shared/checkpoint.py; docs/repulse.md#reliability)
     save_every: Annotated[int, Ge(0)] = 20
-    """save a resumable checkpoint (p_theta and q_xi with their optimizers, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/p_bad:min"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better, as the default P(bad); on the toy dev/p_bad is exact; empty: none)"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better, as the default, exact on the toy; empty: none)"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 30_000
@@ -151,7 +151,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 2
     """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     loss_type: Literal["neg_training", "reinforce"] = "neg_training"
     """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
     alpha: Annotated[float, Ge(0)] = 10.0
@@ -169,7 +169,7 @@ class Args:
     kl_coef: Annotated[float, Ge(0)] = 0.0
     """c_KL = 1/beta_KL: fixed coefficient of the summed k1 KL(p_theta || p_0) subtracted from the return"""
     code_compat_unmasked_neg_weights: bool = False
-    """reproduce the reference's UNMASKED sum of log p_theta in the negative term's weights (spec §6.3)"""
+    """reproduce the reference's UNMASKED sum of log p_theta in the negative term's weights (see docs/repulse.md)"""
     eta: Annotated[float, Interval()] = -1.0  # any real number
     """bad-output threshold for evaluation: P(bad) = fraction of held-out samples with r < eta"""
     cvar_level: Annotated[float, Interval(gt=0, le=1)] = 0.01
@@ -179,7 +179,7 @@ class Args:
     eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; not trained on) that select output_dir/best (0: no best checkpoint); the toy's one prompt is its own dev set, sampled with another seed"""
+    """dev slice: train prompts held out (<= 10%) that pick output_dir/best (0: none); the toy's one prompt is its own dev set"""
     eval_num_samples: Annotated[int, Ge(1)] = 1000
     """samples per held-out prompt"""
     sample_every: Annotated[int, Ge(0)] = 20
@@ -194,7 +194,7 @@ class Args:
     num_steps: tyro.conf.Suppress[int] = 0
 
 
-# ALGO LOGIC: algorithm-local pure functions (spec §2; all tensors of one rank, samples prompt-major [J*N])
+# ALGO LOGIC: algorithm-local pure functions (docs/repulse.md; all tensors of one rank, samples prompt-major [J*N])
 def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]. Only these N rows of
     logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
@@ -206,16 +206,8 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                      chunk_size: int = 512) -> torch.Tensor:
     """log pi(token_{t+1} | prefix) from float32 logits at temperature 1 at the positions t where mask[:, t] = 1
     (mask [B, L-1], aligned with the output: the response mask resp[:, 1:]), [B, L-1], 0 at the other positions.
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -238,7 +230,7 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence mean over response tokens, [B] (the reference's length normalisation, spec §2.4)."""
+    """Per-sequence mean over response tokens, [B] (the reference's length normalisation)."""
     return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
@@ -251,18 +243,18 @@ def rloo_baseline(returns: torch.Tensor) -> torch.Tensor:
 
 
 def transform_reward(r: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-    """`minus_alpha_exp_beta_r`: r' = r - alpha exp(beta r); beta = -1, alpha = 1 gives r - e^{-r} (spec §2.5)."""
+    """`minus_alpha_exp_beta_r`: r' = r - alpha exp(beta r); beta = -1, alpha = 1 gives r - e^{-r}."""
     return r - alpha * torch.exp(beta * r)
 
 
 def kl_return(reward: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
               kl_coef: float) -> torch.Tensor:
-    """R = r' - c_KL sum_t m_t (log p_old - log p_0) (k1 estimator, no gradient; spec §2.5), [B]."""
+    """R = r' - c_KL sum_t m_t (log p_old - log p_0) (k1 estimator, no gradient), [B]."""
     return reward - kl_coef * ((logp_old - logp_ref) * mask).sum(-1)
 
 
 def snis_weights(logp_sum: torch.Tensor, log_phi: torch.Tensor, logq_sum: torch.Tensor) -> torch.Tensor:
-    """Self-normalised importance weights towards sigma ∝ p phi from samples of q (spec §2.2), detached.
+    """Self-normalised importance weights towards sigma ∝ p phi from samples of q, detached.
 
     All inputs [J, N]: log w~ = log p + log phi - log q, softmax over the N samples of each prompt."""
     return torch.softmax((logp_sum + log_phi - logq_sum).detach().float(), dim=-1)
@@ -271,8 +263,8 @@ def snis_weights(logp_sum: torch.Tensor, log_phi: torch.Tensor, logq_sum: torch.
 def neg_weight_logp_sum(logp: torch.Tensor, mask: torch.Tensor, unmasked: bool) -> torch.Tensor:
     """Sum of log p_theta over a sample's response, as used in the negative term's weights, [B].
 
-    Masked (default): sum_t m_t log p_t, the paper's log p(s|x). unmasked=True reproduces the reference code
-    (spec §6.3): it sums the last A = max response length positions ending at each response's last token, so
+    Masked (default): sum_t m_t log p_t, the paper's log p(s|x). unmasked=True reproduces the reference code:
+    it sums the last A = max response length positions ending at each response's last token, so
     a shorter response also counts the log-probs of its last prompt tokens (the reference's right-aligned
     batch; prompt positions before the sequence start, the reference's zero padding, are not modelled)."""
     if not unmasked:
@@ -287,7 +279,7 @@ def neg_weight_logp_sum(logp: torch.Tensor, mask: torch.Tensor, unmasked: bool) 
 
 def ctl_weights(logp: torch.Tensor, logq_old: torch.Tensor, log_phi: torch.Tensor, mask: torch.Tensor,
                 num_generations: int):
-    """The two detached SNIS weights of the CTL estimator (spec §2.3), on q samples, [J*N] and [J*N, T].
+    """The two detached SNIS weights of the CTL estimator, on q samples, [J*N] and [J*N, T].
 
     logp = log p_theta (current, no grad), logq_old = log q at sampling time, both [J*N, T] per response token.
     w_sigma = softmax_i(sum_t lp + log phi - sum_t lq_old)                        (full-sequence target)
@@ -304,7 +296,7 @@ def ctl_weights(logp: torch.Tensor, logq_old: torch.Tensor, log_phi: torch.Tenso
 
 def ctl_loss(logq: torch.Tensor, logp: torch.Tensor, w_sigma: torch.Tensor, w_pi: torch.Tensor,
              mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """CTL with the proposal-centric twist (P Eqs. 6-7; reference `CTLLoss`): gradient only through log q.
+    """CTL with the proposal-centric twist (paper Eqs. 6-7; reference `CTLLoss`): gradient only through log q.
 
     sum_i masked_mean_t( -(w_sigma_i - w_pi_it) log psi_it ) / num_seqs, log psi = log q - sg log p.
     The -w_sigma term is E_sigma[grad log psi]; the +w_pi term is E_pi_t[grad log psi_t] (zero in expectation)."""
@@ -314,25 +306,25 @@ def ctl_loss(logq: torch.Tensor, logp: torch.Tensor, w_sigma: torch.Tensor, w_pi
 
 
 def rl_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """REINFORCE with a baseline: sum_i masked_mean_t(-log p_it) (R_i - b_i) / num_seqs (spec §2.4a)."""
+    """REINFORCE with a baseline: sum_i masked_mean_t(-log p_it) (R_i - b_i) / num_seqs."""
     return (masked_mean(-logp, mask) * advantages.detach()).sum() / num_seqs
 
 
 def neg_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """The "-SFT" term: sum_i w_i masked_mean_t(log p_it) / num_seqs; minimising it lowers log p on the
-    weighted (low-reward) samples (spec §2.4b). With num_seqs = J*N this is (1/N) x the SNIS estimate."""
+    weighted (low-reward) samples. With num_seqs = J*N this is (1/N) x the SNIS estimate."""
     return (weights.detach() * masked_mean(logp, mask)).sum() / num_seqs
 
 
 @torch.no_grad()
 def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids: int | list[int],
                        max_new_tokens: int, chunk: int = 1024) -> float:
-    """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary (spec §4.1).
+    """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary.
 
     log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g not in E} [log p(g|x) + lse_b log p(b|x,g)]).
     E (`end_ids`): the tokens that end a completion when sampled first (EOS, the other stop ids, tokens that complete
     a stop string), so they are excluded from the second term, as in sampling; the reference scores a second token
-    after EOS too (a tiny difference, spec §6.14).
+    after EOS too (a tiny difference).
     The second term runs one forward per first token g, `chunk` of them at a time, with the LM head on the last
     position only: logits [chunk, V], never [V, L, V] (a real vocabulary, V = 49,152 for SmolLM2, would need 48 GB
     for the whole enumeration at once)."""
@@ -360,7 +352,7 @@ def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids
 
 
 def tail_metrics(rewards: torch.Tensor, eta: float, level: float) -> dict:
-    """P(bad) = fraction with r < eta; CVaR_a = mean of the k = max(1, floor(a M)) lowest rewards (spec §4.2)."""
+    """P(bad) = fraction with r < eta; CVaR_a = mean of the k = max(1, floor(a M)) lowest rewards."""
     k = max(1, int(math.floor(level * rewards.numel())))
     return {"p_bad": (rewards < eta).float().mean().item(), "cvar": rewards.sort().values[:k].mean().item()}
 
@@ -402,7 +394,7 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
-    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
 
     # data: the toy's single prompt, or prompts of a dataset; validated before anything is written
     model_path = resolve_model_path(args.model_name_or_path)
@@ -601,7 +593,7 @@ def main(args: Args) -> str:
         else:
             w_neg = torch.zeros_like(r_p)
 
-        # 5. q step (CTL), its own optimizer, before the p step (spec §2.7)
+        # 5. q step (CTL), its own optimizer, before the p step
         stats = {"ctl": 0.0, "rl": 0.0, "neg": 0.0}
         norms_q, norms_p = [], []
         with timer("train"):

@@ -91,21 +91,21 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
 
     # reliability (shared/checkpoint.py; docs/restem.md#reliability)
     save_every: Annotated[int, Ge(0)] = 50
-    """save a resumable checkpoint every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps); steps are slots, see docs/restem.md"""
+    """save a resumable checkpoint every this many step slots (docs/restem.md; 0: only on SIGTERM/SIGINT or stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best among the iterations' policies (higher is better; `name:min`: lower is better; empty: none)"""
+    """dev metric that picks output_dir/best among the iterations' policies (`name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 8192
@@ -121,7 +121,7 @@ class Args:
     num_epochs: Annotated[int, Ge(1)] = 3
     """M-step epochs over the kept samples, from the base model (VinePPO: 8)"""
     early_stop: Literal["restem_paper_original", "choose_best"] = "restem_paper_original"
-    """candidate choice on the dev slice: advance while dev accuracy strictly improves (stops training there), or the best of all epochs"""
+    """candidate choice on the dev slice: advance while dev accuracy improves (and stop training there), or the best epoch"""
     learning_rate: Annotated[float, Gt(0)] = 2e-4
     """AdamW peak learning rate of every M-step (VinePPO, 1B models: 1e-6)"""
     warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.03
@@ -141,11 +141,11 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it get reward 0 from the graders"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept and trained on like EOS; rewards see the text before it"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; never sampled for training) that choose each iteration's candidate and output_dir/best (0: none, the last epoch is kept)"""
+    """dev slice: train prompts never trained on (<= 10%) that choose each iteration's candidate and output_dir/best (0: last)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out (and dev) prompt: accuracy = mean correctness, pass@k over them"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
@@ -190,18 +190,10 @@ def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torc
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                      temperature: float, chunk_size: int = 512) -> torch.Tensor:
-    """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
-    (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions (VinePPO divides the trainer's logits by the
-    sampling temperature).
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from."""
+    """log pi(token_{t+1} | prefix) from logits / temperature (the sampling temperature, as VinePPO) at the positions
+    t that predict a response token (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions.
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -268,7 +260,7 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for data order, then a per-rank seed)
     seed_everything(args.seed)
-    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
 
     # data: validated before anything is written (a bad row, model path or grader stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)

@@ -58,7 +58,7 @@ class Args:
     model_name_or_path: str = "builtin:tiny-sft"
     """backbone: hub name or local path (causal LM or sequence classifier); `builtin:tiny-sft` is the built-in warm start"""
     dataset: str = "builtin"
-    """`builtin` (built-in preference pairs; `builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    """`builtin` (pairs; `builtin:sums-N`: N = 3..12 terms), a .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"
@@ -88,29 +88,29 @@ class Args:
     verbose: bool = False
     """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
-    """LoRA rank: train rank-r adapters on the backbone (the score head trains in full), frozen otherwise (0: off, every weight trains)"""
+    """LoRA rank: rank-r adapters on the backbone (the score head trains in full), the rest frozen (0: off, all weights train)"""
     lora_alpha: Annotated[int, Ge(1)] = 32
     """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
     lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
-    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
 
     # reliability (shared/checkpoint.py; docs/rm.md#reliability)
     save_every: Annotated[int, Ge(0)] = 250
-    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG, loss window) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best, saved with that evaluation's reward_mean/std (higher is better; `name:min`: lower is better; empty: none)"""
+    """dev metric that picks output_dir/best, saved with its reward_mean/std (`name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 128000
@@ -134,7 +134,7 @@ class Args:
     eval_num_pairs: Annotated[int, Ge(0)] = 500
     """held-out pairs per evaluation, a fixed-seed sample (the final one also sets reward_mean / reward_std)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split with all their pairs (at most 10%; not trained on) whose pairwise accuracy selects output_dir/best (0: no best checkpoint)"""
+    """dev slice: train prompts held out with all their pairs (<= 10%) whose pair accuracy selects output_dir/best (0: none)"""
     num_sample_pairs: Annotated[int, Ge(0)] = 4
     """held-out pairs whose scores are written to samples.jsonl at each evaluation"""
 
@@ -147,7 +147,8 @@ class Args:
 
 # ALGO LOGIC: head init and the Bradley-Terry loss
 def init_reward_head(model) -> None:
-    """Head weight ~ N(0, 1/sqrt(H+1)), bias 0 (open-instruct `reward_modeling.py`, SFFD `reward.py`)."""
+    """Head weight ~ N(0, 1/sqrt(H+1)), bias 0 (open-instruct `reward_modeling.py`,
+    vwxyzjn/summarize_from_feedback_details `reward.py`)."""
     layer = head(model)
     torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
     if layer.bias is not None:
@@ -242,7 +243,7 @@ def main(args: Args) -> str:
     if new_pad is not None:
         tracker.write(f"pad token {new_pad!r} (the tokenizer padded with its EOS token)")
     if not any(a.endswith("ForSequenceClassification") for a in model.config.architectures or []):
-        init_reward_head(model)  # a causal-LM backbone gets a fresh head per spec; a trained RM keeps its own
+        init_reward_head(model)  # a causal-LM backbone gets a fresh head; a trained RM keeps its own
     model = add_lora(model, args, seq_cls=True)  # LoRA: adapters on the backbone, the score head in full
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)

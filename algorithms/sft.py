@@ -74,7 +74,7 @@ class Args:
     max_seq_length: Annotated[int, Ge(1)] = 512
     """examples whose prompt+response exceed this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
+    """grader for held-out accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -88,7 +88,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the model, frozen otherwise (0: off, every weight trains)"""
     lora_alpha: Annotated[int, Ge(1)] = 32
@@ -96,15 +96,15 @@ class Args:
     lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
-    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
 
     # reliability (shared/checkpoint.py; docs/sft.md#reliability)
     save_every: Annotated[int, Ge(0)] = 100
-    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
@@ -128,19 +128,19 @@ class Args:
     gradient_accumulation_steps: Annotated[int, Ge(1)] = 1
     """micro-batches per optimizer step"""
     loss_reduction: Literal["seq_mean", "token_mean"] = "seq_mean"
-    """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over all tokens of the step, on all ranks"""
+    """`seq_mean`: per-sequence token mean, then batch mean (VinePPO); `token_mean`: one mean over the step's tokens, all ranks"""
     eval_every: Annotated[int, Ge(0)] = 100
     """evaluate held-out accuracy every this many optimizer steps (0: only at the end)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 200
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: examples held out of the train split (at most 10%; not trained on; needs the answer column there) whose accuracy selects output_dir/best (0: no best checkpoint)"""
+    """dev slice: train examples held out of training (<= 10%; needs answers) whose accuracy selects output_dir/best (0: none)"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for held-out evaluation (0 = greedy)"""
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """generation length limit for evaluation"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0
@@ -160,16 +160,8 @@ def token_nll(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Ten
 def sequence_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                  chunk_size: int = 512):
     """Per-token negative log-likelihood of the response tokens, [B, L-1] (0 at other positions), and the mask.
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_nll).
-    The recomputation does not replay torch's RNG state (token_nll draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -75,7 +75,7 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """verifiable reward for trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
+    """verifiable reward of trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, `module:function`"""
     step_splitter: Literal["auto", "lines", "gsm8k", "math"] = "auto"
     """how responses are cut into steps: `auto` (by dataset), `lines` (built-in task), `gsm8k`, `math`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -91,7 +91,7 @@ class Args:
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
-    """recompute each layer in the backward instead of keeping its activations: about 1/3 more training compute, the same numbers, the memory a 1.5B model needs on one GPU (`--no_gradient_checkpointing` where memory allows; docs/performance.md)"""
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
     """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
     lora_alpha: Annotated[int, Ge(1)] = 32
@@ -99,17 +99,17 @@ class Args:
     lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
-    """layers that get adapters: `all-linear` (every linear layer of attention and MLP, not the output head) or comma-separated names (`q_proj,v_proj`)"""
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
     # reliability (shared/checkpoint.py; docs/vineppo.md#reliability)
     save_every: Annotated[int, Ge(0)] = 25
-    """save a resumable checkpoint (model, optimizer, scheduler, data position, RNG) to output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT or stop_after_steps)"""
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: continue from output_dir's latest checkpoint if there is one; `yes`: continue, fail if there is none; `no`: fresh run, fail if output_dir holds checkpoints; or a checkpoint directory"""
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
@@ -131,11 +131,11 @@ class Args:
     local_num_prompts: Annotated[int, Ge(1)] = 64
     """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
     num_ppo_epochs: Annotated[int, Ge(1)] = 2
-    """passes over each batch (VinePPO: 2; TRL/SFFD: 4)"""
+    """passes over each batch (VinePPO: 2; TRL, summarize_from_feedback_details: 4)"""
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
-    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); 64 fits a 1.5B model on one 80 GB GPU with gradient checkpointing (docs/performance.md)"""
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
     temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -143,7 +143,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 16
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
-    """stop strings (e.g. `--stop '</answer>'`): a completion ends at the token completing one, kept and trained on like EOS; rewards see the text before it. EOS and generation_config's eos ids always stop"""
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     num_mc_rollouts: Annotated[int, Ge(1)] = 9
     """K: continuations sampled from each intermediate state to estimate its value"""
     max_step_for_value_estimation: Annotated[int, Ge(0)] = 0
@@ -161,7 +161,7 @@ class Args:
     eval_num_prompts: Annotated[int, Ge(0)] = 500
     """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
-    """dev slice: prompts held out of the train split (at most 10%; not trained on), evaluated with the held-out set, that select output_dir/best (0: no best checkpoint)"""
+    """dev slice: train prompts kept out of training (<= 10%), evaluated with the held-out set; picks output_dir/best (0: none)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
@@ -235,14 +235,14 @@ def dedup_states(states_per_traj: list[list]) -> tuple[list, list[list[int | Non
 
 
 def step_advantages(values: list[float], ret: float) -> list[float]:
-    """A_j = 1[j = n-1] * R + V(S_{j+1}) - V(S_j) with V(S_n) = 0 (vineppo.md §3); sums to R - V(S_0)."""
+    """A_j = 1[j = n-1] * R + V(S_{j+1}) - V(S_j) with V(S_n) = 0; sums to R - V(S_0)."""
     n = len(values)
     return [(ret if j == n - 1 else 0.0) + (values[j + 1] if j + 1 < n else 0.0) - values[j] for j in range(n)]
 
 
 def backfill_values(values: list[float | None], ret: float) -> list[float]:
     """States beyond max_step_for_value_estimation were not rolled out: V_j = r_j + V_{j+1} = R (only the
-    last step is rewarded), i.e. the trajectory's own outcome (VINE back-fill)."""
+    last step is rewarded), i.e. the trajectory's own outcome (as VinePPO's code)."""
     return [ret if v is None else v for v in values]
 
 
@@ -274,16 +274,8 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                      temperature: float, with_entropy: bool = False, chunk_size: int = 512):
     """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
     (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
-
-    Memory: the LM head runs on the response positions only, chunk_size of them at a time, and the backward pass
-    recomputes a chunk's logits instead of keeping them (activation checkpointing). So float32 logits exist for
-    one chunk at a time ([chunk_size, V] and temporaries of that size), never for [B, L-1, V]: with Qwen2.5-1.5B's
-    V = 151,936, 0.3 GB per 512-token chunk instead of 160 GB for 256 sequences of 1,024 tokens. The logits
-    must be lm_head(last hidden state), as in Llama, Qwen and Mistral (Gemma-2 also soft-caps them: add that to
-    token_logprobs).
-    The recomputation does not replay torch's RNG state (token_logprobs draws nothing, dropout is off): restoring it
-    would rewind the global generator that a vLLM engine generating in another thread samples from (grpo.py and
-    ppo.py's --async_steps)."""
+    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
+    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -345,7 +337,7 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
-    local_seed = args.seed + info.rank * 100003  # prime offset (SFFD)
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
 
     # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
@@ -459,7 +451,7 @@ def main(args: Args) -> str:
             try:
                 starts.append(step_token_starts(c.token_ids, split_steps(text), decode))
             except StepSplitError:
-                starts.append(None)  # trajectory dropped from the loss (VINE `parse_failed`)
+                starts.append(None)  # trajectory dropped from the loss (VinePPO's `parse_failed`)
                 parse_failed += 1
         cap = args.max_step_for_value_estimation or None
         keys = [[None if cap is not None and j > cap else (local_idx[i // args.num_samples_per_prompt],
@@ -535,7 +527,8 @@ def main(args: Args) -> str:
                         loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if ref_policy is not None:
-                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)  # VINE clamp
+                            # k3 per token, clamped to [0, 10] as in VinePPO
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
                             kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()

@@ -1,4 +1,4 @@
-"""Benchmark (not a test): how hard is `builtin:sums-N` after the usual SFT warm start? (issue #18 item 1)
+"""Benchmark (not a test): how hard is `builtin:sums-N` after the usual SFT warm start?
 
     python scripts/calibrate_sums.py                       # N = 4 6 8 10, seed 1 (~10 min on 2 cores)
     python scripts/calibrate_sums.py --terms 6 7 --seeds 1 2

@@ -1,4 +1,4 @@
-"""PPO vs VinePPO vs GRPO on `builtin:sums-6` (issue #18 items 2-4; an experiment, not a test).
+"""PPO vs VinePPO vs GRPO on `builtin:sums-6` (an experiment, not a test; docs/vineppo.md).
 
     python scripts/compare_vineppo_ppo_grpo.py                          # everything, resumable (rerun to continue)
     python scripts/compare_vineppo_ppo_grpo.py --budget_minutes 150     # stop before a unit would pass 150 min
@@ -134,7 +134,7 @@ def curve(rows: list[dict], args: dict) -> list[dict]:
 
 def first_reach(points: list[dict], target: float, consecutive: int = 1) -> dict | None:
     """The first evaluation with accuracy >= target that `consecutive` - 1 later evaluations also reach (None if
-    never). consecutive = 1 is the issue's plain definition; 2 (reported beside it, fixed before any run) keeps a
+    never). consecutive = 1 is the plain definition; 2 (reported beside it, fixed before any run) keeps a
     curve that plateaus near the target from 'reaching' it on one lucky evaluation (each has a standard error of
     about 0.01). The run's last evaluations count with the successors they have (PPO reaches its own final)."""
     for i in range(len(points)):
@@ -172,7 +172,7 @@ def without_budget(command: str) -> str:
 
 
 def goal(per_seed: list[dict], value_table: list[dict] | None, k: int) -> dict:
-    """The issue's two targets, as measured: VinePPO reaches PPO's final accuracy in <= 1/3 of PPO's gradient steps
+    """The experiment's two targets, as measured: VinePPO reaches PPO's final accuracy in <= 1/3 of PPO's gradient steps
     on every seed; the MC estimate has a lower MAE at every step position and a higher ranking accuracy at every
     position where ranking is defined (None while the value analysis is missing). A position reached by a single
     state of a seed (a response with an extra line) has no pair to rank: it is named in

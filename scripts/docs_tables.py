@@ -34,9 +34,9 @@ BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-
 
 
 
-# Runs of these benchmarks are the scripts' default runs (plus flags); the defaults changed at this time (issue #22:
-# gradient checkpointing on, grpo/ppo/vineppo/drca micro-batch 256 -> 64), so their older files say what they ran.
-DEFAULTS_CHANGED = "2026-11-26 03:25:25"  # commit 5a37629
+# Runs of these benchmarks are the scripts' default runs (plus flags). Files recorded before this time ran other
+# defaults (no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256, not 64): their tables say so.
+DEFAULTS_CHANGED = "2026-11-26 03:25:25"
 DEFAULT_RUN_BENCHMARKS = ("headline", "async", "grpo_variants")
 OLD_DEFAULTS = ("defaults of then: no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256 (add "
                 "`--local_micro_batch_size 256` to rerun as measured)")
@@ -232,7 +232,7 @@ def lora_learning(files: list[dict]) -> str:
     k = "eval/accuracy"
     seeds = [s for s in full["seeds"] if s in lora["seeds"]]
     gain = lambda x: x["final"][k] - x["start"][k]  # noqa: E731
-    goal = 0.5  # issue #20: LoRA's held-out gain at least half of full fine-tuning's, at the same samples
+    goal = 0.5  # the LoRA goal: LoRA's held-out gain at least half of full fine-tuning's, at the same samples
     lines = ["| seed | full fine-tuning: start -> end | LoRA: start -> end | LoRA gain / full gain | goal (>= "
              f"{goal}) | minutes, full / LoRA |", "|---|---|---|---|---|---|"]
     met = 0
@@ -792,8 +792,8 @@ def repulse_toy(d: dict) -> str:
 
 
 def repulse_toy_paper(d: dict) -> str:
-    """scripts/repulse_toy.py --paper: per config, final exact log P(bad) per seed, held-out mean reward, and issue
-    #19's goal against REINFORCE seed by seed (>= 1 nat lower at mean reward within 5%)."""
+    """scripts/repulse_toy.py --paper: per config, final exact log P(bad) per seed, held-out mean reward, and the
+    goal against REINFORCE seed by seed (>= 1 nat lower at mean reward within 5%)."""
     minus = lambda x, f=".2f": format(x, f).replace("-", "−")  # noqa: E731
     lines = ["| config | p updates | final exact log P(bad), per seed | mean | held-out mean reward | "
              "REINFORCE minus this, per seed (nats) | goal met on every seed |", "|---|---|---|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""Benchmark (not a test): do DRCA's credits locate the slip? (issue #19 items 6-7)
+"""Benchmark (not a test): do DRCA's credits locate the slip? (docs/drca.md)
 
     python scripts/drca_localisation.py                      # builtin:tiny-sft + builtin:tiny-rm, both modes (~3 min)
     python scripts/drca_localisation.py --scorer line_grader # the upper bound: the per-line grader scores them

@@ -10,14 +10,14 @@ Two modes:
     python scripts/repulse_toy.py --paper --hours 2 --drain   # ... but let the running run finish, start no other
     python scripts/repulse_toy.py --paper --seeds 1 2 3 4 5 --alphas 0.01 0.1
 
---paper: the paper's toy settings (spec §3 column T0, §4.1): 250k samples per run, N = 500 samples per step from p
+--paper: the paper's toy settings: 250k samples per run, N = 500 samples per step from p
 (and 500 from q for RePULSe), c_KL = 0, beta (code) -10, p LR 1e-4, q LR 3e-4, RePULSe and the p-proposal ablation
 at each alpha of --alphas (default 0.01 0.1 1 10), against REINFORCE (RLOO) and r - e^{-r}, with the toy's
 classifier-like reward (`--reward_fn toy_classifier`, shared/toy.py). Every run saves a checkpoint every 25 steps
 and on SIGTERM / Ctrl-C, and `algorithms/repulse.py --resume auto` continues it, so the sweep can be spread over
 sessions. Writes docs/results/repulse_toy.json after every finished run: provenance (machine, commit, built-in
 model hashes, command), per run the final exact log P(bad), the held-out and training mean reward and the curves
-(every 5,000 samples, the paper's evaluation points), and the goal of issue #19 per alpha: RePULSe's final
+(every 5,000 samples, the paper's evaluation points), and the goal per alpha: RePULSe's final
 log P(bad) at least 1 nat below REINFORCE's with held-out mean reward within 5%, on every seed (seed-paired).
 Finished runs stored in that file are reused too (its flags, and the built-in models it ran on, must equal this
 invocation's), so the sweep goes on in a fresh clone without the run directories; the plot is drawn from it.

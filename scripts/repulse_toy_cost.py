@@ -1,4 +1,4 @@
-"""Benchmark (not a test): what would the RePULSe toy cost on a real pretrained model? (issue #19 item 3)
+"""Benchmark (not a test): what would the RePULSe toy cost on a real pretrained model?
 
     python scripts/repulse_toy_cost.py                                   # builtin:smollm2-135m on this machine
     python scripts/repulse_toy_cost.py --model builtin:tiny-sft          # the toy's model, for scale

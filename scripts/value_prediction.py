@@ -1,4 +1,4 @@
-"""VinePPO's value-prediction analysis in small (an experiment, not a test; issue #18 item 3).
+"""VinePPO's value-prediction analysis in small (an experiment, not a test; docs/vineppo.md).
 
 At the step boundaries of held-out responses sampled from a policy (states S_j: the prompt and the response's
 first j steps), compare two value estimates with a Monte Carlo "ground truth" (K_truth rollouts per state, from

@@ -208,7 +208,7 @@ def select_fields(rows: list[dict], where: str, keys: dict[str, str]) -> list[di
 
 
 def format_prompt(text: str, template: str) -> str:
-    """Fill the prompt template, e.g. '[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:' (VinePPO, graders.md §1)."""
+    """Fill the prompt template, e.g. '[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:' (VinePPO; docs/graders.md)."""
     return template.replace("{prompt}", text)
 
 

@@ -179,7 +179,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_causal_lm(path: str, dtype: torch.dtype, gradient_checkpointing: bool = False):
     """Load an HF causal LM from a hub name or local path with dropout disabled (RL needs deterministic
-    log-probs: SFFD / VINE `disable_dropout`)."""
+    log-probs; as `disable_dropout` in vwxyzjn/summarize_from_feedback_details and the VinePPO code)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path).exists() or "/" in path):

@@ -250,9 +250,9 @@ def _refresh_tied_lm_head(worker) -> bool:
     """Run on the vLLM worker after `reload_weights`. With tied embeddings (SmolLM2, Qwen2.5-0.5B/1.5B,
     Llama-3.2-1B) the trainer sends embed_tokens only, and vLLM's LM head is the same tensor, so its values are new;
     but on CPU the head's matmul uses a packed copy of the weight made when it was processed after loading, and the
-    reload does not re-process a head that received no weight of its own: the engine sampled from the new model
-    with the old output layer (found by tests/test_generation_tied.py: 67 nats apart
-    before this). Re-processing repacks it; on GPU it is a no-op. Returns whether the head is tied."""
+    reload does not re-process a head that received no weight of its own, so without this the engine samples from
+    the new model with the old output layer (tests/test_generation_tied.py: 67 nats apart). Re-processing repacks
+    it; on GPU it is a no-op. Returns whether the head is tied."""
     model = worker.model_runner.model
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)

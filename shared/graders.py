@@ -1,10 +1,11 @@
-r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO reference (spec: graders.md §2-3).
+r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO reference code
+(github.com/McGill-NLP/VinePPO; "the reference" below).
 
-* GSM8K (§3, ``McGill-NLP/VinePPO:src/treetune/tasks/gsm8k.py`` with ``use_original_format=True``): the answer is
+* GSM8K (``McGill-NLP/VinePPO:src/treetune/tasks/gsm8k.py`` with ``use_original_format=True``): the answer is
   the text after the last ``####``; grading is an exact string match after removing commas from the prediction,
   or (not in the reference) the same number once commas, ``$`` and a trailing period are gone: ``$18 == 18.0 ==
   18`` but ``18.01 != 18``.
-* MATH (§2, ``McGill-NLP/VinePPO:src/treetune/tasks/math_answer_exctraction.py`` and ``math_grader_minerva.py``):
+* MATH (``McGill-NLP/VinePPO:src/treetune/tasks/math_answer_exctraction.py`` and ``math_grader_minerva.py``):
   Minerva-style extraction of a *list* of candidate answers, ``strip_string`` normalisation, then ``eval_math``:
   numeric, string, tuple/interval/matrix and finally symbolic (sympy) equivalence.
 
@@ -24,7 +25,7 @@ Differences from the reference, all on purpose:
 * A MATH gold that is a bare answer (MATH-500's ``answer`` column, no ``\boxed``) is used as it stands; the reference
   only took gold solutions, and passing it a bare ``\frac{14}{3}`` made the gold its last number, ``3``.
 * ``1{,}000`` reads as ``1000``; a GSM8K answer also matches when it is the same number once commas, a leading
-  ``$`` and a trailing period are removed (``$18``, ``18.00``, ``18.`` vs ``18``), where VINE compared strings.
+  ``$`` and a trailing period are removed (``$18``, ``18.00``, ``18.`` vs ``18``), where the reference compared strings.
 * Kept from the reference on purpose (the protocol's graded numbers depend on them): numbers within 1e-3 are equal
   (``1.414`` for ``\sqrt{2}``), and exponents of two or more digits are not evaluated (``2^{10}`` is not ``1024``).
 
@@ -42,11 +43,11 @@ import sys
 import threading
 from contextlib import contextmanager
 
-# -- GSM8K (spec §3; VINE gsm8k.py) --------------------------------------------------------------------------------
+# -- GSM8K (the reference's gsm8k.py) -----------------------------------------------------------------------------
 
 
 def remove_gsm8k_calculator_annotations(solution: str) -> str:
-    """Drop GSM8K calculator annotations ``<<48/2=24>>`` from a gold solution (spec §3 preprocessing)."""
+    """Drop GSM8K calculator annotations ``<<48/2=24>>`` from a gold solution (the reference's preprocessing)."""
     return re.sub(r"<<.*?>>", "", solution, flags=re.DOTALL)
 
 
@@ -75,9 +76,9 @@ def _gsm8k_number(text: str) -> float | None:
 
 
 def grade_gsm8k(completion: str, gold: str) -> bool:
-    """VINE exact match (``pred.strip().replace(',', '').lower() == gold.strip().lower()``), or the same number
-    once commas, a ``$`` and a trailing period are removed from both (VINE would fail ``$18``, ``18.00``, ``18.``
-    and a gold written ``1,234``)."""
+    """The reference's exact match (``pred.strip().replace(',', '').lower() == gold.strip().lower()``), or the same
+    number once commas, a ``$`` and a trailing period are removed from both (the reference fails ``$18``,
+    ``18.00``, ``18.`` and a gold written ``1,234``)."""
     pred = extract_gsm8k_answer(completion)
     if pred is None:
         return False
@@ -89,7 +90,7 @@ def grade_gsm8k(completion: str, gold: str) -> bool:
     return p is not None and g is not None and p == g
 
 
-# -- MATH extraction (spec §2.1; VINE math_answer_exctraction.py) --------------------------------------------------
+# -- MATH extraction (the reference's math_answer_exctraction.py) -------------------------------------------------
 
 
 def _fix_fracs(s: str) -> str:
@@ -125,7 +126,7 @@ def _fix_a_slash_b(s: str) -> str:
 
 
 def strip_math_string(s: str) -> str:
-    """Minerva ``strip_string`` normalisation of one answer (spec §2.1), rule for rule as in the VINE reference."""
+    """Minerva ``strip_string`` normalisation of one answer, rule for rule as in the reference."""
     s = str(s).strip().replace("\n", "").rstrip(".").replace("\\!", "")
     s = s.replace("{,}", "")  # LaTeX thousands separator 1{,}000 (not in the reference: it graded 1{,}000 wrong)
     if s.startswith("\\text{") and s.endswith("}"):
@@ -173,14 +174,15 @@ def _extract_boxed(text: str) -> list[str]:
         for i, ch in enumerate(piece):
             depth += (ch == "{") - (ch == "}")
             if depth < 0:
-                # VINE keeps piece[:i + 1] here, i.e. "5}" for "\boxed{5}%"; we keep the intended "5%".
+                # the reference keeps piece[:i + 1] here, i.e. "5}" for "\boxed{5}%"; we keep the intended "5%".
                 answers.append(piece[:i] + "%" if piece[i + 1 : i + 2] == "%" else piece[:i])
                 break
     return answers
 
 
 def _extract_raw_answers(text: str) -> list[str]:
-    """VINE ``extract_answer(text, exhaust=True)``: candidates by the §2.1 precedence, each post-processed."""
+    """The reference's ``extract_answer(text, exhaust=True)``: candidates in its order of precedence (below),
+    each post-processed."""
     if "final answer is $" in text and "$. I hope" in text:
         raw = [text.split("final answer is $", 1)[1].split("$. I hope", 1)[0].strip()]
     elif "boxed" in text:
@@ -201,7 +203,7 @@ def _extract_raw_answers(text: str) -> list[str]:
 
 
 def _split_answers(question: str, answers: list[str]) -> list[str]:
-    """VINE's multi-answer split: on commas for "separated by commas" questions, and on ``\text{ and }``."""
+    """The reference's multi-answer split: on commas for "separated by commas" questions, and on ``\text{ and }``."""
     out: list[str] = []
     for ans in answers:
         if "separated by commas" in question and all(ch not in ans for ch in "()[]"):
@@ -214,7 +216,8 @@ def _split_answers(question: str, answers: list[str]) -> list[str]:
 
 
 def extract_math_answer(question: str, text: str) -> list[str]:
-    """List of normalised candidate answers in ``text``; splits multi-answers as VINE ``extract_math_answer``."""
+    """List of normalised candidate answers in ``text``; splits multi-answers as the reference's
+    ``extract_math_answer``."""
     return _split_answers(question, _extract_raw_answers(text))
 
 
@@ -226,9 +229,9 @@ def is_math_solution(gold: str) -> bool:
 
 
 def math_gold_from_solution(question: str, solution: str) -> list[str]:
-    r"""Gold answers of a MATH gold text: a solution's ``\boxed{}`` (§2.1), or a bare answer as it stands (only
+    r"""Gold answers of a MATH gold text: a solution's ``\boxed{}``, or a bare answer as it stands (only
     normalised). A bare answer must not go through the response extraction, whose last-number fallback would turn
-    ``\frac{14}{3}`` into ``3`` (#16)."""
+    ``\frac{14}{3}`` into ``3``."""
     if "####" in solution:  # a GSM8K-format gold ("12 + 7 = 19\n#### 19") graded by the MATH grader
         solution = solution.split("####")[-1].strip()
     elif is_math_solution(solution):
@@ -239,10 +242,11 @@ def math_gold_from_solution(question: str, solution: str) -> list[str]:
     return _split_answers(question, [strip_math_string(text)]) if text else []
 
 
-# -- LaTeX -> sympy text, guards, and the sandboxed sympy worker (spec §2.2 step 4, VINE math_grader*.py) ----------
+# -- LaTeX -> sympy text, guards, and the sandboxed sympy worker (the reference's math_grader*.py) ----------------
 
 MAX_EXPR_CHARS = 400  # longer answers are not worth a sympy call
-# Names our converter (or sympy) understands; removed before counting "unknown letters" (VINE should_allow_eval).
+# Names our converter (or sympy) understands; removed before counting "unknown letters" (the reference's
+# should_allow_eval).
 _KNOWN_NAMES = ("binomial", "sqrt", "root", "asin", "acos", "atan", "acot", "sin", "cos", "tan", "cot", "sec",
                 "csc", "log", "exp", "frac", "inf", "pi", "oo")
 # "^{"/"^(" (compound exponents) and long exponents or factorials are refused as in the reference: slow for sympy.
@@ -279,8 +283,8 @@ def _read_arg(s: str, i: int) -> tuple[str, int]:
 def latex_to_text(s: str) -> str:
     r"""Best-effort LaTeX -> sympy-parsable text (``\frac{a}{b}`` -> ``(a)/(b)``, ``\sqrt`` -> ``sqrt()``, ...).
 
-    Plays the role of VINE's pylatexenc-based ``_parse_latex``: ``^`` is kept (the guards look for it) and a digit
-    followed by a fraction with a numeric numerator is a mixed number (``7\frac{3}{4}`` -> ``7+(3)/(4)``).
+    Plays the role of the reference's pylatexenc-based ``_parse_latex``: ``^`` is kept (the guards look for it) and a
+    digit followed by a fraction with a numeric numerator is a mixed number (``7\frac{3}{4}`` -> ``7+(3)/(4)``).
     """
     out: list[str] = []
     i = 0
@@ -297,7 +301,7 @@ def latex_to_text(s: str) -> str:
                     out.append(f"binomial({num},{den})")
                     continue
                 if num[:1].isdigit() and re.search(r"(?<![\^\w.])\d+$", "".join(out)):
-                    out.append("+")  # mixed number "2\frac{1}{4}", as VINE's _inject_implicit_mixed_number
+                    out.append("+")  # mixed number "2\frac{1}{4}", as the reference's _inject_implicit_mixed_number
                 out.append(f"({num})/({den})")
             elif name == "sqrt":
                 index = None
@@ -325,7 +329,8 @@ def latex_to_text(s: str) -> str:
 
 
 def should_allow_eval(expr: str) -> bool:
-    """VINE guard (``math_grader.py``) plus sandbox checks: refuse text that is long, odd or slow for sympy."""
+    """The reference's guard (``math_grader.py``) plus sandbox checks: refuse text that is long, odd or slow for
+    sympy."""
     if len(expr) > MAX_EXPR_CHARS or not _ALLOWED_CHARS.fullmatch(expr):
         return False
     letters = expr
@@ -404,8 +409,8 @@ class GraderWorkerError(RuntimeError):
     """The sympy worker process could not be started (a setup problem, so it is raised, not graded as 0)."""
 
 
-# VINE SympySimplifier: one lazily created worker, terminated and replaced when a call times out. 'spawn' because
-# forking a process that holds CUDA contexts or threads (trainer, vLLM) is unsafe.
+# As the reference's SympySimplifier: one lazily created worker, terminated and replaced when a call times out.
+# 'spawn' because forking a process that holds CUDA contexts or threads (trainer, vLLM) is unsafe.
 _POOL = None
 _POOL_BROKEN = False
 _POOL_LOCK = threading.Lock()
@@ -471,7 +476,7 @@ def symbolic_equal(a: str, b: str, timeout: float = 15.0) -> bool:
         return False
 
 
-# -- MATH comparison (spec §2.2; VINE math_grader_minerva.py: math_equal / is_correct / eval_math) -----------------
+# -- MATH comparison (the reference's math_grader_minerva.py: math_equal / is_correct / eval_math) ----------------
 
 
 def _parse_digits(num: str) -> float | None:
@@ -498,13 +503,13 @@ def _matrix_rows(m: str) -> list[list[str]]:
 
 
 def math_equal(pred: str, gold: str, timeout: float = 15.0) -> bool:
-    """Element equality of spec §2.2 step 4: string, numeric (with %), tuple/interval, matrix, '=' and symbolic."""
+    """Equality of two answers: string, numeric (with %), tuple/interval, matrix, '=' and symbolic."""
     pred, gold = str(pred).strip(), str(gold).strip()
     if pred == gold:
         return True
     p_num, g_num = _parse_digits(pred), _parse_digits(gold)
     if p_num is not None and g_num is not None:
-        # VINE leniency: the gold may be a percentage of the prediction or vice versa.
+        # the reference's leniency: the gold may be a percentage of the prediction or vice versa.
         return any(math.isclose(p_num, g, abs_tol=1e-3) for g in (g_num / 100, g_num, g_num * 100))
     if not pred:
         return False
@@ -538,8 +543,9 @@ def math_equal(pred: str, gold: str, timeout: float = 15.0) -> bool:
 
 
 def _is_correct(pred: str | list[str], gold: str | list[str], timeout: float, equal=None) -> bool:
-    """VINE ``is_correct``: lists match iff every prediction matches some gold and every gold is matched.
-    `equal`: the element equivalence, ours (`math_equal`, VINE's float pre-check first) or `math_verify_equal`."""
+    """The reference's ``is_correct``: lists match iff every prediction matches some gold and every gold is matched.
+    `equal`: the element equivalence, ours (`math_equal`, the reference's float pre-check first) or
+    `math_verify_equal`."""
     if isinstance(pred, list):
         pred_hit, gold_hit = set(), set()
         for i, p in enumerate(pred):
@@ -562,8 +568,8 @@ def _is_correct(pred: str | list[str], gold: str | list[str], timeout: float, eq
 
 def grade_math(question: str, completion: str, gold_solution: str, timeout: float = 15.0,
                checker: str = "vine") -> bool:
-    """VINE ``eval_math`` on the Minerva-extracted prediction list vs the gold's answer list (a solution's box or a
-    bare answer); `checker` "vine" (ours) or "math_verify" decides when two answers are equal."""
+    """The reference's ``eval_math`` on the Minerva-extracted prediction list vs the gold's answer list (a
+    solution's box or a bare answer); `checker` "vine" (ours) or "math_verify" decides when two answers are equal."""
     gold = list(dict.fromkeys(math_gold_from_solution(question, gold_solution)))  # de-duplicate, keep order
     if not gold:
         return False
@@ -576,7 +582,7 @@ def grade_math(question: str, completion: str, gold_solution: str, timeout: floa
 
 
 def grade(task: str, completion: str, gold: str, question: str = "", finished: bool = True) -> float:
-    """Reward in {0.0, 1.0} for one completion; 0.0 if truncated (``finish_reason == 'length'``, spec §2.3).
+    """Reward in {0.0, 1.0} for one completion; 0.0 if truncated (``finish_reason == 'length'``).
 
     ``task`` is ``'gsm8k'`` (``gold`` = the answer after ``####``), ``'math'`` (``gold`` = a gold solution or a bare
     answer, ``question`` = the problem text, needed for "separated by commas" questions) or ``'math_verify'`` (the

@@ -1,20 +1,21 @@
-r"""Reasoning-step segmentation for VinePPO (spec: vineppo.md §1).
+r"""Reasoning-step segmentation for VinePPO (docs/vineppo.md, "How states are built and rolled out").
 
 A *step* is a contiguous chunk of a response. A splitter returns character boundaries
 ``b = [0, i_1, ..., len(response)]``; the steps are ``response[b[k]:b[k+1]]``, so ``"".join(steps) == response``
 exactly. VinePPO estimates values at the step boundaries: its states are ``S_0 = prompt`` and
-``S_j = prompt + steps[0] + ... + steps[j-1]``, each valued by the mean reward of K fresh rollouts (spec §2), and every
-token of step j receives that step's advantage (spec §3).
+``S_j = prompt + steps[0] + ... + steps[j-1]``, each valued by the mean reward of K fresh rollouts, and every token
+of step j receives that step's advantage.
 
-Splitters (pick one by name with ``get_splitter``):
+Splitters (pick one by name with ``get_splitter``); the first two follow the VinePPO reference code
+(github.com/McGill-NLP/VinePPO, under ``src/treetune``):
 
-* ``split_gsm8k``: GSM8K original format (§1.2; VINE ``tasks/gsm8k.py::split_solution_into_intermediate_steps``).
-* ``split_math``: MATH (§1.1; VINE ``tasks/math_extract_steps_inplace.py::split_solution_inplace``).
+* ``split_gsm8k``: GSM8K original format (``tasks/gsm8k.py::split_solution_into_intermediate_steps``).
+* ``split_math``: MATH (``tasks/math_extract_steps_inplace.py::split_solution_inplace``).
 * ``split_lines``: the built-in running-sums task (``shared/task.py``): one line per step.
 
 Conventions shared by all three: the empty response gives ``[0]`` (no steps); otherwise boundaries are strictly
 increasing (no empty steps). ``StepSplitError`` means the response cannot be segmented; VinePPO then drops the
-trajectory and counts ``parse_failed`` (§1.2, last line).
+trajectory and counts ``parse_failed``.
 """
 
 from __future__ import annotations
@@ -65,13 +66,13 @@ def split_lines(response: str) -> list[int]:
     return _boundaries(response, _newline_parts(response))
 
 
-# -- GSM8K (spec §1.2) -------------------------------------------------------------------------------------------
+# -- GSM8K -------------------------------------------------------------------------------------------------------
 
 GSM8K_ANSWER_PREFIX = "\n#### "
 
 
 def split_gsm8k(response: str) -> list[int]:
-    """GSM8K steps (spec §1.2): one step per line, the "\n" starting each later step.
+    """GSM8K steps: one step per line, the "\n" starting each later step.
 
     Leading empty (whitespace-only) lines are merged into the first non-empty step, and the last non-empty step
     absorbs everything after it: trailing empty lines and the ``"\n#### <answer>"`` part. A response containing
@@ -96,7 +97,7 @@ def split_gsm8k(response: str) -> list[int]:
     return _boundaries(response, steps)
 
 
-# -- MATH (spec §1.1) --------------------------------------------------------------------------------------------
+# -- MATH --------------------------------------------------------------------------------------------------------
 
 # Step 1: math spans, replaced in this order (a later pattern may enclose an earlier placeholder).
 _MATH_SPANS = [re.compile(p, re.DOTALL) for p in (
@@ -215,7 +216,7 @@ def _break_long_part(part: str, sentinel: str) -> list[str]:
 
 
 def split_math(response: str) -> list[int]:
-    """MATH steps (spec §1.1, steps 1-5); see the comments below for each step.
+    """MATH steps, in the reference's five stages (the "Step 1" to "Step 5" comments above).
 
     Wherever the reference succeeds this returns its boundaries (checked against it on thousands of generated
     strings). Where it fails, this still splits: a response < 20 characters is one step (the reference drops
@@ -287,9 +288,9 @@ def get_splitter(name: str) -> Callable[[str], list[int]]:
 def step_token_starts(token_ids: list[int], char_boundaries: list[int], decode) -> list[int]:
     """Token index where each step starts, from the steps' character boundaries [0, ..., len(text)].
 
-    Token i belongs to the step containing its start offset len(decode(ids[:i])) (VINE maps tokens through
-    their start offsets); binary search keeps this at O(steps * log tokens) decodes. Steps that would start
-    inside the same token are merged, so the result is strictly increasing and starts at 0."""
+    Token i belongs to the step containing its start offset len(decode(ids[:i])) (the VinePPO reference maps
+    tokens through their start offsets); binary search keeps this at O(steps * log tokens) decodes. Steps that
+    would start inside the same token are merged, so the result is strictly increasing and starts at 0."""
     starts = []
     for b in char_boundaries[:-1]:
         lo, hi = 0, len(token_ids)

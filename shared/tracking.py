@@ -7,7 +7,8 @@ backends keep their own step and wall-clock fields), under `--project`. trackio 
 file under `TRACKIO_DIR` (default `~/.cache/huggingface/trackio`); see it with `trackio show --project <project>`.
 
 Only the main process writes; other ranks get a tracker whose methods do nothing (no rank checks at
-call sites, as SFFD's no-op writer). Plot any run with `python scripts/plot.py <output_dir>`.
+call sites, as the no-op writer of vwxyzjn/summarize_from_feedback_details). Plot any run with
+`python scripts/plot.py <output_dir>`.
 
 The progress bar shows the step, the values the script passes to `progress` (reward or loss) and the last
 held-out value of `eval_key` (`--best_metric`'s key, its `eval/` twin for a `dev/` metric), carried from the

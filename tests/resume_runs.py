@@ -69,7 +69,7 @@ def tiny_reward_model(out: Path) -> Path:
 def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
     """name -> (script, flags, K = steps before the interruption)."""
     return {
-        # 16 examples, 8 per step: K = 2 ends exactly at the epoch boundary (pitfalls P18)
+        # 16 examples, 8 per step: K = 2 ends exactly at the epoch boundary (the resume must still train)
         "sft": ("sft", ["--model_name_or_path", "builtin:tiny", "--dataset", d["sft"], "--total_episodes", "40",
                         "--local_micro_batch_size", "8", "--eval_num_prompts", "8", "--eval_every", "2",
                         "--max_prompt_length", "24", "--reward_fn", "builtin"], 2),

@@ -1,4 +1,4 @@
-"""Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all (style.md S4);
+"""Every script's `Args`: each field typed, defaulted and documented, and `--help` shows them all;
 fixed-choice flags are `Literal`s, and a bad flag is one line `error: ...` (exit status 2) before anything is
 written."""
 
@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,41 @@ def test_help_lists_every_field(script):
     for name, choices in CHOICES[script].items():  # tyro shows a fixed-choice flag as --name {a,b,c}
         assert f"--{name} {{{','.join(choices)}}}" in out.stdout, f"--{name}'s choices missing from {script} --help"
     assert "world_size" not in out.stdout  # runtime-computed fields are hidden
+
+
+MAX_HELP_CHARS = 130  # a flag's help is one line; longer explanations and measurements belong in docs/<script>.md
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_field_docstring_is_one_short_line(script):
+    """--help stays readable: each field's docstring (its help text) is one line of at most MAX_HELP_CHARS."""
+    long = {name: len(doc) for name, doc in documented_fields(script).items()
+            if len(doc) > MAX_HELP_CHARS or "\n" in doc}
+    assert not long, f"{script}: help longer than {MAX_HELP_CHARS} characters or on several lines: {long}"
+
+
+# Labels of notes kept outside the repository: pitfall numbers (P7, U6), abbreviations (SFFD for
+# vwxyzjn/summarize_from_feedback_details, VINE for the VinePPO code), design-spec sections, issue numbers.
+OUTSIDE_LABELS = re.compile(r"\b[PU]\d+\b|\bSFFD\b|\bVINE\b|\bspec §|\.md §|\bissue #\d|\(#\d|#\d+\.\d|"
+                            r"building_blocks|pitfalls|style\.md|sft_restem\.md|Tests this implementation should have")
+URL = re.compile(r"(https?://|github\.com/)\S+")
+
+
+def test_scripts_and_shared_cite_no_labels_defined_outside_the_repository():
+    """A reader who only has the repository must be able to follow every comment and docstring: no pitfall numbers,
+    abbreviations of reference code, spec sections or issue numbers in algorithms/ and shared/ (URLs are skipped)."""
+    files = [*sorted((ROOT / "algorithms").glob("*.py")), *sorted((ROOT / "shared").glob("*.py"))]
+    found = [f"{p.relative_to(ROOT)}:{i}: {m.group(0)!r}" for p in files
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             for m in OUTSIDE_LABELS.finditer(URL.sub("", line))]
+    assert not found, found
+    # the pattern catches what it is meant to, and leaves URLs and papers' section numbers alone
+    for text in ["(pitfalls P7)", "(SFFD)", "VINE clamp", "(spec §2.7)", "drca.md §2.2", "issue #19", "(#16)",
+                 "#16.3:", "building_blocks §5", "style.md S4"]:
+        assert OUTSIDE_LABELS.search(URL.sub("", text)), text
+    for text in ["https://github.com/org/repo/issues/12#issue-3", "DeepSeekMath §4.1.2", "p_0 and P(bad)",
+                 "pytorch/pytorch#190489", "checker: str = 'vine'"]:
+        assert not OUTSIDE_LABELS.search(URL.sub("", text)), text
 
 
 # --- fixed-choice flags: `Literal[...]` fields, checked by the parser ----------------------------------------------

@@ -1,4 +1,4 @@
-"""Data loading, validation, tokenization and batching (pitfalls P4, P5; issue: bad dataset rows)."""
+"""Data loading, validation, tokenization (one BOS, EOS appended) and batching (masks), and bad dataset rows."""
 
 import json
 
@@ -20,7 +20,7 @@ def test_builtin_splits_are_disjoint_and_deterministic():
 
 
 def test_builtin_sums_n_family_is_disjoint_deterministic_and_keeps_the_default():
-    """#18.1: `builtin:sums-N` has N-1 steps per response; `builtin` is `builtin:sums-4` row for row."""
+    """`builtin:sums-N` has N-1 steps per response; `builtin` is `builtin:sums-4` row for row."""
     import hashlib
     import json
 
@@ -62,7 +62,7 @@ def test_builtin_example_and_grader():
     assert task.step_boundaries("7\n12\n13") == [0, 1, 4, 7]
 
 
-# ---------------------------------------------------------------- BOS / EOS (P5)
+# ---------------------------------------------------------------- BOS / EOS: exactly one BOS, EOS appended
 def test_exactly_one_bos_with_and_without_chat_template(tiny_model):
     _, tok = tiny_model
     bos = tok.bos_token_id
@@ -190,7 +190,7 @@ def test_reward_fn_loading_and_validation(tmp_path):
         compute_rewards(load_reward_fn(f"{p}:short"), ["a", "b"], ["x", "y"], ["1", "2"], [True] * 2, [{}, {}])
     with pytest.raises(ValueError, match="value 0 is nan"):
         compute_rewards(load_reward_fn(f"{p}:nan"), ["a"], ["x"], ["1"], [True], [{}])
-    # metadata pass-through: the reward function sees every dataset column (pitfalls U6)
+    # metadata pass-through: the reward function sees every dataset column
     assert compute_rewards(load_reward_fn(f"{p}:gold"), ["a"], ["x"], ["1"], [True], [{"extra": "1"}]) == [1.0]
     with pytest.raises(ValueError, match="reward_fn"):
         load_reward_fn("no_colon_here")
@@ -284,7 +284,7 @@ def test_conversational_pairs_use_the_chat_template(tmp_path, tiny_model):
 
 
 def test_a_single_file_without_split_files_holds_out_a_fixed_disjoint_slice(tmp_path, tiny_model, capsys):
-    """#16.2: train and test of a lone file are disjoint (10% held out, at least 1), cover the file, do not depend on
+    """Train and test of a lone file are disjoint (10% held out, at least 1), cover the file, do not depend on
     the call (seed, rank), and the split is said once on stderr; sibling split files switch it off."""
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
     path = _write(tmp_path, "lone.jsonl", "\n".join(json.dumps(r) for r in rows))
@@ -318,7 +318,7 @@ def test_a_tiny_file_is_used_for_both_with_a_warning(tmp_path, capsys):
 
 
 def test_dev_slice_is_a_fixed_disjoint_part_of_the_train_split(tmp_path, tiny_model):
-    """#16.3: the dev slice (selects output_dir/best) comes out of the train split, min(num_dev, 10%) of it, never
+    """The dev slice (selects output_dir/best) comes out of the train split, min(num_dev, 10%) of it, never
     trained on, the same for every call; the held-out split is untouched."""
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(200)]
     path = _write(tmp_path, "d.train.jsonl", "\n".join(json.dumps(r) for r in rows))
@@ -357,7 +357,7 @@ def test_dev_slice_of_preference_pairs_keeps_a_prompts_pairs_together(tiny_model
 
 
 def test_eval_subset_is_a_fixed_sample_not_the_first_rows(tmp_path, tiny_model):
-    """#16.3: `limit` draws a fixed-seed sample (the same for every run and seed), kept in file order."""
+    """`limit` draws a fixed-seed sample (the same for every run and seed), kept in file order."""
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(100)]
     path = _write(tmp_path, "e.test.jsonl", "\n".join(json.dumps(r) for r in rows))
     _write(tmp_path, "e.train.jsonl", json.dumps(rows[0]))

@@ -1,4 +1,4 @@
-"""Unit tests of dpo.py's pure functions (dpo.md "Tests this implementation should have")."""
+"""Unit tests of dpo.py's pure functions (the losses of docs/dpo.md)."""
 
 import math
 import random
@@ -110,7 +110,7 @@ def test_sequence_logp_is_the_masked_sum_over_response_tokens(pair_batch):
 
 
 def test_concatenated_chosen_rejected_equals_separate_forwards_and_pad_is_eos(pair_batch):
-    """pitfalls P11: [chosen; rejected] padded together gives the same s_theta as separate forwards, also
+    """[chosen; rejected] padded together gives the same s_theta as separate forwards, also
     when pad == eos."""
     model, tok, p, c, r_ = pair_batch
     with torch.no_grad():

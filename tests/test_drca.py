@@ -1,4 +1,4 @@
-"""DRCA's pure functions (spec: ../shared/specs/drca.md, "Tests this implementation should have")."""
+"""DRCA's pure functions (docs/drca.md): units, counterfactuals, reward shaping and the PPO pieces."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ def units_text(text, spans):
     return [text[a:b] for a, b in spans]
 
 
-# ---------------------------------------------------------------- unit extraction (spec tests 4, 5, 8, 11)
+# ---------------------------------------------------------------- unit extraction
 def test_regex_units_on_the_spec_example():
     text = "Intro\nA. x.\n\nB. y.\nC. z."
     assert units_text(text, regex_units(text, LABEL_PATTERN, 10)) == ["A. x.", "B. y.", "C. z."]
@@ -97,7 +97,7 @@ def _byte_bpe():
 
 
 def test_char_offsets_equal_prefix_decoding_in_linear_time():
-    """#19.8: char_offsets had decoded every prefix (0.43 s for a 2,000-token response). The incremental version
+    """char_offsets decodes incrementally (decoding every prefix took 0.43 s for a 2,000-token response): it
     gives the same offsets on split multi-byte characters, emoji and long texts, decoding O(n) tokens in all."""
     import random
 
@@ -145,7 +145,7 @@ def test_char_offsets_by_prefix_decoding_keep_multibyte_characters():
         assert decode(ids[ts:te]) == text[cs:ce]
 
 
-# ---------------------------------------------------------------- counterfactuals (spec test 3)
+# ---------------------------------------------------------------- counterfactuals
 def test_counterfactual_shapes_and_eos():
     resp, fill, eos = [10, 11, 12, 13, 14, 2], 0, 2
     cf = counterfactual_response(resp, 1, 3, "truncate", fill, eos)
@@ -157,7 +157,7 @@ def test_counterfactual_shapes_and_eos():
         counterfactual_response(resp, 0, 1, "drop", fill, eos)
 
 
-# ---------------------------------------------------------------- reward shaping (spec tests 1, 2, 9, 12)
+# ---------------------------------------------------------------- reward shaping
 def batch():
     scores = torch.tensor([1.5, -0.7, 0.3])
     mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]]).float()
@@ -207,7 +207,7 @@ def test_reward_clip_before_kl_and_kl_clamped():
     torch.testing.assert_close(r, torch.tensor([[10.0 - 1.0, -10.0 + 1.0, 1.0 - 0.05, 0.0]]))
 
 
-# ---------------------------------------------------------------- PPO pieces (spec tests 6, 7, 10)
+# ---------------------------------------------------------------- PPO pieces
 def test_gae_gamma_lambda_one_is_reward_to_go():
     torch.manual_seed(0)
     _, mask, *_ = batch()
@@ -290,7 +290,7 @@ def test_scorer_auto_grades_the_builtin_task_and_uses_the_rm_elsewhere():
 
 
 def test_slip_localisation_by_hand():
-    """#19.6: the lowest credit on the unit holding the slip is a hit; chance = share of units on the slip."""
+    """Localisation: the lowest credit on the unit holding the slip is a hit; chance = share of units on the slip."""
     spans = [(0, 2), (2, 5), (5, 8)]  # three lines; the slip is line 1's tokens [2, 5)
     assert slip_localisation([0.9, -0.3, 0.1], spans, (2, 5)) == (1.0, 1 / 3)
     assert slip_localisation([-0.5, -0.3, 0.1], spans, (2, 5)) == (0.0, 1 / 3)
@@ -301,7 +301,7 @@ def test_slip_localisation_by_hand():
 
 
 def test_line_grader_by_hand():
-    """#19.7(a): the per-line grader, +1/-1 for each line's value and its step from the line above."""
+    """The per-line grader, +1/-1 for each line's value and its step from the line above."""
     from shared.task import line_grade, line_points
 
     p = "3+4+5+1="  # 7, 12, 13
@@ -320,7 +320,7 @@ def test_line_grader_by_hand():
 
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_line_grader_credits_locate_every_held_out_slip(mode):
-    """The upper bound of #19.7(a) holds by construction: with the per-line grader scoring the counterfactuals, the
+    """The per-line grader's upper bound holds by construction: with it scoring the counterfactuals, the
     single lowest credit d_k = R - R~_k is the slipped line, on all 1,500 held-out slip pairs, in both modes (the
     counterfactuals built in text as counterfactual_response builds them in tokens: the line blanked with spaces)."""
     from shared.task import builtin_preferences, line_grade
@@ -338,7 +338,7 @@ def test_line_grader_credits_locate_every_held_out_slip(mode):
 
 
 def test_counterfactual_preferences_rank_drca_counterfactuals_by_the_line_grader():
-    """#19.7(b): `builtin:counterfactual`'s pairs: whole responses as the built-in pairs, and the comparisons DRCA's
+    """`builtin:counterfactual`'s pairs: whole responses as the built-in pairs, and the comparisons DRCA's
     credits make (a response against its counterfactuals in one format, the counterfactuals against each other),
     chosen graded above rejected by the per-line grader; train and test disjoint, deterministic; the preference
     loader and rm.py's dataset flag take the name."""

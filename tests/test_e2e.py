@@ -1,4 +1,4 @@
-"""End-to-end runs of the scripts exactly as users launch them (style.md S11), on the built-in tiny model.
+"""End-to-end runs of the scripts exactly as users launch them, on the built-in tiny model.
 
 Covers: sft.py; grpo.py with vLLM and with HF generation, the optional branches (KL to a reference,
 num_iterations > 1, several minibatches, truncation masking), a learning check, and each variant flag (GSPO, CISPO,
@@ -318,7 +318,7 @@ def _strip_answers(rows: list[dict], out: Path) -> None:
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_a_reward_model_task_needs_no_gold_answers(trained_rm, tmp_path, script):
-    """#17.4: prompts without an answer column train on the reward model; no accuracy is reported, the held-out and
+    """Prompts without an answer column train on the reward model; no accuracy is reported, the held-out and
     dev reward are, and best/ is selected on dev/reward."""
     from shared import task
 
@@ -372,7 +372,7 @@ def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extr
     assert steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     evals = [r for r in rows if "eval/reward" in r]
     assert len(evals) == 3 and all("eval/accuracy" in r for r in evals)
-    for r in evals:  # slips of held-out built-in pairs located by the credits (#19.6), against a random unit
+    for r in evals:  # slips of held-out built-in pairs located by the credits, against a random unit
         assert 0 <= r["eval/localisation"] <= 1 and 0 < r["eval/localisation_chance"] <= 1
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all(len(x["units"]) == len(x["credits"]) for x in samples) and any(x["units"] for x in samples)
@@ -382,7 +382,7 @@ def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extr
 
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_drca_line_grader_scorer_locates_every_slip(trained_rm, tmp_path, mode):
-    """#19.7(a): --scorer line_grader scores responses and counterfactuals with the per-line grader; through drca.py's
+    """--scorer line_grader scores responses and counterfactuals with the per-line grader; through drca.py's
     own units, token blanking and decoding, the lowest credit is the slipped line on every held-out pair, in both
     modes; the training reward is the grader's score (at most 1, a correct response)."""
     run([sys.executable, "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path",
@@ -476,7 +476,7 @@ def test_dpo_two_processes_zero3(tmp_path):
 
 
 def test_dpo_on_pairs_without_gold_answers(tmp_path):
-    """#17.4: a plain prompt/chosen/rejected dataset runs with the default flags' evaluation: no task accuracy, the
+    """A plain prompt/chosen/rejected dataset runs with the default flags' evaluation: no task accuracy, the
     held-out and dev pairs' implicit-reward accuracy, best/ selected on the dev pairs."""
     from shared import task
 

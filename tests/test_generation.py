@@ -1,10 +1,10 @@
-"""The generation backends against the trainer (pitfalls P6, P8, P17, U1, U2, U11).
+"""The generation backends against the trainer: token ids in and out, log-probs, seeding, stop tokens and strings.
 
 The vLLM path is the one tested most: the in-process engine generates, the trainer takes an optimizer step,
 the weights are synced in place, and the engine's sampled-token log-probs then equal the trainer's
 log_softmax(logits / T) for the *new* weights (and no longer for the old ones).
 Tolerance: max |vLLM - trainer| < 1e-4 nats in fp32 (measured: ~5e-7). The checkpoint carries sampling defaults
-in its generation_config.json that both backends must ignore (pitfalls P8)."""
+in its generation_config.json that both backends must ignore."""
 
 import copy
 

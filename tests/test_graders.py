@@ -1,4 +1,4 @@
-"""Tests for shared/graders.py: the "Tests this implementation should have" list of the graders spec, plus
+"""Tests for shared/graders.py: extraction and grading as the VinePPO reference code does them, plus
 normalisation details, the sympy sandbox and robustness to garbage input."""
 
 import time
@@ -44,7 +44,7 @@ def test_gsm8k_commas_removed_from_prediction():
 
 
 def test_gsm8k_same_number_matches_but_no_tolerance():
-    # VINE compared strings (18.0 != 18, $18 != 18); the same number now matches, but nothing close does
+    # the VinePPO reference compared strings (18.0 != 18, $18 != 18); the same number matches here, nothing close does
     assert grade_gsm8k("#### 18.0", "18") and grade_gsm8k("#### $18", "18") and grade_gsm8k("#### 1,234", "1,234")
     assert grade("gsm8k", "#### 18.01", "18") == 0.0 and grade("gsm8k", "#### 18 apples", "18") == 0.0
     assert grade("gsm8k", "#### 18", "18") == 1.0
@@ -260,7 +260,7 @@ def test_symbolic_grading_works_from_a_caller_without_a_main_guard(tmp_path, how
     assert proc.stdout.splitlines() == ["ran", "[1.0]"]  # the script body ran once, and 1/2 == 0.5 symbolically
 
 
-# ---------------------------------------------------------------- the hand-written table (#16.1)
+# ---------------------------------------------------------------- the hand-written table (tests/grader_cases.py)
 def _cases():
     import sys
     from pathlib import Path

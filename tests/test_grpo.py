@@ -1,5 +1,5 @@
-"""Unit tests of grpo.py's pure functions (grpo.md "Tests this implementation should have"; pitfalls P1-P3, P7, P9,
-P10, P15, P16)."""
+"""Unit tests of grpo.py's pure functions: advantages, KL estimators, clipping, loss aggregation (length bias,
+split invariance), TIS, masks, the REINFORCE gradient and config validation."""
 
 import math
 import sys
@@ -12,7 +12,7 @@ from algorithms.grpo import (Args, aggregate_loss, cispo_surrogate, clipped_surr
                              log_importance_ratio, tis_weights, validate)
 
 
-# ---------------------------------------------------------------- advantages (grpo.md §1, P2)
+# ---------------------------------------------------------------- advantages (all-equal groups get 0, not NaN)
 def test_group_advantages_hand_computed():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     std = math.sqrt(4 * 0.25 / 3)  # Bessel-corrected, as TRL's nanstd
@@ -94,7 +94,7 @@ def test_dynamic_sampling_keeps_groups_with_a_spread_of_rewards():
         assert ((adv.abs().amax(1) > 1e-6) == informative_groups(r)).all()
 
 
-# ---------------------------------------------------------------- KL estimators (building_blocks §5, P7)
+# ---------------------------------------------------------------- KL estimators (k3's gradient is not the KL's)
 def test_kl_estimators_formulas():
     logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
     d = logp - ref
@@ -108,7 +108,8 @@ def test_kl_estimators_formulas():
 
 
 def test_k2_gradient_is_kl_gradient_but_k3_is_not():
-    """Exact expectation over a categorical: E_pi[grad k2] == grad KL(pi||ref), E_pi[grad k3] != (pitfalls P7)."""
+    """Exact expectation over a categorical: E_pi[grad k2] == grad KL(pi||ref), E_pi[grad k3] != (k3 in a loss is
+    biased)."""
     torch.manual_seed(0)
     theta = torch.randn(6, requires_grad=True)
     ref = torch.log_softmax(torch.randn(6), 0)
@@ -124,7 +125,7 @@ def test_k2_gradient_is_kl_gradient_but_k3_is_not():
     assert (expected_grad("k3") - true).abs().max() > 1e-2
 
 
-# ---------------------------------------------------------------- clipping (P10)
+# ---------------------------------------------------------------- clipping
 def test_clip_higher_bounds_apply_on_the_correct_side():
     logp_old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))
@@ -251,7 +252,7 @@ def test_cispo_on_policy_gradient_is_reinforce():
     torch.testing.assert_close(torch.autograd.grad(loss.sum(), logp)[0], -adv)
 
 
-# ---------------------------------------------------------------- aggregation (P1, P3)
+# ---------------------------------------------------------------- aggregation (length bias, split invariance)
 def _grad(mode, splits, lengths, world_size):
     """Gradient of the step loss when the batch is cut into `splits` (list of ranks, each a list of micro-batches)."""
     torch.manual_seed(0)
@@ -292,7 +293,7 @@ def test_aggregation_invariant_to_data_parallel_split(mode):
 
 
 def test_length_bias_per_token_weights():
-    """Per-token gradient weight: 1/(B|o_i|) under seq_mean (length bias), independent of |o_i| otherwise (P1)."""
+    """Per-token gradient weight: 1/(B|o_i|) under seq_mean (length bias), independent of |o_i| otherwise."""
     mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]])
     for mode, expected in [("seq_mean", [[0.5, 0, 0, 0], [0.125] * 4]),
                            ("global_token", [[0.2, 0, 0, 0], [0.2] * 4]),
@@ -302,7 +303,7 @@ def test_length_bias_per_token_weights():
         torch.testing.assert_close(torch.autograd.grad(loss, per_token)[0], torch.tensor(expected))
 
 
-# ---------------------------------------------------------------- TIS (P9)
+# ---------------------------------------------------------------- TIS (sampler / trainer mismatch)
 def test_tis_modes_on_hand_made_ratios():
     # per-token ratios rho = pi_old / pi_sampler: row 0 = 1, 3, 0.25 (3 tokens); row 1 = 1.5, 1.2 and a padding token
     logp_old = torch.log(torch.tensor([[1.0, 3.0, 0.25], [1.5, 1.2, 7.0]]))
@@ -347,7 +348,7 @@ def test_tis_weight_carries_no_gradient():
     assert not w.requires_grad
 
 
-# ---------------------------------------------------------------- masks (P4)
+# ---------------------------------------------------------------- masks
 def test_completion_mask_drops_truncated_rows_only_when_asked():
     resp = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]])
     finished = torch.tensor([True, False])
@@ -355,7 +356,7 @@ def test_completion_mask_drops_truncated_rows_only_when_asked():
     torch.testing.assert_close(completion_mask(resp, finished, True), torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0.0]]))
 
 
-# ---------------------------------------------------------------- REINFORCE gradient (P16)
+# ---------------------------------------------------------------- REINFORCE gradient
 def test_on_policy_loss_gradient_is_reinforce(tiny_model):
     """mu=1, beta=0: loss is -mean A (not informative), gradient is -(1/N) sum A grad log pi."""
     model, tok = tiny_model
@@ -377,7 +378,7 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
         torch.testing.assert_close(a, b)
 
 
-# ---------------------------------------------------------------- config validation (P15)
+# ---------------------------------------------------------------- config validation (e.g. one generation per prompt)
 @pytest.mark.parametrize("change, flag", [({"num_generations": 1}, "num_generations"),
                                           ({"advantage_scaling": "std"}, "advantage_scaling"),
                                           ({"loss_aggregation": "sum"}, "loss_aggregation"),
@@ -439,7 +440,7 @@ def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_
 
 
 def test_entropy_bonus_is_not_a_hidden_default():
-    assert not any("entropy_coef" in f for f in Args.__dataclass_fields__)  # P10: no hidden entropy bonus
+    assert not any("entropy_coef" in f for f in Args.__dataclass_fields__)  # no hidden entropy bonus
 
 
 def test_clipped_surrogate_and_kl_masked_before_exp():

@@ -1,4 +1,4 @@
-"""Memory-lean log-probs (issue #22): every script's log-prob function equals the full-logits computation it
+"""Memory-lean log-probs: every script's log-prob function equals the full-logits computation it
 replaced, and never materialises the [B, L-1, V] float32 logits.
 
 The reference below is the code every script had before: logits of every position, prompt included, upcast to

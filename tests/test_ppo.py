@@ -1,4 +1,4 @@
-"""Unit tests of ppo.py's pure functions (ppo.md "Tests this implementation should have")."""
+"""Unit tests of ppo.py's pure functions (docs/ppo.md, Implementation details)."""
 
 import math
 

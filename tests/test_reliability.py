@@ -1,4 +1,4 @@
-"""Reliability across every script (pitfalls P18, U4, U10, U11): exact resume, stop signals, the NaN guard,
+"""Reliability across every script: exact resume, stop signals, the NaN guard,
 start-up validation and a bad-input battery.
 
 Exact resume: tests/resume_runs.py runs every script straight (A) and stopped after K steps then resumed in the
@@ -72,8 +72,8 @@ def test_n_steps_then_resume_equals_straight_run(resumed, case):
 
 
 def test_resume_at_an_epoch_boundary_continues_training(resumed):
-    """sft: 16 examples, 8 per step, resumed after step 2 = exactly one epoch (pitfalls P18: such a resume
-    trained 0 steps elsewhere). The resumed run trained steps 3-5 like the straight one."""
+    """sft: 16 examples, 8 per step, resumed after step 2 = exactly one epoch (a known pitfall: such a
+    resume can train 0 steps). The resumed run trained steps 3-5 like the straight one."""
     out, r = resumed
     assert r["sft"]["stopped_at"] == 2 and r["sft"]["rows_equal"]
     rows = metric_rows(out / "sft" / "b")
@@ -209,7 +209,7 @@ def test_resume_flag_semantics_and_flag_check(tmp_path):
 
 
 def test_best_model_warns_when_it_selects_on_the_reported_set_or_has_no_dev_slice(tmp_path):
-    """#16.3: selecting best/ on eval/* (the reported set) is said; a dev/ metric without a dev slice keeps nothing,
+    """Selecting best/ on eval/* (the reported set) is said; a dev/ metric without a dev slice keeps nothing,
     said; the default dev/ metric with a dev slice says nothing."""
 
     class Lines:
@@ -515,7 +515,7 @@ def test_the_command_line_prints_one_line(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "o").exists()
 
 
-# ---------------------------------------------------------------- a reward function that raises mid-run (#16.14)
+# ---------------------------------------------------------------- a reward function that raises mid-run
 RL_TINY = ["--model_name_or_path", "builtin:tiny-sft", "--generator", "hf", "--local_num_prompts", "4",
            "--num_generations", "4", "--num_minibatches", "1", "--local_micro_batch_size", "16", "--max_new_tokens", "8",
            "--eval_num_prompts", "8", "--eval_num_samples", "2", "--best_metric", ""]

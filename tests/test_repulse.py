@@ -1,4 +1,4 @@
-"""repulse.py: the loss math as pure functions (spec "Tests this implementation should have"), the exact
+"""repulse.py: the loss math as pure functions (docs/repulse.md, "The math, as implemented"), the exact
 P(bad) of the toy against Monte Carlo, and end-to-end runs as users launch them (1 process, and 2 processes
 under ZeRO-2 with the three models)."""
 
@@ -109,7 +109,7 @@ def test_alpha_zero_gives_exactly_the_reinforce_gradient(tiny_model):
 
 
 def test_neg_term_is_one_over_n_times_the_snis_estimate(tiny_model):
-    """alpha_eff = alpha / N: the neg term over J*N samples is (1/N) sum_j sum_i w_ji mean_t log p (spec §2.4)."""
+    """alpha_eff = alpha / N: the neg term over J*N samples is (1/N) sum_j sum_i w_ji mean_t log p."""
     model, tok = tiny_model
     torch.manual_seed(2)
     ids, attn, mask = _batch(tok, toy.PROMPT, [torch.randint(5, 100, (2,)).tolist() for _ in range(8)])
@@ -316,11 +316,11 @@ def _instrumented_run(tmp_path, monkeypatch, *flags):
 
 
 def test_q_is_updated_before_p_and_both_steps_use_the_samples_drawn_before_either(tmp_path, monkeypatch):
-    """One training iteration of the real script (spec §2.7): both samplings and every no-grad log-prob (the stored
-    log q, log p on the q samples, log p on the p samples) and the SNIS / CTL weights come before any optimizer step;
-    every q step comes before the first p step; nothing is sampled between the updates; the gradient forwards run on
-    exactly the sample sets drawn at the start of the iteration. Catches: p updated first, weights recomputed with an
-    updated q or p, re-sampling between the updates."""
+    """One training iteration of the real script (the order of docs/repulse.md): both samplings and every no-grad
+    log-prob (the stored log q, log p on the q samples, log p on the p samples) and the SNIS / CTL weights come before
+    any optimizer step; every q step comes before the first p step; nothing is sampled between the updates; the
+    gradient forwards run on exactly the sample sets drawn at the start of the iteration. Catches: p updated first,
+    weights recomputed with an updated q or p, re-sampling between the updates."""
     events = _instrumented_run(tmp_path, monkeypatch)
     starts = [i for i, e in enumerate(events) if e == ("iteration",)]
     ends = [i for i, e in enumerate(events) if e == ("end",)]
@@ -551,8 +551,8 @@ def test_paper_table_counts_the_runs_each_machine_finished():
 
 
 def test_toy_cost_script_times_the_pieces_and_computes_a_run(tmp_path, monkeypatch):
-    """scripts/repulse_toy_cost.py (#19 item 3's cost statement) on the toy's own model: the pieces are timed, the
-    exact log P(bad) whole (a small vocabulary), and a run's cost is the paper budget's sum of them."""
+    """scripts/repulse_toy_cost.py (the cost statement in docs/repulse.md) on the toy's own model: the pieces are
+    timed, the exact log P(bad) whole (a small vocabulary), and a run's cost is the paper budget's sum of them."""
     import sys
 
     cost = _load_script("repulse_toy_cost")

@@ -1,5 +1,5 @@
 """restem.py: the filter, the loss and the candidate choice against hand-computed numbers, and a tiny run that
-restarts from the base every iteration (sft_restem.md "Tests this implementation should have")."""
+restarts from the base every iteration."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Unit tests of rm.py and the shared scoring helper (rm.md "Tests this implementation should have")."""
+"""Unit tests of rm.py and the shared scoring helper (docs/rm.md, Implementation details)."""
 
 import math
 
@@ -49,7 +49,7 @@ def test_reward_head_init():
 
 
 def test_score_is_read_at_the_last_non_pad_token_whatever_the_padding(reward_model):
-    """pitfalls P12: extra right padding and pad == eos must not move the score."""
+    """Extra right padding and pad == eos must not move the score."""
     model, tok = reward_model
     prompts = [data.encode_prompt(tok, "3+4=", False), data.encode_prompt(tok, "1+2+3=", False)]
     responses = [data.encode_response(tok, "7"), data.encode_response(tok, "3\n6")]

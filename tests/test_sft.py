@@ -1,4 +1,4 @@
-"""sft.py's loss (sft_restem.md "Tests this implementation should have"; pitfalls P4, U9)."""
+"""sft.py's loss: its mask (response and EOS, also when pad == eos) and its reductions."""
 
 import pytest
 import torch

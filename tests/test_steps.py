@@ -1,4 +1,4 @@
-r"""Step segmentation for VinePPO (shared/steps.py; spec vineppo.md §1 and its "Step splitting" tests)."""
+r"""Step segmentation for VinePPO (shared/steps.py), against the VinePPO reference code's splitters."""
 
 import random
 
@@ -77,7 +77,7 @@ def test_invariants_random(splitter):
         check_invariants(splitter, response)
 
 
-# -- GSM8K (spec §1.2) -------------------------------------------------------------------------------------------
+# -- GSM8K -------------------------------------------------------------------------------------------------------
 
 
 def test_gsm8k_answer_merged_into_last_step():
@@ -113,7 +113,7 @@ def test_gsm8k_two_answer_prefixes_raise():
     assert issubclass(StepSplitError, ValueError)
 
 
-# -- MATH (spec §1.1) --------------------------------------------------------------------------------------------
+# -- MATH --------------------------------------------------------------------------------------------------------
 
 
 def test_math_sentence_end_inside_inline_math_does_not_split():
@@ -130,7 +130,7 @@ def test_math_sentence_split_needs_whitespace_and_a_capital():
     # no split after one- or two-letter abbreviations
     steps = check_invariants(split_math, "We ask Mr. Smith about the apples. He has three of them, e.g. A and B.")
     assert steps == ["We ask Mr. Smith about the apples.", " He has three of them, e.g. A and B."]
-    # ... which includes two-letter words such as "it." (sentence-end regex of §1.1 step 2)
+    # ... which includes two-letter words such as "it." (the sentence-end regex of split_math's step 2)
     assert len(check_invariants(split_math, "We ask Mr. Smith about it. He has three apples in total.")) == 1
 
 
@@ -196,7 +196,7 @@ def test_math_boxed_answer_stays_in_last_step():
     response = "So $x = 2$ and therefore we have it.\nThe final answer is $\\boxed{2}$."
     steps = check_invariants(split_math, response)
     assert steps == ["So $x = 2$ and therefore we have it.", "\nThe final answer is $\\boxed{2}$."]
-    # a final boxed line shorter than 20 characters is merged into the previous step (§1.1 step 3, last part)
+    # a final boxed line shorter than 20 characters is merged into the previous step (split_math's step 3)
     steps = check_invariants(split_math, "First we add all of them up.\nAdding them gives the total count.\n$\\boxed{12}$")
     assert steps == ["First we add all of them up.", "\nAdding them gives the total count.\n$\\boxed{12}$"]
 

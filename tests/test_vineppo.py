@@ -1,4 +1,4 @@
-"""Unit tests of vineppo.py's pure functions (vineppo.md "Tests this implementation should have")."""
+"""Unit tests of vineppo.py's pure functions: step advantages, back-fill, token advantages, states."""
 
 import random
 
