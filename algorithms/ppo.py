@@ -546,8 +546,8 @@ def main(args: Args) -> str:
                                   temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                                   seed=args.seed * 7_919 + step, index_offset=info.rank * args.local_num_prompts)
 
-    # --async_steps k (shared/rollout_queue.py): step s's prompts are drawn when it is submitted, at the start of step
-    # s - k (the data order of a synchronous run), and generated in a background thread by the weights the engine
+    # --async_steps 1 (shared/rollout_queue.py): step s's prompts are drawn when it is submitted, at the start of step
+    # s - 1 (the data order of a synchronous run), and generated in a background thread by the weights the engine
     # holds then, those of `engine_version` updates, while that step trains. The update's shuffles then draw on their
     # own generator: the engine thread draws on torch's global one meanwhile, in an order that depends on timing
     rollouts, engine_version, shuffle_rng = None, start_step, None

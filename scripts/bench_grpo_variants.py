@@ -6,7 +6,7 @@
 
 Every run is `python algorithms/grpo.py --seed k` plus the variant's flags (VARIANTS below: each paper's own
 settings where it gives them, e.g. GSPO's clip range and minibatches), so all of them train on 102,400 samples (200 steps of
-64 prompts x 8 completions) from the same start model (builtin:tiny-sft, built once in <out>/cache). Dynamic sampling trains on
+64 prompts x 8 completions) from the same start model (builtin:tiny-sft, the committed weights, copied into <out>/cache). Dynamic sampling trains on
 as many batches but samples more to fill them: the table gives its generated samples, and its held-out accuracy at
 the last evaluation before it had generated the other variants' 102,400 (equal generated samples) beside the final.
 Runs go variant by variant, seeds inside (a finished run is cached in <out>/<variant>/seed<k>.json and not rerun).

@@ -1,6 +1,6 @@
-"""Asynchronous generation (`--async_steps k` of grpo.py and ppo.py): step t+k's batch is generated in a background
-thread while step t trains, Cleanba-style (Huang et al. 2023, arXiv 2310.00036; "Asynchronous RLHF", Noukhovitch et
-al. 2024, arXiv 2410.18252; open-instruct's ppo_vllm_thread.py).
+"""Asynchronous generation (`--async_steps` of grpo.py and ppo.py, which allow k = 1): step t+k's batch is
+generated in a background thread while step t trains, Cleanba-style (Huang et al. 2023, arXiv 2310.00036;
+"Asynchronous RLHF", Noukhovitch et al. 2024, arXiv 2410.18252; open-instruct's ppo_vllm_thread.py).
 
     rollouts, shuffle_rng = resume_async(state, seed)  # the queue with a resumed run's generated, untrained
                                                         # batches, and the update's own shuffle generator
