@@ -51,16 +51,16 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from annotated_types import Ge, Gt, Interval
-from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.cli import check_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare,
+                                init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
+from shared.logprobs import check_packing, micro_batch_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.rollout_queue import async_checkpoint_state, resume_async
@@ -373,139 +373,6 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: 
     if mode == "constant":
         return (loss * mask).sum() / (num_seqs * max_new_tokens)
     raise ValueError(f"loss_aggregation: expected seq_mean, token_mean, global_token or constant, got {mode!r}")
-
-
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool = False):
-    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]; optionally the entropy
-    (no gradient). Only these N rows of logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
-    logits = lm_head(hidden).float() / temperature  # [N, V]
-    logz = torch.logsumexp(logits, -1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logp, entropy
-
-
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                     temperature: float, with_entropy: bool = False, chunk_size: int = 512):
-    """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
-    (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
-    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
-    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, logits_to_keep=1)
-    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
-    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
-    targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
-    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
-    # partitioned lm_head gathers its weight, a collective
-    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
-    chunks = []
-    for k in range(num_chunks):
-        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
-        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature, with_entropy,
-                                 use_reentrant=False, preserve_rng_state=False))  # recomputed in backward
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
-    logp[keep] = torch.cat([lp for lp, _ in chunks])
-    entropy = None
-    if with_entropy:
-        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32)
-        entropy[keep] = torch.cat([ent for _, ent in chunks])
-    return logp, entropy
-
-
-def packed_forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                            temperature: float, with_entropy: bool = False, chunk_size: int = 512,
-                            width: int | None = None):
-    """forward_logprobs of the same right-padded rows [B, L], as [B, L-1], computed with (almost) no padding: the
-    sequences are packed, longest first, into rows of `width` tokens (default: the longest sequence), several per
-    row, each with position ids restarting at 0, and no attention mask. transformers then starts a new sequence
-    wherever a position id does not follow its predecessor (masking_utils.find_packed_sequence_indices: sdpa, eager,
-    flex attention; flash attention's varlen path reads the same position ids) and confines attention to each
-    sequence. That needs use_cache=False: with a cache (the config's default) the mask code skips the detection and
-    attention crosses sequences (check_packing at start-up; tests/test_packing.py). Rows no wider than the longest
-    sequence, rather than one row of all B sequences: sdpa and eager attend densely over a row under the mask, so
-    their attention costs width^2 per row, B^2 times more in one row (docs/grpo.md). The free tail of a packed row
-    (shorter than any sequence that did not fit) is padding that no real token attends to (it comes last)."""
-    B, L = input_ids.shape
-    real = attention_mask.bool()  # right padding: a row's tokens are its first n_i columns
-    lengths = attention_mask.sum(1).tolist()
-    width = width or max(lengths)
-    place = data_utils.pack_rows(lengths, width)  # (packed row, offset) of each sequence
-    num_rows = max(r for r, _ in place) + 1
-    # flat index in the packed [num_rows, width] batch of each (row, column) of the padded one
-    start = torch.tensor([r * width + o for r, o in place], device=input_ids.device)
-    flat = (start[:, None] + torch.arange(L, device=input_ids.device)[None])[real]  # [N]
-    ids = input_ids.new_zeros(num_rows * width)
-    ids[flat] = input_ids[real]
-    position_ids = torch.arange(width, device=input_ids.device).repeat(num_rows)  # the free tails: a sequence of
-    position_ids[flat] = (attention_mask.cumsum(1) - 1)[real]  # their own; every packed sequence: 0..n_i-1
-    out = model(input_ids=ids.view(num_rows, width), position_ids=position_ids.view(num_rows, width),
-                use_cache=False, output_hidden_states=True, logits_to_keep=1)
-    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t of a row predicts its token t+1
-    # the kept positions, in the row-major order of keep (as forward_logprobs): [num_rows * width, H] -> [n_kept, H]
-    hidden = out.hidden_states[-1].reshape(num_rows * width, -1)[flat[torch.nn.functional.pad(keep, (0, 1))[real]]]
-    targets = input_ids[:, 1:][keep]
-    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
-    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))  # as in forward_logprobs
-    chunks = []
-    for k in range(num_chunks):
-        s = slice(k * chunk_size, (k + 1) * chunk_size)
-        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature, with_entropy,
-                                 use_reentrant=False, preserve_rng_state=False))
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
-    logp[keep] = torch.cat([lp for lp, _ in chunks])
-    entropy = None
-    if with_entropy:
-        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32)
-        entropy[keep] = torch.cat([ent for _, ent in chunks])
-    return logp, entropy
-
-
-def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                         layout: str, temperature: float, with_entropy: bool = False):
-    """Log-probs (and entropies) of one micro-batch's right-padded rows [B, L], as [B, L-1] in every layout of
-    --micro_batching, so that the rest of the step does not depend on it:
-      padded: forward_logprobs on the rows as they are (padded to the whole batch's longest row)
-      sorted: forward_logprobs on the columns up to the micro-batch's own longest row, zeros after it
-      packed: packed_forward_logprobs (several sequences per row, position ids restarting, no padding)"""
-    if layout == "packed":
-        return packed_forward_logprobs(model, input_ids, attention_mask, response_mask, temperature, with_entropy)
-    if layout == "padded":
-        return forward_logprobs(model, input_ids, attention_mask, response_mask, temperature, with_entropy)
-    if layout != "sorted":
-        raise ValueError(f"micro_batching: expected padded, sorted or packed, got {layout!r}")
-    n = int(attention_mask.sum(1).max())  # columns past the longest row hold padding only
-    logp, entropy = forward_logprobs(model, input_ids[:, :n], attention_mask[:, :n], response_mask[:, :n],
-                                     temperature, with_entropy)
-    pad = (0, input_ids.shape[1] - n)
-    return torch.nn.functional.pad(logp, pad), None if entropy is None else torch.nn.functional.pad(entropy, pad)
-
-
-def check_packing(model, a: list[int], b: list[int], tol: float) -> None:
-    """--micro_batching packed, at start-up: a one-line error unless the model keeps packed sequences apart.
-    Sequence b is packed in one row after a + b, then after b + a (same length, other tokens); its log-probs must not move
-    (attention does not cross sequences) and must equal b's alone (the model reads the restarted position ids),
-    to within tol (fp32: 1e-4)."""
-    device = next(model.parameters()).device
-    rows = lambda seqs: data_utils.pad_batch([x[:1] for x in seqs], [x[1:] for x in seqs], 0, device)  # noqa: E731
-    with torch.no_grad():
-        width = len(a) + 2 * len(b)  # both in one packed row
-        first = packed_forward_logprobs(model, *rows([a + b, b]), 1.0, width=width)[0][1, : len(b) - 1]
-        swapped = packed_forward_logprobs(model, *rows([b + a, b]), 1.0, width=width)[0][1, : len(b) - 1]
-        alone = forward_logprobs(model, *rows([b]), 1.0)[0][0]
-    moved, off = (first - swapped).abs().max().item(), (first - alone).abs().max().item()
-    if not max(moved, off) <= tol:
-        impl = getattr(model.config, "_attn_implementation", "?")
-        raise ValueError(f"micro_batching: packed: {type(model).__name__} (attention {impl}) does not keep packed "
-                         f"sequences apart (a sequence's log-probs moved by {moved:.3g} when the one before it "
-                         f"changed, {off:.3g} from its own); use --micro_batching sorted")
 
 
 def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_truncated: bool) -> torch.Tensor:

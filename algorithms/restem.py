@@ -35,15 +35,15 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from annotated_types import Ge, Gt, Interval
-from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.cli import check_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, default_dtype, full_named_parameters, init_distributed, load_causal_lm,
-                                load_tokenizer, max_over_ranks, output_head, prepare, prepare_frozen, seed_everything)
+                                load_tokenizer, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
+from shared.logprobs import forward_logprobs
 from shared.models import resolve_model_path
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.tracking import Timer, Tracker
@@ -178,41 +178,6 @@ def sequence_mean_nll(logp: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> 
     (VinePPO `sequence_logp_reduction="mean"`; not a global token mean, which weighs long sequences more)."""
     per_seq = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)
     return -per_seq.sum() / num_seqs
-
-
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N], from logits / temperature.
-    Only these N rows of logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
-    logits = lm_head(hidden).float() / temperature  # [N, V]
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                     temperature: float, chunk_size: int = 512) -> torch.Tensor:
-    """log pi(token_{t+1} | prefix) from logits / temperature (the sampling temperature, as VinePPO) at the positions
-    t that predict a response token (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions.
-    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
-    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, logits_to_keep=1)
-    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
-    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
-    targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
-    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
-    # partitioned lm_head gathers its weight, a collective
-    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
-    chunks = []
-    for k in range(num_chunks):
-        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
-        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature,
-                                 use_reentrant=False, preserve_rng_state=False))  # recomputed in backward
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
-    logp[keep] = torch.cat(chunks)
-    return logp
 
 
 def choose_checkpoint(accuracies: list[float], method: str) -> int:
@@ -428,10 +393,10 @@ def main(args: Args) -> str:
                                                                  [ids for _, ids in micro], tokenizer.pad_token_id,
                                                                  info.device)
                     mask = resp[:, 1:].float()  # position t predicts token t+1: the completion, EOS included
-                    logp = forward_logprobs(policy, input_ids, attn, resp, args.temperature)
+                    logp = forward_logprobs(policy, input_ids, attn, resp, args.temperature)[0]
                     loss = sequence_mean_nll(logp, mask, len(local))
                     with torch.no_grad():  # KL(policy || base) per sequence before this step's update (k1, VinePPO)
-                        base_logp = forward_logprobs(base, input_ids, attn, resp, args.temperature)
+                        base_logp = forward_logprobs(base, input_ids, attn, resp, args.temperature)[0]
                         kl_sum += ((logp.detach() - base_logp) * mask).sum().item() / len(local)
                     guard.backward(policy, loss)
                     norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)

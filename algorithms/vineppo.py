@@ -21,7 +21,6 @@ Launch:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -30,16 +29,16 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from annotated_types import Ge, Gt, Interval
-from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.cli import check_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare,
+                                init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
+from shared.logprobs import forward_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.steps import StepSplitError, get_splitter, step_token_starts
@@ -254,51 +253,6 @@ def token_advantages(starts: list[int], step_adv: list[float], num_tokens: int) 
         for i in range(bounds[j], bounds[j + 1]):
             out[i] = a
     return out
-
-
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool = False):
-    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]; optionally the entropy
-    (no gradient). Only these N rows of logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
-    logits = lm_head(hidden).float() / temperature  # [N, V]
-    logz = torch.logsumexp(logits, -1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logp, entropy
-
-
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                     temperature: float, with_entropy: bool = False, chunk_size: int = 512):
-    """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
-    (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
-    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
-    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, logits_to_keep=1)
-    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
-    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
-    targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
-    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
-    # partitioned lm_head gathers its weight, a collective
-    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
-    chunks = []
-    for k in range(num_chunks):
-        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
-        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature, with_entropy,
-                                 use_reentrant=False, preserve_rng_state=False))  # recomputed in backward
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
-    logp[keep] = torch.cat([lp for lp, _ in chunks])
-    entropy = None
-    if with_entropy:
-        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32)
-        entropy[keep] = torch.cat([ent for _, ent in chunks])
-    return logp, entropy
 
 
 def validate(args: Args) -> None:

@@ -10,7 +10,7 @@ its own subprocess per sequence length and gradient-checkpointing setting (the s
 `--gradient_checkpointing`: with it, the layers keep only their inputs, so the logits are a larger share):
   - `full`: the log-prob code every script had before (kept below as `full_logits_logprobs`): float32 logits of every
     position, prompt included, [B, L-1, V], then a full-vocabulary log-softmax and entropy;
-  - `lean`: `algorithms/grpo.py::forward_logprobs` (LM head on response positions only, in chunks recomputed in the
+  - `lean`: `shared/logprobs.py::forward_logprobs` (LM head on response positions only, in chunks recomputed in the
     backward pass).
 Each row has a prompt of --prompt_len tokens and a response filling the rest of the sequence (random token ids:
 memory does not depend on the text, nor on machine load, so this runs anywhere). Measured per child:
@@ -84,7 +84,8 @@ def child(a) -> dict:
     """One micro-step of one contender at one length, in this process; returns its measurements."""
     import torch
 
-    from algorithms.grpo import aggregate_loss, clipped_surrogate, forward_logprobs
+    from algorithms.grpo import aggregate_loss, clipped_surrogate
+    from shared.logprobs import forward_logprobs
     from shared.distributed import default_dtype, load_causal_lm
     from shared.models import resolve_model_path
 

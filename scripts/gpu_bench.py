@@ -9,7 +9,7 @@ and memory do not depend on the weights' values. Each model runs in its own subp
 running out of memory ends that model's sweep, not the benchmark).
 
 1. train: GRPO optimizer steps through the scripts' own code: `shared.distributed.prepare` (a DeepSpeed engine,
-   ZeRO-0, bf16 weights with fp32 master weights and fp32 gradients, torch AdamW), grpo.py's `forward_logprobs`
+   ZeRO-0, bf16 weights with fp32 master weights and fp32 gradients, torch AdamW), shared/logprobs.py's `forward_logprobs`
    (lean log-probs, temperature 0.7, with entropy), `clipped_surrogate` and `aggregate_loss`, gradient checkpointing
    on (grpo.py `--gradient_checkpointing`), one micro-batch of B rows of --seq_len tokens (the first --prompt_len of
    them prompt, the rest response) per optimizer step. For each B of --micro_batches (ascending, until one runs out
@@ -109,7 +109,8 @@ def child(a) -> dict:
     """All measurements of one model, in this process."""
     import torch
 
-    from algorithms.grpo import aggregate_loss, clipped_surrogate, forward_logprobs
+    from algorithms.grpo import aggregate_loss, clipped_surrogate
+    from shared.logprobs import forward_logprobs
     from shared.distributed import init_distributed, prepare
     from shared.generation import HFGenerator
 

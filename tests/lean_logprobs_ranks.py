@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from algorithms import dpo, grpo, repulse, sft
-from shared import data
+from algorithms import dpo, repulse, sft
+from shared import data, logprobs
 from shared.distributed import full_named_parameters, init_distributed, prepare
 from shared.tiny import build_tokenizer, tiny_config
 
@@ -40,7 +40,7 @@ def sequence_loss(s, resp, w):  # dpo: a loss on the per-sequence sums
 
 
 LEAN = {  # name: (log-probs, loss)
-    "grpo": (lambda m, ids, attn, resp: grpo.forward_logprobs(m, ids, attn, resp, 0.7, True, 4)[0], token_loss),
+    "grpo": (lambda m, ids, attn, resp: logprobs.forward_logprobs(m, ids, attn, resp, 0.7, True, 4)[0], token_loss),
     "dpo": (lambda m, ids, attn, resp: dpo.sequence_logps(m, ids, attn, resp, 0.7, 4)[0], sequence_loss),
     "repulse": (lambda m, ids, attn, resp: repulse.forward_logprobs(m, ids, attn, resp[:, 1:], 4), token_loss),
     "sft": (lambda m, ids, attn, resp: -sft.sequence_nll(m, ids, attn, resp, 4)[0], token_loss),

@@ -214,7 +214,7 @@ def test_ppo_async_logs_staleness_and_tis(tmp_path, monkeypatch):
 # --- the engine thread's random stream ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("trainer", ["grpo", "ppo", "gradient_checkpointing"])
+@pytest.mark.parametrize("trainer", ["forward_logprobs", "gradient_checkpointing"])
 def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer, tiny_path, monkeypatch):
     """The engine thread samples from torch's global generator (seeded per call, shared/generation.py), so nothing
     the trainer does meanwhile may set that generator. torch.utils.checkpoint replays the RNG state by default: in
@@ -222,10 +222,9 @@ def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer,
     under the engine. The straight and resumed `--async_steps 1` runs then sampled other tokens in some runs
     (test_async_run_is_reproducible_and_resumes failed in CI; with a busy loop beside it, 4 of 8 plain async runs
     differed from the others, 0 of 10 after the fix). Checked two ways, for the scripts' lean log-probs (a
-    checkpoint per chunk) and a model with --gradient_checkpointing: a training step sets the global generator
+    checkpoint per chunk, shared/logprobs.py) and a model with --gradient_checkpointing: a training step sets the global generator
     nowhere (deterministic), and the samples generated while the main thread trains without pause equal those
     generated alone (with preserve_rng_state left on, this part failed in 8 of 9 tries: 3 runs of the 3 cases)."""
-    import importlib
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoTokenizer
@@ -233,6 +232,7 @@ def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer,
     from shared.data import pad_batch
     from shared.distributed import load_causal_lm
     from shared.generation import VLLMGenerator
+    from shared.logprobs import forward_logprobs
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     model = load_causal_lm(tiny_path, torch.float32, gradient_checkpointing=trainer == "gradient_checkpointing")
@@ -244,8 +244,7 @@ def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer,
         if trainer == "gradient_checkpointing":
             loss = model(input_ids=ids, attention_mask=attn).logits.sum()
         else:
-            loss = importlib.import_module(f"algorithms.{trainer}").forward_logprobs(model, ids, attn, resp, 1.0,
-                                                                                     True)[0].sum()
+            loss = forward_logprobs(model, ids, attn, resp, 1.0, True)[0].sum()
         loss.backward()
 
     sets = []

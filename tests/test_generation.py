@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from algorithms.grpo import forward_logprobs
+from shared.logprobs import forward_logprobs
 from shared import data
 from shared.distributed import DistInfo, full_named_parameters
 from shared.generation import HFGenerator, VLLMGenerator, seed_for

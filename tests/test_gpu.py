@@ -50,7 +50,7 @@ def _batch(vocab: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_logprobs_equal_full_logits_on_gpu(dtype, monkeypatch):
-    from algorithms.grpo import forward_logprobs
+    from shared.logprobs import forward_logprobs
     from tests.test_lean_logprobs import reference_logprobs
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -77,7 +77,7 @@ def test_lean_logprobs_equal_full_logits_on_gpu(dtype, monkeypatch):
 def test_hf_generation_logprobs_match_the_trainer_in_bf16():
     """The HF backend's per-token sampling log-probs (after temperature) are the trainer's log-probs of the same tokens
     at the same temperature, to bf16 rounding; a completion ends at its first stop token."""
-    from algorithms.grpo import forward_logprobs
+    from shared.logprobs import forward_logprobs
     from shared import data
     from shared.distributed import load_causal_lm, load_tokenizer
     from shared.generation import HFGenerator

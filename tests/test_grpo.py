@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from algorithms.grpo import (Args, aggregate_loss, cispo_surrogate, clipped_surrogate, completion_mask,
-                             compute_advantages, forward_logprobs, informative_groups, kl_penalty,
+                             compute_advantages, informative_groups, kl_penalty,
                              log_importance_ratio, tis_weights, validate)
+from shared.logprobs import forward_logprobs
 
 
 # ---------------------------------------------------------------- advantages (all-equal groups get 0, not NaN)

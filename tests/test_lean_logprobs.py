@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from algorithms import dpo, drca, grpo, ppo, repulse, restem, sft, vineppo
-from shared import data
+from shared import data, logprobs
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 CHUNKS = [1, 3, 7, 1024]  # 3 and 7 divide none of the batches' response-token counts (25 and 9 below)
@@ -36,17 +36,12 @@ def reference_logprobs(model, input_ids, attention_mask, temperature=1.0):
 
 
 # Each script's function as (log-probs [B, L-1], entropy or None); dpo's returns per-sequence sums, checked apart.
-def _rl(module):
-    return lambda m, ids, attn, resp, t, chunk: module.forward_logprobs(m, ids, attn, resp, t, True, chunk)
-
-
-SCRIPTS = {
-    "grpo": _rl(grpo), "ppo": _rl(ppo), "vineppo": _rl(vineppo), "drca": _rl(drca),
+SCRIPTS = {  # shared/logprobs.py: grpo, dapo, grpo_async, ppo, vineppo, drca and restem train through it
+    "logprobs": lambda m, ids, attn, resp, t, chunk: logprobs.forward_logprobs(m, ids, attn, resp, t, True, chunk),
     "repulse": lambda m, ids, attn, resp, t, chunk: (repulse.forward_logprobs(m, ids, attn, resp[:, 1:], chunk), None),
     "sft": lambda m, ids, attn, resp, t, chunk: (-sft.sequence_nll(m, ids, attn, resp, chunk)[0], None),
-    "restem": lambda m, ids, attn, resp, t, chunk: (restem.forward_logprobs(m, ids, attn, resp, t, chunk), None),
 }
-TEMPERATURE = {"grpo": 0.7, "ppo": 0.7, "vineppo": 0.7, "drca": 0.7, "repulse": 1.0, "sft": 1.0, "restem": 0.6}
+TEMPERATURE = {"logprobs": 0.7, "repulse": 1.0, "sft": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +102,17 @@ def test_no_response_token_gives_zeros_and_a_zero_gradient(tiny_model, batch):
     """A micro-batch whose rows have no response token still returns a tensor that backpropagates (to zero)."""
     model, _ = tiny_model
     ids, attn, resp = batch
-    logp, ent = grpo.forward_logprobs(model, ids, attn, torch.zeros_like(resp), 1.0, True)
+    logp, ent = logprobs.forward_logprobs(model, ids, attn, torch.zeros_like(resp), 1.0, True)
     assert (logp == 0).all() and (ent == 0).all() and logp.requires_grad
     assert all((g == 0).all() for g in _grads(model, logp.sum()))
 
 
 def test_the_rl_scripts_share_one_log_prob_function():
-    """grpo, ppo, vineppo and drca carry the same lines (pitfall A3: duplicated code must not drift)."""
-    for fn in ("forward_logprobs", "token_logprobs"):
-        sources = {m.__name__: inspect.getsource(getattr(m, fn)) for m in (grpo, ppo, vineppo, drca)}
-        assert len(set(sources.values())) == 1, f"{fn} differs between {sorted(sources)}"
+    """The RL scripts train through shared/logprobs.py's forward pass, not a copy of it that could drift."""
+    for m in (grpo, ppo, vineppo, drca, restem):
+        assert (getattr(m, "forward_logprobs", None) is logprobs.forward_logprobs
+                or getattr(m, "micro_batch_logprobs", None) is logprobs.micro_batch_logprobs), m.__name__
+        assert "def forward_logprobs" not in inspect.getsource(m), m.__name__
 
 
 # ---------------------------------------------------------------- memory

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from algorithms.grpo import forward_logprobs
+from shared.logprobs import forward_logprobs
 from conftest import assert_clean_exit
 from shared import data
 from shared.distributed import DistInfo, full_named_parameters

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from algorithms.grpo import (aggregate_loss, check_packing, clipped_surrogate, completion_mask, forward_logprobs,
-                             kl_penalty, micro_batch_logprobs, packed_forward_logprobs)
+from algorithms.grpo import aggregate_loss, clipped_surrogate, completion_mask, kl_penalty
+from shared.logprobs import check_packing, forward_logprobs, micro_batch_logprobs, packed_forward_logprobs
 from shared import data
 from shared.tiny import tiny_config
 

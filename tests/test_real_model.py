@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from algorithms.grpo import forward_logprobs
+from shared.logprobs import forward_logprobs
 from shared import data
 from shared.distributed import load_causal_lm, load_tokenizer
 from shared.generation import (HFGenerator, VLLMGenerator, completion_decoder, cut_at_stop, stop_string_end,
