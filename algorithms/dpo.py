@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
+from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
                                 load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare, prepare_frozen,
                                 seed_everything)
@@ -175,7 +175,7 @@ class Args:
     """`offline`: pairs from the dataset's chosen/rejected columns; `self_generated`: sample and grade (DPO+)"""
     num_generation_prompts: Annotated[int, Ge(0)] = 2048
     """train prompts to sample from for self-generated pairs (0: all)"""
-    num_samples_per_prompt: Annotated[int, Ge(1)] = 16
+    num_generations: Annotated[int, Ge(1)] = 16
     """samples per prompt for self-generated pairs (VinePPO 64)"""
     generation_temperature: Annotated[float, Gt(0)] = 0.6
     """sampling temperature for self-generated pairs (VinePPO 0.6)"""
@@ -284,14 +284,9 @@ def make_pairs(samples: list[tuple[list[int], float]], threshold: float, max_pai
 
 
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up."""
-    check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
-                                "num_samples_per_prompt", "max_new_tokens", "max_pairs_per_prompt", "eval_num_samples",
-                                "keep_checkpoints"),
-                non_negative=("num_generation_prompts", "eval_every", "eval_num_prompts", "eval_num_pairs",
-                              "num_sample_completions", "save_every", "stop_after_steps", "max_nonfinite_steps"))
-    if args.pair_source == "self_generated" and args.num_samples_per_prompt < 2:
-        raise ValueError("num_samples_per_prompt: self-generated pairs need at least 2 samples per prompt")
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
+    if args.pair_source == "self_generated" and args.num_generations < 2:
+        raise ValueError("num_generations: self-generated pairs need at least 2 samples per prompt")
     if args.beta <= 0:
         raise ValueError(f"beta: must be > 0, got {args.beta}")
     if not 0 <= args.label_smoothing < 0.5:
@@ -425,7 +420,7 @@ def main(args: Args) -> str:
             n = len(prompts.rows)
             per_rank = math.ceil(n / info.world_size)
             mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
-            outs = generator.generate([prompts.prompt_ids[i] for i in mine], n=args.num_samples_per_prompt,
+            outs = generator.generate([prompts.prompt_ids[i] for i in mine], n=args.num_generations,
                                       temperature=args.generation_temperature, top_p=args.generation_top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919,
                                       index_offset=info.rank * per_rank)
@@ -454,7 +449,7 @@ def main(args: Args) -> str:
             all_pairs = [p for part in info.gather_objects(local_pairs) for p in part]
         if not all_pairs:
             raise ValueError(f"pair_source=self_generated: no prompt had both a correct and an incorrect sample among "
-                             f"{args.num_samples_per_prompt} (sample accuracy {stats[2].item() / stats[1].item():.3f})")
+                             f"{args.num_generations} (sample accuracy {stats[2].item() / stats[1].item():.3f})")
         train = data_utils.PreferenceData([prompts.rows[i] for i, _, _ in all_pairs],
                                           [prompts.prompt_ids[i] for i, _, _ in all_pairs],
                                           [c for _, c, _ in all_pairs], [w for _, _, w in all_pairs])
@@ -462,7 +457,7 @@ def main(args: Args) -> str:
                  "pairs/frac_prompts_with_pairs": stats[3].item() / stats[0].item(),
                  "pairs/num_pairs": len(train), "data/train_pairs": len(train), **timer.pop()}
         tracker.write(f"{len(train)} self-generated pairs from {int(stats[0].item())} prompts x "
-                      f"{args.num_samples_per_prompt} samples (sample accuracy {setup['pairs/sample_accuracy']:.3f}, "
+                      f"{args.num_generations} samples (sample accuracy {setup['pairs/sample_accuracy']:.3f}, "
                       f"{setup['pairs/frac_prompts_with_pairs']:.2f} of prompts have a pair)")
     if args.pair_source == "self_generated" and info.is_main and (ckpt.path is None or not pairs_file.exists()):
         pairs_file.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ import math
 import os
 import re
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -52,25 +53,19 @@ from annotated_types import Ge, Gt, Interval
 from shared import data as data_utils
 from shared import task as builtin_task
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing, exact_div,
+from shared.cli import derive_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
                                 prepare, prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
-from shared.rewards import load_reward_fn, probe_reward_fn
-from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_sequences, token_values
+from shared.prompts import load_prompt_task
+from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.logprobs import forward_logprobs
+from shared.units import (UNIT_PATTERNS, char_offsets, char_span_to_tokens, entropy_units, regex_units,
+                          think_prefix_length)
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
-
-LABEL_PATTERN = r"^\*?[A-Z]{1,2}\.\s+"  # the reference's step labels: "A. ", "AB. ", "*A. "
-UNIT_PATTERNS = {
-    "labels": LABEL_PATTERN,
-    "labels+digits": r"^\*?(?:[A-Z]{1,2}|\d{1,2})\.\s+",  # also "1. ", "12. " (the reference's docstring intent)
-    "lines": r"^(?=\S)",  # every non-blank line starts a unit (the built-in task: one running sum per line)
-}
-
 
 @dataclass
 class Args:
@@ -134,7 +129,7 @@ class Args:
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/reward` with --reward_fn none"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); dev/reward with --reward_fn none"""
 
     # algorithm args: DRCA
     drca_beta: Annotated[float, Interval(ge=0, le=1)] = 0.8
@@ -175,16 +170,16 @@ class Args:
     """linear learning-rate warm-up steps (both optimizers)"""
     max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm (each model)"""
-    num_samples_per_prompt: Annotated[int, Ge(1)] = 8
+    num_generations: Annotated[int, Ge(1)] = 8
     """completions per prompt"""
     local_num_prompts: Annotated[int, Ge(1)] = 64
-    """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
-    num_ppo_epochs: Annotated[int, Ge(1)] = 2
-    """passes over each batch (reference DRCA: 1, its PPO baseline: 2)"""
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """completions per forward/backward (and reward-model forward) on each rank; memory: docs/performance.md"""
+    num_iterations: Annotated[int, Ge(1)] = 2
+    """passes over each batch (reference DRCA: 1, its PPO baseline: 2)"""
     temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -193,16 +188,18 @@ class Args:
     """completion length limit; completions that hit it are 'truncated'"""
     stop: tuple[str, ...] = ()
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
-    kl_coef: Annotated[float, Ge(0)] = 0.01
-    """eta: per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference model"""
+    beta: Annotated[float, Ge(0)] = 0.01
+    """eta: coefficient of the per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference"""
     reward_clip: Annotated[float, Gt(0)] = 10.0
     """per-token rewards are clipped to [-reward_clip, reward_clip] before the KL term (reference 10)"""
     gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE discount (reference 1)"""
     lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE lambda (reference 1)"""
-    cliprange: Annotated[float, Gt(0)] = 0.2
-    """policy ratio clip range"""
+    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
+    epsilon_high: Annotated[float, Ge(0)] = 0.2
+    """upper clip range: ratio <= 1 + epsilon_high"""
     cliprange_value: Annotated[float, Gt(0)] = 0.5
     """value clip range around the old values (reference 0.5)"""
     whiten_advantages: bool = True
@@ -230,105 +227,6 @@ class Args:
     local_minibatch_size: tyro.conf.Suppress[int] = 0
     gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
     num_steps: tyro.conf.Suppress[int] = 0
-
-
-# ALGO LOGIC: unit extraction (pure functions; docs/drca.md, units)
-def think_prefix_length(pieces: list[str]) -> int:
-    """Tokens before the unit region: a leading `<think>...</think>` block (pieces = the response's tokens, each
-    decoded with its special tokens) plus the whitespace-only tokens after it; 0 without one. An unterminated
-    block covers the whole response. (The reference hard-codes 4 for Qwen3: <think>, \\n\\n, </think>, \\n\\n.)"""
-    if not "".join(pieces).lstrip().startswith("<think>"):
-        return 0
-    text = ""
-    for i, piece in enumerate(pieces):
-        text += piece
-        if "</think>" in text:
-            end = i + 1
-            while end < len(pieces) and not pieces[end].strip():
-                end += 1
-            return end
-    return len(pieces)
-
-
-def char_offsets(decode, ids: list[int], context: int = 8) -> list[int]:
-    """offsets[i] = len(decode(ids[:i])), i = 0..n: token i covers characters [offsets[i], offsets[i+1]).
-    Prefix decoding (not per-token decoding) keeps multi-byte characters split over tokens intact; a prefix
-    ending inside a character decodes to a trailing U+FFFD, which is not counted.
-
-    Linear time: the characters token i adds are len(decode(ids[i-c:i+1])) - len(decode(ids[i-c:i])), decoded
-    with `context` tokens before it (as vLLM's incremental detokenizer), so split characters, leading-space and
-    clean-up rules see the same neighbourhood as in the full prefix. If the total disagrees with the full decode
-    (a tokenizer whose decoding depends on more context), the exact quadratic prefix decoding is used."""
-    clean = lambda t: len(t.rstrip("\ufffd"))  # noqa: E731
-    offsets = [0]
-    for i in range(len(ids)):
-        lo = max(0, i - context)
-        added = clean(decode(ids[lo:i + 1])) - clean(decode(ids[lo:i])) if i > lo else clean(decode(ids[:1]))
-        offsets.append(max(offsets[-1], offsets[-1] + added))
-    if offsets[-1] != clean(decode(ids)):
-        offsets = [0] + [0] * len(ids)
-        for i in range(1, len(ids) + 1):
-            offsets[i] = max(offsets[i - 1], clean(decode(ids[:i])))
-    return offsets
-
-
-def char_span_to_tokens(offsets: list[int], char_start: int, char_end: int) -> tuple[int, int]:
-    """[first token touching char_start, last token touching char_end - 1] as a half-open token span.
-    Zero-width tokens just before the first one (the leading bytes of a split character) are included."""
-    n = len(offsets) - 1
-    ts = next(i for i in range(n) if offsets[i + 1] > char_start)
-    while ts > 0 and offsets[ts - 1] == offsets[ts]:
-        ts -= 1
-    te = next(j for j in range(1, n + 1) if offsets[j] >= char_end)
-    return ts, te
-
-
-def regex_units(text: str, pattern: str, max_units: int, code_compat: bool = False) -> list[tuple[int, int]]:
-    """Character spans of the units: each match of `pattern` (multiline) starts one; at most max_units, the last
-    running to the end of the text (so it absorbs later matches); text before the first match is in no unit.
-
-    Default: unit k = [start_k, start_{k+1}) with trailing whitespace stripped. `code_compat` reproduces the
-    reference: lines matched one by one after dropping blank lines, so each blank line shifts later offsets
-    one character left (units lose their last character and start with "\\n"), unit k ends one character
-    before the next start, the last unit is not stripped."""
-    if code_compat:
-        starts, pos = [], 0
-        for line in [x for x in text.split("\n") if x]:
-            if re.match(pattern, line):
-                starts.append(pos)
-                if len(starts) >= max_units:
-                    break
-            pos += len(line) + 1
-        ends = [s - 1 for s in starts[1:]] + [len(text)]
-        return [(s, e) for s, e in zip(starts, ends)]
-    starts = [m.start() for m in re.finditer(pattern, text, re.M)][:max_units]
-    spans = []
-    for k, s in enumerate(starts):
-        e = starts[k + 1] if k + 1 < len(starts) else len(text)
-        e = s + len(text[s:e].rstrip())
-        if e > s:
-            spans.append((s, e))
-    return spans
-
-
-def entropy_units(entropy: list[float], threshold: float, max_units: int, boundary: str = "before",
-                  cap: bool = True) -> list[tuple[int, int]]:
-    """Token spans tiling [0, n) split at entropy peaks (H_i > threshold); H_i is the entropy of the distribution
-    that produced token i. `before`: a peak token starts a unit; `after` (the reference): it ends one.
-    With `cap`, only the first max_units - 1 interior boundaries are kept (the last unit absorbs the rest)."""
-    n = len(entropy)
-    if n == 0:
-        return []
-    if boundary == "before":
-        interior = [i for i in range(1, n) if entropy[i] > threshold]
-    elif boundary == "after":
-        interior = [i + 1 for i in range(n - 1) if entropy[i] > threshold]
-    else:
-        raise ValueError(f"entropy_boundary: expected before or after, got {boundary!r}")
-    if cap:
-        interior = interior[: max(max_units - 1, 0)]
-    bounds = [0] + interior + [n]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 # ALGO LOGIC: counterfactuals and difference rewards (docs/drca.md: y~_k, credit d_k, r_t)
@@ -379,10 +277,10 @@ def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, in
 
 
 def shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-                   kl_coef: float, reward_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """clamp(r, ±reward_clip) - eta * clamp(k1, ±10) per action (0 on padding); returns (r', k1)."""
+                   beta: float, reward_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """clamp(r, ±reward_clip) - eta * clamp(k1, ±10) per action (eta = beta; 0 on padding); returns (r', k1)."""
     kl = torch.clamp(logp - ref_logp, -10, 10) * mask
-    return (torch.clamp(rewards, -reward_clip, reward_clip) - kl_coef * kl) * mask, kl
+    return (torch.clamp(rewards, -reward_clip, reward_clip) - beta * kl) * mask, kl
 
 
 # ALGO LOGIC: PPO (as ppo.py)
@@ -411,16 +309,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float,
-                mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho.
-
-    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
-    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
-    ratio = torch.exp(log_ratio)
-    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
-    clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
-    return loss, clipped, ratio
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                      eps_high: float, mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
+    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
+    inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
@@ -441,11 +340,7 @@ def init_value_head(model) -> None:
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-action values [B, L-1], normalised by the stored reward stats when the critic is a reward model
     (the reference's `--normalize_reward` critic): V = (v - mu) / sigma."""
-    values = token_values(critic, input_ids, attention_mask)[:, :-1]
-    config = getattr(critic, "module", critic).config
-    if getattr(config, "reward_mean", None) is not None:
-        values = (values - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
-    return values
+    return normalized(token_values(critic, input_ids, attention_mask)[:, :-1], critic)
 
 
 def effective_scorer(args: Args) -> str:
@@ -457,14 +352,7 @@ def effective_scorer(args: Args) -> str:
 
 
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up."""
-    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
-                                "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints",
-                                "max_units_per_sequence"),
-                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
-                              "stop_after_steps", "max_nonfinite_steps"))
-    if not 0.0 <= args.drca_beta <= 1.0:
-        raise ValueError(f"drca_beta: must be in [0, 1], got {args.drca_beta}")
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if not args.reward_model_path:
         raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
     if effective_scorer(args) == "line_grader" and not builtin_task.is_builtin(args.dataset):
@@ -474,12 +362,8 @@ def validate(args: Args) -> None:
             re.compile(args.unit_pattern)
         except re.error as e:
             raise ValueError(f"unit_pattern: not a regular expression ({e})") from None
-    if args.entropy_source == "reference" and args.kl_coef == 0:
-        raise ValueError("entropy_source: `reference` needs the reference model, which kl_coef 0 skips")
-    if args.temperature <= 0:
-        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
-    if args.num_ppo_epochs < 1 or args.kl_coef < 0 or args.reward_clip <= 0:
-        raise ValueError("num_ppo_epochs must be >= 1, kl_coef >= 0 and reward_clip > 0")
+    if args.entropy_source == "reference" and args.beta == 0:
+        raise ValueError("entropy_source: `reference` needs the reference model, which beta 0 skips")
 
 
 def main(args: Args) -> str:
@@ -487,19 +371,7 @@ def main(args: Args) -> str:
     validate(args)
     args.scorer = effective_scorer(args)  # `auto` resolved, so the run's config names the scorer that ran
     info = init_distributed()
-    args.world_size = info.world_size
-    args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
-    args.batch_size = args.local_batch_size * info.world_size
-    args.num_prompts = args.local_num_prompts * info.world_size
-    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
-                                          "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
-    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
-    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
-    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
-                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
-    args.num_steps = args.total_episodes // args.batch_size
-    if args.num_steps < 1:
-        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
     if args.unit_pattern == "auto":
         args.unit_pattern = "lines" if args.dataset.startswith("builtin") else "labels"
     pattern = UNIT_PATTERNS.get(args.unit_pattern, args.unit_pattern)
@@ -514,17 +386,10 @@ def main(args: Args) -> str:
     critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_same_tokenizer(rm_path, tokenizer)
-    answer_key = args.answer_key if args.reward_fn != "none" else ""  # no grader: prompts without answers are fine
-    load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
-        args.dataset, split, tokenizer, args.prompt_key, answer_key, args.prompt_template, args.chat_template,
-        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
-        part=part or "train")
-    train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
-    dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
+    # train / held-out / dev prompts and the grader (None with --reward_fn none: no accuracy, best/ by dev/reward)
+    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path,
+                                                                  graded=args.reward_fn != "none")
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if args.reward_fn != "none" else None
-    if reward_fn is not None:
-        probe_reward_fn(reward_fn, train_data.rows)
     slips = None  # held-out slip pairs of the built-in task: is the lowest credit on the slipped line?
     if args.localisation_num_pairs and builtin_task.is_builtin(args.dataset):
         slips = data_utils.load_preferences(args.dataset, args.eval_split, tokenizer,
@@ -570,7 +435,7 @@ def main(args: Args) -> str:
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
                                           args.max_grad_norm, dtype)
-    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.beta > 0 else None
     reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
@@ -583,7 +448,7 @@ def main(args: Args) -> str:
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
-    mb = args.local_micro_batch_size
+    micro = args.local_micro_batch_size
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
         """Normalised RM scores in micro-batches (shared/scalar.py; every rank runs the same number of forwards), or
@@ -592,7 +457,7 @@ def main(args: Args) -> str:
             grades = [builtin_task.line_grade(tokenizer.decode(p, skip_special_tokens=True), decode(r))
                       for p, r in zip(prompts, responses)]
             return torch.tensor(grades, dtype=torch.float32, device=info.device)
-        return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, mb)
+        return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, micro)
 
     def extract_units(response: list[int], entropy: torch.Tensor | None) -> list[tuple[int, int]]:
         """Unit token spans in response coordinates; the last response token is never in a unit."""
@@ -623,14 +488,14 @@ def main(args: Args) -> str:
         entropies = [None] * len(idx)
         if args.unit_extraction == "entropy":  # entropies along the response from --entropy_source, as in training
             with torch.no_grad():
-                for s in range(0, per_rank, mb):  # the same number of forwards on every rank (ZeRO-3)
-                    p, r = prompts[s : s + mb], responses[s : s + mb]
+                for s in range(0, per_rank, micro):  # the same number of forwards on every rank (ZeRO-3)
+                    p, r = prompts[s : s + micro], responses[s : s + micro]
                     if not r:  # this rank has run out: a dummy forward keeps the ranks in step
                         p, r = slips.prompt_ids[:1], slips.rejected_ids[:1]
                     ids, attn, resp = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
                     source = ref_policy if args.entropy_source == "reference" and ref_policy is not None else policy
                     _, ent = forward_logprobs(source, ids, attn, resp, args.temperature, True)
-                    for j in range(len(responses[s : s + mb])):
+                    for j in range(len(responses[s : s + micro])):
                         entropies[s + j] = ent[j, len(p[j]) - 1 :].cpu()
         spans, cf_owner, cf_prompts, cf_responses = [], [], [], []
         for j in range(len(idx)):
@@ -665,7 +530,7 @@ def main(args: Args) -> str:
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
                                     seed=eval_seed(args.seed), reward_model=reward_model,
-                                    pad_id=tokenizer.pad_token_id, micro_batch_size=mb)
+                                    pad_id=tokenizer.pad_token_id, micro_batch_size=micro)
         if slips is not None:
             metrics |= localisation()
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
@@ -696,14 +561,14 @@ def main(args: Args) -> str:
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
                                       temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=info.rank * args.local_num_prompts)
             generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
         comps = [c for group in outs for c in group]
         responses = [c.token_ids for c in comps]
-        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, responses, tokenizer.pad_token_id, info.device)
         mask = resp[:, 1:].float()  # action t emits token t+1: 1 on completion tokens, EOS included
         last_action = (mask * torch.arange(mask.shape[1], device=info.device)).argmax(1)
@@ -713,8 +578,8 @@ def main(args: Args) -> str:
         old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
         entropy = torch.zeros_like(mask)
         with timer("logprob"), torch.no_grad():
-            for s in range(0, B, mb):
-                sl = slice(s, s + mb)
+            for s in range(0, B, micro):
+                sl = slice(s, s + micro)
                 old_logp[sl], entropy[sl] = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl],
                                                              args.temperature, True)
                 if ref_policy is not None:
@@ -751,7 +616,7 @@ def main(args: Args) -> str:
         raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
                                          args.unitless_fallback)
         rewards, kl_k1 = shaped_rewards(raw_rewards, old_logp, ref_logp if ref_policy is not None else old_logp,
-                                        mask, args.kl_coef, args.reward_clip)
+                                        mask, args.beta, args.reward_clip)
 
         # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
         advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
@@ -762,22 +627,22 @@ def main(args: Args) -> str:
             var = sums[1] / sums[2] - mean**2
             advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
 
-        # 6. update: num_ppo_epochs x num_minibatches steps of the policy, then the critic, on the same minibatch
-        stats = {k: [] for k in ("pg", "vf", "clip", "vclip", "ratio", "approxkl")}
+        # 6. update: num_iterations passes x num_minibatches steps of the policy, then the critic, on the same minibatch
+        stats = defaultdict(list)  # metric name -> one value per micro-batch
         grad_norms, critic_norms = [], []
         with timer("train"):
-            for _ in range(args.num_ppo_epochs):
+            for _ in range(args.num_iterations):
                 perm = torch.randperm(B)
-                for m in range(args.num_minibatches):
-                    mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
-                    global_tokens = info.all_reduce(mask[mb_idx].sum().clone().cpu()).item()
-                    for a in range(args.gradient_accumulation_steps):
-                        idx = mb_idx[a * mb : (a + 1) * mb]
+                for mb in range(args.num_minibatches):
+                    mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
+                    mb_tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
+                    for idx in data_utils.micro_batches(mb_idx.tolist(), [], args.gradient_accumulation_steps, "padded"):
                         m_mask = mask[idx]
                         # policy: token mean of the clipped surrogate over the minibatch (all ranks)
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
-                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
-                                                           m_mask)
+                        pg, is_clipped, ratio = clipped_surrogate(logp, old_logp[idx], advantages[idx],
+                                                                  args.epsilon_low, args.epsilon_high, m_mask)
                         guard.backward(policy, (pg * m_mask).sum() * info.world_size / max(global_tokens, 1))
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
@@ -790,12 +655,11 @@ def main(args: Args) -> str:
                         with torch.no_grad():
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
-                            stats["pg"].append(mm(pg))
-                            stats["vf"].append(mm(vf))
-                            stats["clip"].append(mm(clipped))
-                            stats["vclip"].append(mm(vclipped))
-                            stats["ratio"].append(mm(ratio))
-                            stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
+                            for k, v in {"loss/policy_avg": mm(pg), "loss/value_avg": mm(vf),
+                                         "policy/clipfrac_avg": mm(is_clipped), "val/clipfrac_avg": mm(vclipped),
+                                         "policy/approxkl_avg": mm(0.5 * (logp - old_logp[idx]) ** 2),
+                                         "val/ratio": mm(ratio)}.items():
+                                stats[k].append(v)
 
         # 7. weight sync
         with timer("sync"):
@@ -814,7 +678,7 @@ def main(args: Args) -> str:
         local = {
             "objective/scores": scores.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
-            "objective/non_score_reward": -(args.kl_coef * kl_k1).sum(1).mean().item(),
+            "objective/non_score_reward": -(args.beta * kl_k1).sum(1).mean().item(),
             "objective/entropy": ((entropy * mask).sum(1) / lengths.clamp(min=1)).mean().item(),
             "drca/units_per_seq": sum(len(u) for u in units) / B,
             "drca/unitless_frac": 1 - len(with_units) / B,
@@ -825,9 +689,7 @@ def main(args: Args) -> str:
             "drca/sum_identity_err": identity_err,
             "drca/token_reward_clipfrac": ((raw_rewards.abs() > args.reward_clip).float() * mask).sum().item()
             / mask.sum().item(),
-            "loss/policy_avg": avg(stats["pg"]), "loss/value_avg": avg(stats["vf"]),
-            "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
-            "val/clipfrac_avg": avg(stats["vclip"]), "val/ratio": avg(stats["ratio"]),
+            **{k: avg(v) for k, v in stats.items()},
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
             "val/sequence_lengths": lengths.mean().item(),
@@ -854,7 +716,7 @@ def main(args: Args) -> str:
                                   "units": [decode(responses[i][s:e]) for s, e in units[i]],
                                   "credits": [round(d, 4) for d in credits[i]],
                                   "finish_reason": comps[i].finish_reason}
-                                 for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+                                 for i in range(0, B, args.num_generations)][:8], step)
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):

@@ -18,7 +18,8 @@ Launch:
     python algorithms/evaluate.py --model_name_or_path runs/grpo/final --generator hf    # HF generate, no vLLM
     accelerate launch --config_file scripts/accelerate/zero0.yaml --num_processes 8 algorithms/evaluate.py \
         --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --chat_template --dataset openai/gsm8k:main \
-        --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --num_samples 16 --k 1 4 16
+        --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --num_samples 16 --k 1 4 16 \
+        --prompt_template $'{prompt}\\nSolve it step by step, then give the final answer on the last line as "#### <number>".'
 """
 
 from __future__ import annotations

@@ -1,43 +1,31 @@
-"""GRPO: Group Relative Policy Optimization, with its common variants as documented flags. Docs: docs/grpo.md
+"""GRPO: Group Relative Policy Optimization. Docs: docs/grpo.md
 
 Paper: DeepSeekMath (Shao et al. 2024, https://arxiv.org/abs/2402.03300), Sec. 4.1.
-For every prompt, sample a group of G completions, score them, and use the group-normalised reward
-as the advantage of every token of a completion. No value model: the group is the baseline. The update
-is PPO's clipped surrogate; a KL penalty to a frozen reference is an optional loss term.
+For every prompt, sample a group of G completions, score them, and give every token of completion i the advantage
+A_i = (r_i - mean_G r) / (std_G r + 1e-4): the group is the baseline, no value model. The update is PPO's clipped
+surrogate, num_iterations passes over each batch; a KL penalty to a frozen reference is an optional loss term.
 
-Delta from PPO (algorithms/ppo.py): advantage = (r_i - mean_group r) [/ std], broadcast to all tokens,
-instead of GAE on a learned critic. Variants (grpo.md):
-  --advantage_estimator grpo|rloo|reinforce_pp_baseline
-                                            r - group mean (GRPO) | r - mean of the others (RLOO) | r - group
-                                            mean, whitened over the batch's tokens (REINFORCE++-baseline)
-  --advantage_scaling group|batch|none      for grpo: std of the group (GRPO), of the batch, or none (Dr. GRPO)
-  --loss_aggregation seq_mean|token_mean|global_token|constant
-                                            GRPO's per-sequence mean | token mean per rank | DAPO's token mean
-                                            over the whole step and all ranks | Dr. GRPO's constant B*L_max
-  --epsilon_low/--epsilon_high              clip-higher (DAPO)
-  --importance_level token|sequence         ratio per token, or per completion: exp(mean_t log ratio) (GSPO)
-  --policy_loss clip|cispo                  PPO's clipped surrogate, or the clipped, detached IS weight times
-                                            A log pi (CISPO, MiniMax-M1)
-  --beta, --kl_estimator                    KL to the reference as a loss term (reference loaded only if beta>0)
-  --num_iterations                          mu: updates per batch, ratio against the sampling-time log-probs
-  --mask_truncated_completions              drop completions that hit max_new_tokens from the loss (DAPO)
-  --tis                                     importance weights against the sampler's log-probs, per token or
-                                            per completion, truncated or masked
-  --async_steps 1                           generate step t+1's batch while step t trains (one update off-policy,
-                                            corrected by --tis against the generator's log-probs)
-  --dynamic_sampling, --max_refill_rounds   drop groups with all-equal rewards, sample more prompts to refill the
-                                            batch, at most max_refill_rounds extra rounds (DAPO)
-Note: with num_iterations=1 and one minibatch, the ratio is 1, the loss value is ~0 (beta=0), yet the
-gradient is the policy gradient sum_t A grad log pi.
+Default objective (maximised; beta = 0), DAPO's token mean and clip-higher, TIS against the sampler's log-probs:
+    J(theta) = 1/sum_i |o_i| * sum_i sum_t w_it * min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
+    rho_it = pi_theta(o_it) / pi_old(o_it),  w_it = min(pi_old(o_it) / pi_sampler(o_it), C)
+    eps_low = 0.2, eps_high = 0.28, C = tis_cap = 2; the token mean runs over the whole step on all ranks
+
+Delta from PPO (algorithms/ppo.py): the group-normalised reward replaces GAE on a learned critic (no value model,
+no per-token reward). Flags that switch a pure function (docs/grpo.md#variants): --advantage_estimator (RLOO,
+REINFORCE++-baseline), --advantage_scaling (Dr. GRPO: none), --loss_aggregation (GRPO's seq_mean, Dr. GRPO's
+constant), --epsilon_low/--epsilon_high, --importance_level sequence (GSPO), --policy_loss cispo (CISPO), --beta and
+--kl_estimator (KL to a frozen reference), --mask_truncated_completions (DAPO), --tis and --tis_cap (the weight w).
+Variants that change the loop have their own files: algorithms/dapo.py (dynamic sampling) and
+algorithms/grpo_async.py (the next batch is generated while this one trains).
 
 Launch:
-    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, about 5 minutes
+    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, about 10 minutes
     python algorithms/grpo.py --generator hf                   # HF generate instead of vLLM
-    python algorithms/grpo.py --async_steps 1                  # generation overlaps training, one update stale
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/grpo.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero3.yaml algorithms/grpo.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --chat_template --dataset openai/gsm8k:main \
-        --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --learning_rate 1e-6
+        --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --learning_rate 1e-6 \
+        --prompt_template "{prompt}\nSolve step by step. End with a line '#### <answer>'." --max_prompt_length 512
 """
 
 from __future__ import annotations
@@ -45,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -54,17 +43,17 @@ from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
+from shared.cli import derive_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters,
                                 init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.logprobs import check_packing, micro_batch_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
-from shared.rollout_queue import async_checkpoint_state, resume_async
-from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
+from shared.prompts import load_prompt_task
+from shared.rewards import compute_rewards
+from shared.scalar import check_same_tokenizer, load_scalar_model, score_sequences
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -112,8 +101,6 @@ class Args:
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
-    async_steps: Annotated[int, Ge(0)] = 0
-    """1: generate step t+1's batch in a background thread while step t trains (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
     """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
@@ -194,10 +181,6 @@ class Args:
     """correction for sampler/trainer mismatch: `none`, per token (`token_*`) or per completion (`sequence_*`); docs/grpo.md"""
     tis_cap: Annotated[float, Gt(0)] = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
-    dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (no gradient) and sample more prompts to refill the batch (DAPO)"""
-    max_refill_rounds: Annotated[int, Ge(0)] = 3
-    """with --dynamic_sampling: at most this many extra rounds of new prompts per step, then train on what it has"""
     eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
@@ -253,13 +236,6 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
     if scaling == "batch":
         return centered / (rewards.std() + eps)
     raise ValueError(f"advantage_scaling: expected group, batch or none, got {scaling!r}")
-
-
-def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards [P, G] -> [P] bool: the groups whose rewards are not all equal, which DAPO's dynamic sampling keeps
-    (Yu et al. 2025, §3.2: 0 < #correct < G for 0/1 correctness). Every other group has zero advantage under grpo
-    and rloo. It reads the rewards as the reward function (or model) returned them: grpo.py shapes none."""
-    return rewards.max(dim=1).values > rewards.min(dim=1).values
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
@@ -384,37 +360,10 @@ def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_tr
     return mask
 
 
-def check_async(args) -> None:
-    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
-    if not args.async_steps:
-        return
-    if args.async_steps > 1:
-        raise ValueError(f"async_steps: must be 0 or 1, got {args.async_steps} (the weight sync waits for every pending "
-                         "batch, so k >= 2 would add staleness without more overlap)")
-    if args.generator == "hf":
-        raise ValueError("async_steps: needs --generator vllm (the HF backend generates with the training model "
-                         "itself, which the update would change mid-generation)")
-    if args.vllm_enable_sleep:
-        raise ValueError("async_steps: the engine generates while the trainer trains, so it cannot sleep then; drop "
-                         "--vllm_enable_sleep")
-    if args.dynamic_sampling:
-        raise ValueError("async_steps: --dynamic_sampling's refill rounds depend on the step's rewards, known only "
-                         "after its batch was generated; use one or the other")
-
-
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up."""
-    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_minibatches", "local_micro_batch_size",
-                                "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
-                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
-                              "stop_after_steps", "max_nonfinite_steps", "async_steps"))
-    check_async(args)
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
-    if args.temperature <= 0:
-        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
-    if args.num_iterations < 1 or args.beta < 0:
-        raise ValueError("num_iterations must be >= 1 and beta >= 0")
     if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
         raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
                          "has its own normalisation)")
@@ -424,22 +373,7 @@ def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
-    args.world_size = info.world_size
-    if args.async_steps and info.world_size > 1:
-        raise ValueError(f"async_steps: runs in one process only ({info.world_size} here): a generation thread "
-                         "beside the ranks' collectives is not tested")
-    args.local_batch_size = args.local_num_prompts * args.num_generations
-    args.batch_size = args.local_batch_size * info.world_size
-    args.num_prompts = args.local_num_prompts * info.world_size
-    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
-                                          "num_minibatches: local_num_prompts * num_generations / num_minibatches")
-    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
-    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
-    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
-                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
-    args.num_steps = args.total_episodes // args.batch_size
-    if args.num_steps < 1:
-        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
@@ -450,22 +384,10 @@ def main(args: Args) -> str:
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
-    # a reward model needs no gold answers: without the answer column there is no grader and no accuracy
-    graded = not rm_path or data_utils.has_column(args.dataset, (args.train_split, args.eval_split), args.answer_key)
-    load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
-        args.dataset, split, tokenizer, args.prompt_key, args.answer_key if graded else "", args.prompt_template,
-        args.chat_template,
-        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
-        part=part or "train")
-    train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
-    dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
+    # train / held-out / dev prompts and the grader (None with a reward model and no gold answers: no accuracy)
+    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if graded else None
-    if reward_fn is not None:
-        probe_reward_fn(reward_fn, train_data.rows)
-    headline = "eval/accuracy" if graded else "eval/reward"  # the held-out number printed at start and end
-    if not graded and args.best_metric == "dev/accuracy":
-        args.best_metric = "dev/reward"  # no grader: the reward model's score on the dev slice selects best/
+    headline = "eval/accuracy" if reward_fn else "eval/reward"  # the held-out number printed at start and end
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -483,9 +405,7 @@ def main(args: Args) -> str:
     dtype = default_dtype(info.device)
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
     if args.micro_batching == "packed":  # a model that cannot pack: one line now, not wrong gradients later
-        a = train_data.prompt_ids[0]
-        b = next((p for p in train_data.prompt_ids if p != a), a)
-        check_packing(policy, a, b, 1e-4 if dtype == torch.float32 else 5e-2)
+        check_packing(policy, train_data.prompt_ids)
     policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
@@ -505,11 +425,11 @@ def main(args: Args) -> str:
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
 
     # generation engine
-    max_len = args.max_prompt_length + args.max_new_tokens
     generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
-                               dtype=dtype, seed=local_seed, max_model_len=max_len, world_size=info.world_size,
-                               zero_stage=info.zero_stage, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                               world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
@@ -521,75 +441,42 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG
     engines = {"policy": policy}
-    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
+    start_step, state = ckpt.restore(engines, **resumable)
     first_eval = state.get("first_eval")
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
-    def next_prompts() -> list[int]:  # the next num_prompts prompts of the global order; this rank's slice
-        global_idx = sampler.next_indices(args.num_prompts)
-        return global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-
-    def sample(step: int, rnd: int, local_idx: list[int]) -> list:
-        """1. rollout: G samples of each of this rank's prompts of round `rnd` of a step. Global prompt i of round r
-        samples with the seed of index r * num_prompts + i, so no two prompts of a step share one."""
-        return generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
-                                  temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                  seed=args.seed * 7_919 + step,
-                                  index_offset=rnd * args.num_prompts + info.rank * args.local_num_prompts)
-
-    def rollout(step: int, rnd: int) -> tuple[list[int], list, list[str], list[float]]:
-        """1. rollout and 2. reward of round `rnd` of a step (rounds > 0 only with --dynamic_sampling): the next
-        num_prompts prompts of the global order, this rank's slice sampled G times each and scored. Returns the
-        rank's prompt indices, completions (prompt-major: [P_local * G]), their texts and rewards."""
+    def rollout(step: int) -> tuple[list[int], list, list[str], list[float]]:
+        """1. rollout and 2. reward: the next num_prompts prompts of the global order, this rank's slice sampled G
+        times each (global prompt i with the sampling seed of index i) and scored. Returns the rank's prompt
+        indices, completions (prompt-major: [P_local * G]), their texts and rewards."""
         with timer("generate"):
-            if rnd:
-                generator.wake_up()  # it slept after the previous round
-            local_idx = next_prompts()
-            outs = sample(step, rnd, local_idx)
-            # frees the GPU for training when --vllm_enable_sleep (no-op otherwise); level 2 discards the engine's
-            # weights, which the sync after the update replaces (dynamic sampling may generate again before it: 1)
-            generator.sleep(level=1 if args.dynamic_sampling else 2)
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+            generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU for training (the sync replaces the weights)
         return (local_idx, *score(step, local_idx, outs))
 
     def score(step: int, local_idx: list[int], outs: list) -> tuple[list, list[str], list[float]]:
         """2. reward of a rollout's samples: completions (prompt-major: [P_local * G]), texts, rewards."""
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
-
-        # 2. reward: the grader, or a reward model's score of prompt + completion
         with timer("reward"):
             texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:
-                input_ids, attn, _ = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
-                                                           for _ in range(args.num_generations)],
-                                                          [c.token_ids for c in comps], tokenizer.pad_token_id,
-                                                          info.device)
-                with torch.no_grad():
-                    scores = torch.cat([score_last_token(reward_model, input_ids[s : s + args.local_micro_batch_size],
-                                                         attn[s : s + args.local_micro_batch_size])
-                                        for s in range(0, args.local_batch_size, args.local_micro_batch_size)]).tolist()
-            else:  # a reward function that raises stops the run, after saving the previous step
+            if reward_model is not None:  # the reward model's normalised score of prompt + completion
+                scores = score_sequences(reward_model, [train_data.prompt_ids[i] for i in local_idx
+                                                        for _ in range(args.num_generations)],
+                                         [c.token_ids for c in comps], tokenizer.pad_token_id, info,
+                                         args.local_micro_batch_size).tolist()
+            else:  # the grader; a reward function that raises stops the run, after saving the previous step
                 with ckpt.user_code(step, engines, tracker):
                     scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
                                              [x["answer"] for x in rows], [c.finished for c in comps], rows)
         return comps, texts, scores
-
-    # --async_steps 1 (shared/rollout_queue.py): step s's prompts are drawn when it is submitted, at the start of step
-    # s - 1 (the data order of a synchronous run), and generated in a background thread by the weights the engine
-    # holds then, those of `engine_version` updates, while that step trains. The update's shuffles then draw on their
-    # own generator: the engine thread draws on torch's global one meanwhile, in an order that depends on timing
-    rollouts, engine_version, shuffle_rng = None, start_step, None
-    if args.async_steps:
-        rollouts, shuffle_rng = resume_async(state, local_seed)
-
-    def submit(s: int) -> None:
-        if s <= args.num_steps and s not in rollouts:
-            local_idx = next_prompts()
-            rollouts.submit(s, engine_version, lambda: (local_idx, sample(s, 0, local_idx)))
-
-    def async_state() -> dict | None:  # rank-local checkpoint state: the generated batches not yet trained on
-        return async_checkpoint_state(rollouts, shuffle_rng)
 
     # training loop
     timer = Timer()
@@ -602,60 +489,10 @@ def main(args: Args) -> str:
         first_eval = metrics[headline]
     policy.train()
     local_idx: list[int] = []
-    warned_unfilled = False
-    for s in range(start_step + 1, start_step + args.async_steps + 1):  # --async_steps: the first k batches
-        submit(s)
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, local=async_state(), sampler=sampler, guard=guard, best=best, first_eval=first_eval)
+        ckpt.step_start(tracker, **resumable, first_eval=first_eval)
         # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
-        if args.async_steps:  # generated in the background from the weights of at most k updates ago
-            with timer("generate_wait"):
-                batch = rollouts.take(step)
-            submit(step + args.async_steps)  # generated while this step trains, by the weights it starts from
-            local_idx, outs = batch.result
-            comps, texts, scores = score(step, local_idx, outs)
-            # staleness: updates between the behaviour policy and the policy this step starts from (step - 1)
-            async_metrics = {"async/staleness": step - 1 - batch.version, "async/policy_version": batch.version,
-                             "time/generate": batch.seconds}
-        else:
-            local_idx, comps, texts, scores = rollout(step, 0)
-        sampled_scores = list(scores)  # every reward sampled in the step, all rounds (objective/scores)
-        num_kept = args.num_prompts  # groups trained on: fewer only when dynamic sampling could not refill
-        zero_std_groups = None
-        if args.dynamic_sampling:
-            # DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2): a group whose rewards are all equal
-            # has zero advantage, so no policy gradient: drop it, and sample rounds of num_prompts more prompts
-            # until num_prompts informative groups are found or max_refill_rounds extra rounds have run. Groups are
-            # pooled over ranks in the global prompt order, so the batch does not depend on the number of ranks.
-            G, kept, dropped = args.num_generations, [], []
-            for rnd in range(args.max_refill_rounds + 1):
-                if rnd:
-                    local_idx, comps, texts, scores = rollout(step, rnd)
-                    sampled_scores += scores
-                mine = [(i, comps[k * G : (k + 1) * G], texts[k * G : (k + 1) * G], scores[k * G : (k + 1) * G])
-                        for k, i in enumerate(local_idx)]
-                groups = sum(info.gather_objects(mine), [])  # [num_prompts] groups, global order, on every rank
-                informative = informative_groups(torch.tensor([g[3] for g in groups])).tolist()
-                kept += [g for g, keep in zip(groups, informative) if keep]
-                dropped += [g for g, keep in zip(groups, informative) if not keep]
-                if len(kept) >= args.num_prompts:
-                    break
-            num_kept = min(len(kept), args.num_prompts)  # informative groups beyond num_prompts are discarded
-            # still short after the last round: train on the informative groups there are; the free places take
-            # dropped groups to keep the batch's shape, and step 4 masks them out of the loss
-            batch = (kept[: args.num_prompts] + dropped)[: args.num_prompts]
-            batch = batch[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-            local_idx = [g[0] for g in batch]
-            comps, texts, scores = ([x for g in batch for x in g[k]] for k in (1, 2, 3))
-            zero_std_groups = len(dropped) / (args.num_prompts * (rnd + 1))  # of all groups sampled in the step
-            sampling_metrics = {"dynamic_sampling/extra_rounds": rnd, "dynamic_sampling/dropped_groups": len(dropped),
-                                "dynamic_sampling/unfilled_groups": args.num_prompts - num_kept,
-                                "dynamic_sampling/surplus_groups": len(kept) - num_kept}
-            if num_kept < args.num_prompts and not warned_unfilled:
-                warned_unfilled = True
-                tracker.write(f"[step {step}] dynamic sampling: {num_kept} of {args.num_prompts} groups informative "
-                              f"after {rnd} extra rounds; training on those (later shortfalls are only counted in "
-                              "dynamic_sampling/unfilled_groups; --max_refill_rounds allows more rounds)")
+        local_idx, comps, texts, scores = rollout(step)
 
         # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
         input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
@@ -666,28 +503,19 @@ def main(args: Args) -> str:
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
         finished = torch.tensor([c.finished for c in comps])
         mask = completion_mask(resp, finished, args.mask_truncated_completions)
-        if num_kept < args.num_prompts:  # dynamic sampling's filler groups (global index >= num_kept): no loss
-            kept_rows = [info.rank * args.local_num_prompts + i // args.num_generations < num_kept
-                         for i in range(args.local_batch_size)]
-            mask = mask * torch.tensor(kept_rows, dtype=mask.dtype, device=mask.device)[:, None]
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)
         token_counts = None
         if args.advantage_estimator == "reinforce_pp_baseline":  # whitening weighs completions by trained tokens
             token_counts = torch.tensor(sum(info.gather_objects(mask.sum(1).tolist()), []))
-            token_counts = token_counts.view(args.num_prompts, args.num_generations)[:num_kept]
-        all_adv = torch.zeros_like(all_scores)  # filler groups (unfilled dynamic sampling) keep 0
-        if num_kept:
-            all_adv[:num_kept] = compute_advantages(all_scores[:num_kept], args.advantage_scaling,
-                                                    estimator=args.advantage_estimator, token_counts=token_counts)
-        if zero_std_groups is None:
-            zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
+            token_counts = token_counts.view(args.num_prompts, args.num_generations)
+        all_adv = compute_advantages(all_scores, args.advantage_scaling, estimator=args.advantage_estimator,
+                                     token_counts=token_counts)
+        zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
-        sampler_logp = torch.zeros_like(mask)
-        for i, c in enumerate(comps):
-            start_pos = len(train_data.prompt_ids[local_idx[i // args.num_generations]]) - 1
-            sampler_logp[i, start_pos : start_pos + len(c.logprobs)] = torch.tensor(c.logprobs)
+        sampler_logp = data_utils.sampler_logprobs([len(train_data.prompt_ids[i]) for i in local_idx
+                                                    for _ in range(args.num_generations)], [c.logprobs for c in comps], mask)
         adv_tok = adv.to(info.device)[:, None].expand_as(mask)
 
         # 5. log-probs before the update: old (for the ratio and TIS) and reference (for the KL term)
@@ -706,12 +534,11 @@ def main(args: Args) -> str:
                                                          args.micro_batching, args.temperature)[0]
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
-        stats = {k: [] for k in ("pg", "kl", "clip", "ratio", "ratio_var", "approxkl", "entropy", "tis", "lpdiff",
-                                  "tis_ratio", "tis_clip")}
+        stats = defaultdict(list)  # metric name -> one value per micro-batch
         grad_norms = []
         with timer("train"):
             for _ in range(args.num_iterations):
-                perm = torch.randperm(args.local_batch_size, generator=shuffle_rng)  # None: torch's global RNG
+                perm = torch.randperm(args.local_batch_size)
                 for mb in range(args.num_minibatches):
                     mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
                     mb_tokens = mask[mb_idx].sum()
@@ -729,8 +556,8 @@ def main(args: Args) -> str:
                         else:
                             pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                                       args.epsilon_high, m_mask, args.importance_level)
-                        # TIS: w = pi_old / pi_sampler, the behaviour policy being the generator's weights (with
-                        # --async_steps 1, one update older than pi_old), truncated or masked at tis_cap
+                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
+                        # and precision differ from the trainer's), truncated or masked at tis_cap
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         per_token = pg * w
                         kl = torch.zeros_like(logp)
@@ -747,65 +574,42 @@ def main(args: Args) -> str:
                         with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
-                            stats["pg"].append(mm(pg).item())
-                            stats["kl"].append(((kl * m_mask).sum(1)).mean().item())
-                            stats["clip"].append(mm(is_clipped).item())
-                            stats["ratio"].append(mm(ratio).item())
-                            stats["ratio_var"].append(mm((ratio - mm(ratio)) ** 2).item())
-                            stats["approxkl"].append(mm(0.5 * (logp - logp_old) ** 2).item())
-                            stats["entropy"].append(mm(entropy).item())
-                            stats["tis"].append(mm(w).item())
-                            stats["lpdiff"].append(mm((logp_old - sampler_logp[idx]).abs()).item())
                             raw_w = torch.exp((logp_old - sampler_logp[idx]) * m_mask)  # per token, before the cap
-                            stats["tis_ratio"].append(mm(raw_w).item())
                             uncorrected = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, math.inf)
-                            stats["tis_clip"].append(mm((w != uncorrected).float()).item())
+                            for k, v in {"loss/policy_avg": mm(pg), "policy/clipfrac_avg": mm(is_clipped),
+                                         "policy/approxkl_avg": mm(0.5 * (logp - logp_old) ** 2),
+                                         "objective/kl": (kl * m_mask).sum(1).mean(), "objective/entropy": mm(entropy),
+                                         "val/ratio": mm(ratio), "val/ratio_var": mm((ratio - mm(ratio)) ** 2),
+                                         "val/tis_weight": mm(w), "val/tis_ratio": mm(raw_w),
+                                         "val/tis_clipfrac": mm((w != uncorrected).float()),
+                                         "val/sampler_logprob_diff": mm((logp_old - sampler_logp[idx]).abs())}.items():
+                                stats[k].append(v.item())
 
         # 7. weight sync: push the updated policy into the generation engine
-        if rollouts is not None:
-            with timer("generate_wait"):
-                rollouts.wait()  # --async_steps: never load weights into the engine during a generation
-            engine_version = step
         with timer("sync"):
             generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
         lengths = [len(c.token_ids) for c in comps]
-        local = {
-            "objective/scores": sum(sampled_scores) / len(sampled_scores),
-            "objective/scores_std": torch.tensor(sampled_scores).std().item(),
-            "objective/kl": sum(stats["kl"]) / len(stats["kl"]) if ref_policy is not None else 0.0,
-            "objective/entropy": sum(stats["entropy"]) / len(stats["entropy"]),
-            "loss/policy_avg": sum(stats["pg"]) / len(stats["pg"]),
-            "policy/clipfrac_avg": sum(stats["clip"]) / len(stats["clip"]),
-            "policy/approxkl_avg": sum(stats["approxkl"]) / len(stats["approxkl"]),
-            "val/ratio": sum(stats["ratio"]) / len(stats["ratio"]),
-            "val/ratio_var": sum(stats["ratio_var"]) / len(stats["ratio_var"]),
-            "val/tis_weight": sum(stats["tis"]) / len(stats["tis"]),
-            "val/sampler_logprob_diff": sum(stats["lpdiff"]) / len(stats["lpdiff"]),
-            "val/tis_ratio": sum(stats["tis_ratio"]) / len(stats["tis_ratio"]),
-            "val/tis_clipfrac": sum(stats["tis_clip"]) / len(stats["tis_clip"]),
+        local = {k: sum(v) / len(v) for k, v in stats.items()}
+        local.update({
+            "objective/scores": sum(scores) / len(scores),
+            "objective/scores_std": torch.tensor(scores).std().item(),
             "val/sequence_lengths": sum(lengths) / len(lengths),
             "val/stop_rate": sum(c.finished for c in comps) / len(comps),
             "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        }
-        gathered = info.gather_objects(local)
-        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        })
+        metrics = info.mean_over_ranks(local)
         metrics.update({
             "val/frac_reward_zero_std": zero_std_groups,
             "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
             "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
             "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
         })
-        if args.dynamic_sampling:
-            metrics.update(sampling_metrics)
-        if args.async_steps:
-            metrics.update(async_metrics)
-        # evaluation: the engine holds this step's weights (synced above; with --async_steps, no generation runs)
+        # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, local=async_state(),
-                                               sampler=sampler, guard=guard, best=best, first_eval=first_eval):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -817,17 +621,13 @@ def main(args: Args) -> str:
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, local=async_state(), sampler=sampler, guard=guard, best=best,
-                      first_eval=first_eval)
+            ckpt.save(step, engines, tracker, **resumable, first_eval=first_eval)
             if ckpt.stopping:
                 break
-    if rollouts is not None:
-        rollouts.close()
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
-                        sampler=sampler, guard=guard, best=best, first_eval=first_eval):
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     final = ""  # saved before the end-of-run checks, so a failure there loses nothing

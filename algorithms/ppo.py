@@ -7,20 +7,23 @@ Per-token rewards (the score on the last completion token, optionally minus a KL
 turned into advantages by GAE on a separate critic's values; the policy takes PPO-clip steps, the critic
 clipped value-regression steps, each with its own optimizer, on the same minibatches.
 
-Two flavours from the same file:
-  A. verifiable rewards (graders / built-in task; 0 if truncated), KL as a k3 loss term (VinePPO's PPO):
-     the default here;
-  B. a reward model (`--reward_model_path`, any HF sequence-classification checkpoint, score at the last
-     non-pad token), KL as a per-token k1 reward penalty (`--kl_placement reward`, classic RLHF), optional
-     non-EOS penalty and adaptive KL controller.
-Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic instead of group statistics.
-Delta to VinePPO (algorithms/vineppo.py): VinePPO replaces the critic with Monte Carlo value estimates.
-Options: --tis (importance weights against the sampler's log-probs, as grpo.py), --async_steps 1 (generate step
-t+1's batch while step t trains, one update stale; docs/grpo.md#asynchronous-generation---async_steps).
+Default objective (maximised; VinePPO's PPO: verifiable reward, gamma = lambda = 1, KL as a loss term):
+    J(theta) = 1/sum_i |o_i| * sum_i sum_t min(rho_it A_it, clip(rho_it, 1 - eps_low, 1 + eps_high) A_it)
+               - beta * 1/B sum_i sum_t clamp(k3_it, 0, 10)
+    A = whiten(GAE(r, V)), r_it = R(x_i, o_i) on the last token, rho_it = pi_theta / pi_old, eps = 0.2, beta = 1e-4
+    critic: 1/sum_i |o_i| * sum_i sum_t 0.5 max((V - G)^2, (clip(V, V_old +- cliprange_value) - G)^2), G = A_GAE + V_old
+
+Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic (a second model with its own
+optimizer, updated on the same minibatches) instead of group statistics; the score is a per-token reward on the
+last token, and the KL may instead be a per-token reward penalty. Flags that switch a pure function (docs/ppo.md):
+--kl_placement reward (-beta * k1 on every token's reward, classic RLHF), --adaptive_kl (Ziegler et al.'s
+controller), --non_stop_penalty, --gamma/--lam, --whiten_advantages, --tis (the weight against the sampler).
+--reward_model_path scores with a reward model (RLHF; its critic starts from that model). VinePPO
+(algorithms/vineppo.py) replaces the critic with Monte Carlo value estimates; algorithms/ppo_async.py generates the
+next batch while this one trains.
 
 Launch:
     python algorithms/ppo.py                                                   # CPU, built-in task
-    python algorithms/ppo.py --async_steps 1 --tis token_truncate              # generation overlaps training
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/ppo.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/ppo.py \
         --model_name_or_path realtreetune/rho-1b-sft-GSM8K --dataset openai/gsm8k:main --prompt_key question \
@@ -33,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -42,17 +46,17 @@ from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing, exact_div,
+from shared.cli import derive_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
                                 full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
                                 prepare, prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.logprobs import forward_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
-from shared.rollout_queue import async_checkpoint_state, resume_async
-from shared.scalar import check_same_tokenizer, head, load_scalar_model, score_last_token, token_values
+from shared.prompts import load_prompt_task
+from shared.rewards import compute_rewards
+from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -85,7 +89,7 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """verifiable reward: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
+    """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     reward_model_path: str = ""
     """if set, score completions with this reward model (HF sequence classification) instead of reward_fn"""
     critic_model_path: str = ""
@@ -102,8 +106,6 @@ class Args:
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
-    async_steps: Annotated[int, Ge(0)] = 0
-    """1: generate step t+1's batch in a background thread while step t trains (one update old; docs/grpo.md); 0: synchronous"""
     gradient_checkpointing: bool = True
     """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
@@ -142,16 +144,16 @@ class Args:
     """linear learning-rate warm-up steps (both optimizers)"""
     max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm (each model)"""
-    num_samples_per_prompt: Annotated[int, Ge(1)] = 8
+    num_generations: Annotated[int, Ge(1)] = 8
     """completions per prompt"""
     local_num_prompts: Annotated[int, Ge(1)] = 64
-    """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
-    num_ppo_epochs: Annotated[int, Ge(1)] = 2
-    """passes over each batch (VinePPO: 2; TRL, summarize_from_feedback_details: 4)"""
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
+    num_iterations: Annotated[int, Ge(1)] = 2
+    """passes over each batch (VinePPO: 2; TRL's PPO, summarize_from_feedback_details: 4)"""
     temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -164,16 +166,18 @@ class Args:
     """GAE discount"""
     lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE lambda (VinePPO's PPO: 1; RLHF PPO: 0.95)"""
-    cliprange: Annotated[float, Gt(0)] = 0.2
-    """policy ratio clip range"""
+    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
+    epsilon_high: Annotated[float, Ge(0)] = 0.2
+    """upper clip range: ratio <= 1 + epsilon_high"""
     cliprange_value: Annotated[float, Gt(0)] = 0.2
     """value clip range around the old values"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
     kl_placement: Literal["loss", "reward"] = "loss"
     """`loss`: beta * k3 as a loss term (VinePPO); `reward`: -beta * k1 on every token's reward (RLHF)"""
-    kl_coef: Annotated[float, Ge(0)] = 1e-4
-    """beta: KL coefficient (VinePPO 1e-4; RLHF with a reward model 0.05); 0 skips the reference model"""
+    beta: Annotated[float, Ge(0)] = 1e-4
+    """KL coefficient (VinePPO 1e-4; RLHF with a reward model 0.05); 0 skips the reference model"""
     adaptive_kl: bool = False
     """adapt beta towards kl_target (Ziegler et al.)"""
     kl_target: Annotated[float, Gt(0)] = 6.0
@@ -187,7 +191,7 @@ class Args:
     ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """correction for sampler/trainer mismatch (e.g. --async_steps): `none`, per token (`token_*`) or completion (`sequence_*`)"""
+    """correction for sampler/trainer mismatch: `none`, per token (`token_*`) or per completion (`sequence_*`); docs/grpo.md"""
     tis_cap: Annotated[float, Gt(0)] = 2.0
     """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     eval_every: Annotated[int, Ge(0)] = 25
@@ -257,7 +261,10 @@ def score_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
+
+    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
+    k3 is the GRPO/TRL default."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -265,28 +272,26 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
         return 0.5 * d**2
     if estimator == "k3":
         return torch.expm1(-d) + d
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+    raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float,
-                mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho.
-
-    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
-    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
-    ratio = torch.exp(log_ratio)
-    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
-    clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
-    return loss, clipped, ratio
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                      eps_high: float, mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
+    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
+    inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
 
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float) -> torch.Tensor:
-    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached (as grpo.py).
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
 
-    With --async_steps the sampler is the policy of up to k updates ago, so the policy-gradient term is weighted by
-    (pi_theta / pi_old, clipped) * (pi_old / pi_sampler, truncated): decoupled PPO (Hilton et al. 2021, arXiv
-    2110.00641), the proximal policy being the one the step starts from.
     token_truncate:    w_t = min(rho_t, C)                       rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
     token_mask:        w_t = rho_t if 1/C <= rho_t <= C else 0
     sequence_truncate: w_t = min(rho_seq, C) on every token        rho_seq = prod_t rho_t, one weight per completion
@@ -331,66 +336,23 @@ def init_value_head(model) -> None:
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-action values [B, L-1]. A critic initialised from a reward model (Flavour B's default) carries the RM's
+    """Per-action values [B, L-1]. A critic initialised from a reward model (the default with one) carries the RM's
     score stats: its values are normalised with them, V = (v - mu) / sigma, the same units as the normalised
     rewards it must predict (raw RM units biased every sequence's last advantage by (v - mu) / sigma - v)."""
-    values = token_values(critic, input_ids, attention_mask)[:, :-1]
-    config = getattr(critic, "module", critic).config
-    if getattr(config, "reward_mean", None) is not None:
-        values = (values - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
-    return values
-
-
-def check_async(args) -> None:
-    """--async_steps > 0: one-line errors for the flags it does not work with (docs/grpo.md#asynchronous-generation---async_steps)."""
-    if not args.async_steps:
-        return
-    if args.async_steps > 1:
-        raise ValueError(f"async_steps: must be 0 or 1, got {args.async_steps} (the weight sync waits for every pending "
-                         "batch, so k >= 2 would add staleness without more overlap)")
-    if args.generator == "hf":
-        raise ValueError("async_steps: needs --generator vllm (the HF backend generates with the training model "
-                         "itself, which the update would change mid-generation)")
-    if args.vllm_enable_sleep:
-        raise ValueError("async_steps: the engine generates while the trainer trains, so it cannot sleep then; drop "
-                         "--vllm_enable_sleep")
+    return normalized(token_values(critic, input_ids, attention_mask)[:, :-1], critic)
 
 
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up."""
-    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
-                                "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
-                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
-                              "stop_after_steps", "max_nonfinite_steps", "async_steps"))
-    check_async(args)
-    if args.temperature <= 0:
-        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
-    if args.num_ppo_epochs < 1 or args.kl_coef < 0:
-        raise ValueError("num_ppo_epochs must be >= 1 and kl_coef >= 0")
-    if args.adaptive_kl and args.kl_coef == 0:
-        raise ValueError("adaptive_kl: needs kl_coef > 0 to adapt")
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
+    if args.adaptive_kl and args.beta == 0:
+        raise ValueError("adaptive_kl: needs beta > 0 to adapt")
 
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
-    args.world_size = info.world_size
-    if args.async_steps and info.world_size > 1:
-        raise ValueError(f"async_steps: runs in one process only ({info.world_size} here): a generation thread "
-                         "beside the ranks' collectives is not tested")
-    args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
-    args.batch_size = args.local_batch_size * info.world_size
-    args.num_prompts = args.local_num_prompts * info.world_size
-    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
-                                          "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
-    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
-    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
-    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
-                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
-    args.num_steps = args.total_episodes // args.batch_size
-    if args.num_steps < 1:
-        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
@@ -402,22 +364,10 @@ def main(args: Args) -> str:
     critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
-    # a reward model needs no gold answers: without the answer column there is no grader and no accuracy
-    graded = not rm_path or data_utils.has_column(args.dataset, (args.train_split, args.eval_split), args.answer_key)
-    load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
-        args.dataset, split, tokenizer, args.prompt_key, args.answer_key if graded else "", args.prompt_template,
-        args.chat_template,
-        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
-        part=part or "train")
-    train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
-    dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
+    # train / held-out / dev prompts and the grader (None with a reward model and no gold answers: no accuracy)
+    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    reward_fn = load_reward_fn(args.reward_fn, args.dataset) if graded else None  # also the held-out metric
-    if reward_fn is not None:
-        probe_reward_fn(reward_fn, train_data.rows)
-    headline = "eval/accuracy" if graded else "eval/reward"  # the held-out number printed at start and end
-    if not graded and args.best_metric == "dev/accuracy":
-        args.best_metric = "dev/reward"  # no grader: the reward model's score on the dev slice selects best/
+    headline = "eval/accuracy" if reward_fn else "eval/reward"  # the held-out number printed at start and end
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -426,9 +376,6 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
-    if args.async_steps and args.tis == "none":
-        tracker.write("note: --async_steps with --tis none: the samples' staleness is not corrected (the PPO ratio is "
-                      "against the policy each step starts from); --tis token_truncate corrects it")
     if args.kl_placement == "loss" and args.reward_model_path:
         tracker.write("note: KL as a loss term with a reward model; classic RLHF uses --kl_placement reward (k1)")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
@@ -459,7 +406,7 @@ def main(args: Args) -> str:
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
                                           args.max_grad_norm, dtype)
     ref_policy = None
-    if args.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
+    if args.beta > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
         ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
                                                                                   info, dtype)
     reward_model = None
@@ -487,35 +434,11 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, algorithm state
     engines = {"policy": policy, "critic": critic}
-    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
-    kl_coef, first_eval = state.get("kl_coef", args.kl_coef), state.get("first_eval")
+    resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
+    start_step, state = ckpt.restore(engines, **resumable)
+    beta, first_eval = state.get("beta", args.beta), state.get("first_eval")  # beta adapts with --adaptive_kl
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
-
-    def next_prompts() -> list[int]:  # the next num_prompts prompts of the global order; this rank's slice
-        global_idx = sampler.next_indices(args.num_prompts)
-        return global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-
-    def sample(step: int, local_idx: list[int]) -> list:  # 1. rollout: num_samples_per_prompt samples per prompt
-        return generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
-                                  temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                  seed=args.seed * 7_919 + step, index_offset=info.rank * args.local_num_prompts)
-
-    # --async_steps 1 (shared/rollout_queue.py): step s's prompts are drawn when it is submitted, at the start of step
-    # s - 1 (the data order of a synchronous run), and generated in a background thread by the weights the engine
-    # holds then, those of `engine_version` updates, while that step trains. The update's shuffles then draw on their
-    # own generator: the engine thread draws on torch's global one meanwhile, in an order that depends on timing
-    rollouts, engine_version, shuffle_rng = None, start_step, None
-    if args.async_steps:
-        rollouts, shuffle_rng = resume_async(state, local_seed)
-
-    def submit(s: int) -> None:
-        if s <= args.num_steps and s not in rollouts:
-            local_idx = next_prompts()
-            rollouts.submit(s, engine_version, lambda: (local_idx, sample(s, local_idx)))
-
-    def async_state() -> dict | None:  # rank-local checkpoint state: the generated batches not yet trained on
-        return async_checkpoint_state(rollouts, shuffle_rng)
 
     # training loop
     timer = Timer()
@@ -528,46 +451,33 @@ def main(args: Args) -> str:
         first_eval = metrics[headline]
     policy.train()
     critic.train()
-    B, mb = args.local_batch_size, args.local_micro_batch_size
     local_idx: list[int] = []
-    for s in range(start_step + 1, start_step + args.async_steps + 1):  # --async_steps: the first k batches
-        submit(s)
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, local=async_state(), sampler=sampler, guard=guard, best=best, kl_coef=kl_coef,
-                        first_eval=first_eval)
-        # 1. rollout: this rank's slice of the global prompt batch
-        if args.async_steps:  # generated in the background from the weights of at most k updates ago
-            with timer("generate_wait"):
-                batch = rollouts.take(step)
-            submit(step + args.async_steps)  # generated while this step trains, by the weights it starts from
-            local_idx, outs = batch.result
-            # staleness: updates between the behaviour policy and the policy this step starts from (step - 1)
-            async_metrics = {"async/staleness": step - 1 - batch.version, "async/policy_version": batch.version,
-                             "time/generate": batch.seconds}
-        else:
-            with timer("generate"):
-                local_idx = next_prompts()
-                outs = sample(step, local_idx)
-                generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads
+        ckpt.step_start(tracker, **resumable, beta=beta, first_eval=first_eval)
+        # 1. rollout: this rank's slice of the global prompt batch, G samples each
+        with timer("generate"):
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+            generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU for training (the sync replaces the weights)
         comps = [c for group in outs for c in group]
-        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
-        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
         finished = torch.tensor([c.finished for c in comps], device=info.device)
-        sampler_logp = torch.zeros_like(mask)  # the behaviour policy's log-probs, as the generator returned them
-        for i, c in enumerate(comps):
-            start_pos = len(prompts[i]) - 1
-            sampler_logp[i, start_pos : start_pos + len(c.logprobs)] = torch.tensor(c.logprobs)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
         # 2. scores: the grader (0 if truncated) or the reward model at the last non-pad token
         with timer("reward"):
             texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:
-                with torch.no_grad():
-                    scores = torch.cat([score_last_token(reward_model, input_ids[s : s + mb], attn[s : s + mb])
-                                        for s in range(0, B, mb)])
+            if reward_model is not None:  # the reward model's normalised score of prompt + completion
+                scores = score_sequences(reward_model, prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                         info, args.local_micro_batch_size)
             else:  # a reward function that raises stops the run, after saving the previous step
                 with ckpt.user_code(step, engines, tracker):
                     scores = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
@@ -578,10 +488,10 @@ def main(args: Args) -> str:
 
         # 3. log-probs and values before the update (no grad): old policy, reference, critic
         old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
-        entropy_sum = torch.zeros(B, device=info.device)
+        entropy_sum = torch.zeros(args.local_batch_size, device=info.device)
         with timer("logprob"), torch.no_grad():
-            for s in range(0, B, mb):
-                sl = slice(s, s + mb)
+            for s in range(0, args.local_batch_size, args.local_micro_batch_size):
+                sl = slice(s, s + args.local_micro_batch_size)
                 old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl], args.temperature, True)
                 entropy_sum[sl] = (ent * mask[sl]).sum(1)
                 if ref_policy is not None:
@@ -593,7 +503,7 @@ def main(args: Args) -> str:
         kl_k1 = kl_penalty(old_logp, ref_logp, "k1") * mask if ref_policy is not None else torch.zeros_like(mask)
         rewards = score_rewards(scores, mask)
         if args.kl_placement == "reward":
-            rewards = rewards - kl_coef * kl_k1
+            rewards = rewards - beta * kl_k1
 
         # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
         advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
@@ -604,33 +514,31 @@ def main(args: Args) -> str:
             var = sums[1] / sums[2] - mean**2
             advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
 
-        # 6. update: num_ppo_epochs x num_minibatches steps of the policy, then the critic, on the same minibatch
-        stats = {k: [] for k in ("pg", "vf", "kl_loss", "clip", "vclip", "ratio", "ratio_var", "approxkl", "skip",
-                                 "tis", "tis_ratio", "tis_clip", "lpdiff")}
+        # 6. update: num_iterations passes x num_minibatches steps of the policy, then the critic, on each minibatch
+        stats = defaultdict(list)  # metric name -> one value per micro-batch
         grad_norms, critic_norms = [], []
         with timer("train"):
-            for _ in range(args.num_ppo_epochs):
-                perm = torch.randperm(B, generator=shuffle_rng)  # None: torch's global RNG
-                for m in range(args.num_minibatches):
-                    mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
-                    tokens = mask[mb_idx].sum()
-                    global_tokens = info.all_reduce(tokens.clone().cpu()).item()
-                    for a in range(args.gradient_accumulation_steps):
-                        idx = mb_idx[a * mb : (a + 1) * mb]
+            for _ in range(args.num_iterations):
+                perm = torch.randperm(args.local_batch_size)
+                for mb in range(args.num_minibatches):
+                    mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
+                    mb_tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
+                    for idx in data_utils.micro_batches(mb_idx.tolist(), [], args.gradient_accumulation_steps, "padded"):
                         m_mask = mask[idx]
                         # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
-                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
-                                                           m_mask)
-                        # TIS: w = pi_old / pi_sampler, the behaviour policy being the generator's weights (with
-                        # --async_steps 1, one update older than pi_old), truncated or masked at tis_cap
+                        pg, is_clipped, ratio = clipped_surrogate(logp, old_logp[idx], advantages[idx],
+                                                                  args.epsilon_low, args.epsilon_high, m_mask)
+                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
+                        # and precision differ from the trainer's), truncated or masked at tis_cap
                         w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if args.kl_placement == "loss" and ref_policy is not None:
                             # k3 per token, clamped to [0, 10] as in VinePPO
                             k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
-                            kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            kl_loss = beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
@@ -643,30 +551,22 @@ def main(args: Args) -> str:
                         guard.backward(critic, (vf * m_mask).sum() * info.world_size / max(global_tokens, 1))
                         norm = guard.step(critic)
                         critic_norms += [norm] if norm is not None else []
-                        with torch.no_grad():
+                        with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
-                            stats["pg"].append(mm(pg))
-                            stats["vf"].append(mm(vf))
-                            stats["kl_loss"].append(kl_loss.item())
-                            stats["clip"].append(mm(clipped))
-                            stats["vclip"].append(mm(vclipped))
-                            stats["ratio"].append(mean_ratio)
-                            stats["ratio_var"].append(mm((ratio - mean_ratio) ** 2))
-                            stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
-                            stats["skip"].append(float(skip))
                             raw_w = torch.exp((old_logp[idx] - sampler_logp[idx]) * m_mask)  # per token, before the cap
-                            stats["tis"].append(mm(w))
-                            stats["tis_ratio"].append(mm(raw_w))
                             uncorrected = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, math.inf)
-                            stats["tis_clip"].append(mm((w != uncorrected).float()))
-                            stats["lpdiff"].append(mm((old_logp[idx] - sampler_logp[idx]).abs()))
+                            for k, v in {"loss/policy_avg": mm(pg), "loss/value_avg": mm(vf),
+                                         "loss/kl_avg": kl_loss.item(), "policy/clipfrac_avg": mm(is_clipped),
+                                         "policy/approxkl_avg": mm(0.5 * (logp - old_logp[idx]) ** 2),
+                                         "val/clipfrac_avg": mm(vclipped), "val/ratio": mean_ratio,
+                                         "val/ratio_var": mm((ratio - mean_ratio) ** 2), "val/skipped_frac": float(skip),
+                                         "val/tis_weight": mm(w), "val/tis_ratio": mm(raw_w),
+                                         "val/tis_clipfrac": mm((w != uncorrected).float()),
+                                         "val/sampler_logprob_diff": mm((old_logp[idx] - sampler_logp[idx]).abs())}.items():
+                                stats[k].append(v)
 
-        # 7. weight sync
-        if rollouts is not None:
-            with timer("generate_wait"):
-                rollouts.wait()  # --async_steps: never load weights into the engine during a generation
-            engine_version = step
+        # 7. weight sync: push the updated policy into the generation engine
         with timer("sync"):
             generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
@@ -674,40 +574,29 @@ def main(args: Args) -> str:
         # 8. log (reduced over ranks once per step)
         lengths = mask.sum(1)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
-        avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-        local = {
+        local = {k: sum(v) / len(v) for k, v in stats.items()}
+        local.update({
             "objective/scores": scores.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
-            "objective/non_score_reward": -(kl_coef * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
+            "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
             else 0.0,
             "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
-            "loss/policy_avg": avg(stats["pg"]), "loss/value_avg": avg(stats["vf"]),
-            "loss/kl_avg": avg(stats["kl_loss"]),
-            "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
-            "val/clipfrac_avg": avg(stats["vclip"]), "val/ratio": avg(stats["ratio"]),
-            "val/ratio_var": avg(stats["ratio_var"]), "val/skipped_frac": avg(stats["skip"]),
-            "val/tis_weight": avg(stats["tis"]), "val/tis_ratio": avg(stats["tis_ratio"]),
-            "val/tis_clipfrac": avg(stats["tis_clip"]), "val/sampler_logprob_diff": avg(stats["lpdiff"]),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
             "val/sequence_lengths": lengths.mean().item(),
             "val/stop_rate": finished.float().mean().item(),
-            "optim/grad_norm": avg(grad_norms), "optim/critic_grad_norm": avg(critic_norms),
-        }
-        gathered = info.gather_objects(local)
-        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
+        })
+        metrics = info.mean_over_ranks(local)
         if args.adaptive_kl:
-            kl_coef = adaptive_kl_update(kl_coef, metrics["objective/kl"], args.kl_target, args.batch_size,
-                                         args.kl_horizon)
+            beta = adaptive_kl_update(beta, metrics["objective/kl"], args.kl_target, args.batch_size, args.kl_horizon)
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
-                        "objective/kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0],
+                        "objective/kl_coef": beta, "lr": scheduler.get_last_lr()[0],
                         "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
-        if args.async_steps:
-            metrics.update(async_metrics)
-        # evaluation: the engine holds this step's weights (synced above; with --async_steps, no generation runs)
+        # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, local=async_state(),
-                                               sampler=sampler, guard=guard, best=best, kl_coef=kl_coef,
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, beta=beta,
                                                first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
@@ -716,21 +605,18 @@ def main(args: Args) -> str:
         if args.sample_every and step % args.sample_every == 0:
             tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i].item(),
                                   "finish_reason": comps[i].finish_reason}
-                                 for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+                                 for i in range(0, args.local_batch_size, args.num_generations)][:8], step)
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, local=async_state(), sampler=sampler, guard=guard, best=best,
-                      kl_coef=kl_coef, first_eval=first_eval)
+            ckpt.save(step, engines, tracker, **resumable, beta=beta, first_eval=first_eval)
             if ckpt.stopping:
                 break
-    if rollouts is not None:
-        rollouts.close()
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
-                        sampler=sampler, guard=guard, best=best, kl_coef=kl_coef, first_eval=first_eval):
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, beta=beta,
+                        first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     final = ""  # saved before the end-of-run checks, so a failure there loses nothing

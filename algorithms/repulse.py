@@ -13,7 +13,7 @@ and adds to the policy's RL loss alpha times a "-SFT" term that pushes log p_the
 self-normalised-importance-weighted towards sigma_theta. Three models: p_theta (trained,
 --base_actor_learning_rate), q_xi (a copy of the initial model trained with Contrastive Twist Learning and
 the proposal-centric twist log psi_t = log q(s_t|.) - sg log p(s_t|.), --actor_learning_rate), and a
-frozen p_0 for the KL penalty (loaded only when --kl_coef > 0). Per step (docs/repulse.md, "The math, as implemented"):
+frozen p_0 for the KL penalty (loaded only when --beta > 0). Per step (docs/repulse.md, "The math, as implemented"):
     S_p ~ p, S_q ~ q (same prompts, N each); R = r' - c_KL sum_t (log p - log p_0); b = RLOO baseline
     1) q step: CTL loss on S_q (own Adam, grad clip)
     2) p step: mean[mean_t(-log p) (R - b)] + alpha mean[w mean_t(log p)] on S_p / S_q (own Adam, grad clip)
@@ -39,7 +39,7 @@ every step. Launch:
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py \
         --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct --reward_model_path <rm> \
         --dataset <prompts.jsonl> --chat_template --max_new_tokens 20 --num_generations 5 \
-        --local_num_prompts 50 --kl_coef 0.2 --target_dist_beta -10 --alpha 0.1 \
+        --local_num_prompts 50 --beta 0.2 --target_dist_beta -10 --alpha 0.1 \
         --base_actor_learning_rate 3e-5 --actor_learning_rate 3e-5 --eta -5 --cvar_level 0.0001
 """
 
@@ -55,14 +55,13 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from annotated_types import Ge, Gt, Interval
-from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
-from shared import toy
+from shared import logprobs, toy
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
+from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare,
+                                init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
@@ -166,7 +165,7 @@ class Args:
     """alpha of the reward transform (default: --alpha)"""
     rew_trans_beta: Annotated[float | None, Interval()] = None  # any real number
     """beta of the reward transform (default: --target_dist_beta)"""
-    kl_coef: Annotated[float, Ge(0)] = 0.0
+    beta: Annotated[float, Ge(0)] = 0.0
     """c_KL = 1/beta_KL: fixed coefficient of the summed k1 KL(p_theta || p_0) subtracted from the return"""
     code_compat_unmasked_neg_weights: bool = False
     """reproduce the reference's UNMASKED sum of log p_theta in the negative term's weights (see docs/repulse.md)"""
@@ -195,38 +194,12 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions (docs/repulse.md; all tensors of one rank, samples prompt-major [J*N])
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]. Only these N rows of
-    logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
-    logits = lm_head(hidden).float()  # [N, V]
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
                      chunk_size: int = 512) -> torch.Tensor:
-    """log pi(token_{t+1} | prefix) from float32 logits at temperature 1 at the positions t where mask[:, t] = 1
-    (mask [B, L-1], aligned with the output: the response mask resp[:, 1:]), [B, L-1], 0 at the other positions.
-    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
-    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, logits_to_keep=1)
-    keep = mask.bool()  # [B, L-1]: position t predicts token t+1
-    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
-    targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
-    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
-    # partitioned lm_head gathers its weight, a collective
-    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
-    chunks = []
-    for k in range(num_chunks):
-        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
-        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s],
-                                 use_reentrant=False, preserve_rng_state=False))  # recomputed in backward
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
-    logp[keep] = torch.cat(chunks)
-    return logp
+    """log pi(token_{t+1} | prefix) at temperature 1 where mask[:, t] = 1 (mask [B, L-1], aligned with the output: the
+    response mask resp[:, 1:]), [B, L-1], 0 elsewhere: shared/logprobs.py's lean forward pass."""
+    response_mask = torch.nn.functional.pad(mask, (1, 0))  # [B, L]: the token each kept position predicts
+    return logprobs.forward_logprobs(model, input_ids, attention_mask, response_mask, 1.0, chunk_size=chunk_size)[0]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -248,9 +221,9 @@ def transform_reward(r: torch.Tensor, alpha: float, beta: float) -> torch.Tensor
 
 
 def kl_return(reward: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
-              kl_coef: float) -> torch.Tensor:
+              beta: float) -> torch.Tensor:
     """R = r' - c_KL sum_t m_t (log p_old - log p_0) (k1 estimator, no gradient), [B]."""
-    return reward - kl_coef * ((logp_old - logp_ref) * mask).sum(-1)
+    return reward - beta * ((logp_old - logp_ref) * mask).sum(-1)
 
 
 def snis_weights(logp_sum: torch.Tensor, log_phi: torch.Tensor, logq_sum: torch.Tensor) -> torch.Tensor:
@@ -358,15 +331,11 @@ def tail_metrics(rewards: torch.Tensor, eta: float, level: float) -> dict:
 
 
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up."""
-    check_sizes(args, positive=("total_episodes", "local_num_prompts", "local_micro_batch_size", "max_new_tokens",
-                                "eval_num_samples", "keep_checkpoints"),
-                non_negative=("eval_every", "eval_num_prompts", "sample_every", "save_every", "stop_after_steps",
-                              "max_nonfinite_steps"))
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: RLOO and the SNIS weights need at least 2 samples per prompt")
-    if args.kl_coef < 0 or args.alpha < 0:
-        raise ValueError("kl_coef and alpha must be >= 0")
+    if args.beta < 0 or args.alpha < 0:
+        raise ValueError("beta and alpha must be >= 0")
     if args.use_base_as_proposal and args.loss_type != "neg_training":
         raise ValueError("use_base_as_proposal: only meaningful with --loss_type neg_training")
 
@@ -441,7 +410,7 @@ def main(args: Args) -> str:
 
     policy = trainable(args.base_actor_learning_rate, grad_accum_p)
     proposal = trainable(args.actor_learning_rate, grad_accum_q) if sample_q else None
-    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.kl_coef > 0 else None
+    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.beta > 0 else None
     reward_model = None
     if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
         check_same_tokenizer(rm_path, tokenizer)
@@ -523,7 +492,7 @@ def main(args: Args) -> str:
         ret = r
         if ref_policy is not None:
             ret = kl_return(r, logprobs(policy, ids, attn, mask).cpu(), logprobs(ref_policy, ids, attn, mask).cpu(),
-                            mask.cpu(), args.kl_coef)
+                            mask.cpu(), args.beta)
         r, ret = r[:keep], ret[:keep]
         r = torch.cat([torch.tensor(x) for x in info.gather_objects(r.tolist())])
         ret = torch.cat([torch.tensor(x) for x in info.gather_objects(ret.tolist())])
@@ -534,7 +503,8 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: resume: p_theta and q_xi (weights, optimizers), data position, RNG
     engines = {"policy": policy, **({"proposal": proposal} if proposal is not None else {})}
-    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
+    start_step, state = ckpt.restore(engines, **resumable)
     first = state.get("first")
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
@@ -554,7 +524,7 @@ def main(args: Args) -> str:
     N = args.num_generations
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first=first)
+        ckpt.step_start(tracker, **resumable, first=first)
         # 1. rollouts (no grad): S_p ~ p_theta and S_q ~ q_xi on the same prompts, N each (a reward function that
         # raises saves step - 1 and stops the run)
         with timer("generate"):
@@ -582,7 +552,7 @@ def main(args: Args) -> str:
                 ids_q, attn_q, mask_q, r_q, lq_old, lpq, comps_q = ids_p, attn_p, mask_p, r_p, lp_old, lp_old, comps_p
         # 3. return with KL penalty and reward transform (p samples only), RLOO baseline per prompt
         r_prime = transform_reward(r_p, rt_alpha, rt_beta) if args.reward_transform != "none" else r_p
-        R = kl_return(r_prime, lp_old, lref, mask_p, args.kl_coef)
+        R = kl_return(r_prime, lp_old, lref, mask_p, args.beta)
         adv = (R.view(-1, N) - rloo_baseline(R.view(-1, N))).view(-1)
         # 4. SNIS weights of the negative term towards sigma ∝ p exp(beta r) (log phi never transformed)
         log_phi_q = args.target_dist_beta * r_q
@@ -649,8 +619,7 @@ def main(args: Args) -> str:
             "optim/grad_norm_p": sum(norms_p) / max(len(norms_p), 1),
             "optim/grad_norm_q": sum(norms_q) / max(len(norms_q), 1),
         }
-        gathered = info.gather_objects(local)
-        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        metrics = info.mean_over_ranks(local)
         metrics.update({"episode": step * args.samples_per_step, "optim/nonfinite_skipped": guard.skipped,
                         **timer.pop()})
         if exact:
@@ -662,8 +631,7 @@ def main(args: Args) -> str:
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"):
                 metrics.update(evaluate(step, lambda: ckpt.user_code(step, engines, tracker, trained=True,
-                                                                     sampler=sampler, guard=guard, best=best,
-                                                                     first=first)))
+                                                                     **resumable, first=first)))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
         tracker.progress(1, reward=metrics["objective/scores"], log_p_bad=metrics.get("exact/log_p_bad"))
@@ -676,14 +644,14 @@ def main(args: Args) -> str:
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first=first)
+            ckpt.save(step, engines, tracker, **resumable, first=first)
             if ckpt.stopping:
                 break
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
     metrics = evaluate(args.num_steps, lambda: ckpt.user_code(args.num_steps, engines, tracker, trained=True,
-                                                              sampler=sampler, guard=guard, best=best, first=first))
+                                                              **resumable, first=first))
     metrics["time/total"] = time.time() - start
     final = ""  # saved before the end-of-run checks, so a failure there loses nothing
     if args.save_model:

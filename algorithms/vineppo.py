@@ -6,9 +6,14 @@ A response is split into reasoning steps; the value of each intermediate state S
 is the mean reward of K fresh completions sampled from the current policy from that state, so every step gets
 an unbiased advantage A_j = 1[j last]*R + V(S_{j+1}) - V(S_j), broadcast to its tokens.
 
+Default objective (maximised), ppo.py's with MC advantages instead of GAE on a critic:
+    J(theta) = 1/sum_i |o_i| * sum_i sum_t min(rho_it A_it, clip(rho_it, 1 - eps_low, 1 + eps_high) A_it)
+               - beta * 1/B sum_i sum_t clamp(k3_it, 0, 10)
+    A_it = whiten(A_j) for the step j holding token t, V(S_j) = mean of K rewards from S_j; eps = 0.2, beta = 1e-4
+
 Delta from PPO (algorithms/ppo.py, `diff` the two files): no critic, no value loss and no GAE; instead
 step splitting, one generate call with n=K per unique state (identical states across the batch deduplicated,
-prefix caching on), and step advantages. The PPO-clip update and the k3 KL loss are the same.
+prefix caching on), and step advantages. The PPO-clip update, the k3 KL loss and --tis are the same.
 
 Launch:
     python algorithms/vineppo.py                                               # CPU, built-in task
@@ -21,8 +26,10 @@ Launch:
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -32,15 +39,16 @@ from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
-from shared.cli import check_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
+from shared.cli import derive_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters,
                                 init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.logprobs import forward_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
+from shared.prompts import load_prompt_task
+from shared.rewards import compute_rewards
 from shared.steps import StepSplitError, get_splitter, step_token_starts
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -66,7 +74,7 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
-    """dataset column holding the gold answer given to the reward function"""
+    """column of the gold answer given to the reward function"""
     prompt_template: str = "{prompt}"
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
@@ -74,7 +82,7 @@ class Args:
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
-    """verifiable reward of trajectories and MC rollouts: `auto`, `builtin`, `gsm8k`, `math`, `math_verify`, `module:function`"""
+    """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     step_splitter: Literal["auto", "lines", "gsm8k", "math"] = "auto"
     """how responses are cut into steps: `auto` (by dataset), `lines` (built-in task), `gsm8k`, `math`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -114,7 +122,7 @@ class Args:
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev-slice metric that selects output_dir/best (higher is better; `name:min`: lower is better; empty: none)"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 51200
@@ -125,16 +133,16 @@ class Args:
     """linear learning-rate warm-up steps"""
     max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm"""
-    num_samples_per_prompt: Annotated[int, Ge(1)] = 8
+    num_generations: Annotated[int, Ge(1)] = 8
     """completions per prompt"""
     local_num_prompts: Annotated[int, Ge(1)] = 64
-    """prompts per rank per step (local_batch_size = local_num_prompts * num_samples_per_prompt completions)"""
-    num_ppo_epochs: Annotated[int, Ge(1)] = 2
-    """passes over each batch (VinePPO: 2; TRL, summarize_from_feedback_details: 4)"""
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
     num_minibatches: Annotated[int, Ge(1)] = 2
     """optimizer steps per pass over the batch"""
     local_micro_batch_size: Annotated[int, Ge(1)] = 64
     """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
+    num_iterations: Annotated[int, Ge(1)] = 2
+    """passes over each batch (VinePPO: 2; TRL's PPO, summarize_from_feedback_details: 4)"""
     temperature: Annotated[float, Gt(0)] = 1.0
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -147,14 +155,20 @@ class Args:
     """K: continuations sampled from each intermediate state to estimate its value"""
     max_step_for_value_estimation: Annotated[int, Ge(0)] = 0
     """roll out only states S_1..S_cap (0: all); later values are back-filled with the trajectory's own return"""
-    cliprange: Annotated[float, Gt(0)] = 0.2
-    """policy ratio clip range"""
+    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
+    epsilon_high: Annotated[float, Ge(0)] = 0.2
+    """upper clip range: ratio <= 1 + epsilon_high"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
-    kl_coef: Annotated[float, Ge(0)] = 1e-4
-    """beta of the k3 KL loss to the reference (VinePPO: 1e-4, clamped to [0, 10]); 0 skips the reference model"""
+    beta: Annotated[float, Ge(0)] = 1e-4
+    """coefficient of the k3 KL loss to the reference (VinePPO: 1e-4, clamped to [0, 10]); 0 skips the reference model"""
     ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """correction for sampler/trainer mismatch: `none`, per token (`token_*`) or per completion (`sequence_*`); docs/grpo.md"""
+    tis_cap: Annotated[float, Gt(0)] = 2.0
+    """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
     eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
@@ -195,7 +209,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
+
+    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
+    k3 is the GRPO/TRL default."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -203,19 +220,45 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
         return 0.5 * d**2
     if estimator == "k3":
         return torch.expm1(-d) + d
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+    raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, cliprange: float,
-                mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss max(-A rho, -A clip(rho, 1-eps, 1+eps)), the clipped indicator and rho.
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                      eps_high: float, mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
+    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
+    inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
 
-    The log-ratio is masked before exp, so padding has rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
-    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
-    ratio = torch.exp(log_ratio)
-    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
-    clipped = (-advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange) > -advantages * ratio).float()
-    return loss, clipped, ratio
+
+def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
+                cap: float) -> torch.Tensor:
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
+
+    token_truncate:    w_t = min(rho_t, C)                       rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if 1/C <= rho_t <= C else 0
+    sequence_truncate: w_t = min(rho_seq, C) on every token        rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if 1/C <= rho_seq <= C else 0 on every token
+    The sequence modes are TRL's `vllm_importance_sampling_mode` sequence_truncate / sequence_mask (its clip_min
+    = 1/C, clip_max = C) and verl's sequence-level rollout importance weight; log rho_seq is clamped to [-20, 20]
+    before the exp (verl's bound against overflow), which changes no weight for C < e^20. cap = inf gives the
+    uncorrected weights of the mode's level (for logging what the correction changed)."""
+    log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
+    if mode == "none":
+        return torch.ones_like(log_w)
+    if mode.startswith("sequence_"):
+        log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
+    w = torch.exp(log_w)
+    if mode.endswith("_truncate"):
+        return w.clamp(max=cap)
+    if mode.endswith("_mask"):
+        return w * ((w <= cap) & (w >= 1 / cap)).float()
+    raise ValueError(f"tis: expected none, token_truncate, token_mask, sequence_truncate or sequence_mask, got {mode!r}")
 
 
 def dedup_states(states_per_traj: list[list]) -> tuple[list, list[list[int | None]]]:
@@ -256,38 +299,16 @@ def token_advantages(starts: list[int], step_adv: list[float], num_tokens: int) 
 
 
 def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up."""
-    check_sizes(args, positive=("total_episodes", "local_num_prompts", "num_samples_per_prompt", "num_minibatches",
-                                "local_micro_batch_size", "max_new_tokens", "eval_num_samples", "keep_checkpoints"),
-                non_negative=("warmup_steps", "eval_every", "eval_num_prompts", "sample_every", "save_every",
-                              "stop_after_steps", "max_nonfinite_steps"))
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_mc_rollouts < 1:
         raise ValueError("num_mc_rollouts: needs at least 1 rollout per state")
-    if args.temperature <= 0:
-        raise ValueError("temperature: must be > 0 for training (the trainer divides logits by it)")
-    if args.num_ppo_epochs < 1 or args.kl_coef < 0:
-        raise ValueError("num_ppo_epochs must be >= 1 and kl_coef >= 0")
-    if args.max_step_for_value_estimation < 0:
-        raise ValueError("max_step_for_value_estimation: must be >= 0 (0 = no cap)")
 
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
-    args.world_size = info.world_size
-    args.local_batch_size = args.local_num_prompts * args.num_samples_per_prompt
-    args.batch_size = args.local_batch_size * info.world_size
-    args.num_prompts = args.local_num_prompts * info.world_size
-    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
-                                          "num_minibatches: local_num_prompts * num_samples_per_prompt / num_minibatches")
-    # the micro-batch is a memory cap: a minibatch smaller than it is one micro-batch
-    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
-    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
-                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
-    args.num_steps = args.total_episodes // args.batch_size
-    if args.num_steps < 1:
-        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
+    derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
@@ -297,15 +318,9 @@ def main(args: Args) -> str:
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
-    load = lambda split, limit=None, part=None: data_utils.load_prompts(  # noqa: E731
-        args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
-        args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
-        part=part or "train")
-    train_data, eval_data = load(args.train_split, part="train"), load(args.eval_split, args.eval_num_prompts)
-    dev_data = load(args.train_split, part="dev")  # selects output_dir/best; never the reported eval set
+    # train / held-out / dev prompts and the grader
+    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    reward_fn = load_reward_fn(args.reward_fn, args.dataset)
-    probe_reward_fn(reward_fn, train_data.rows)
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -333,11 +348,11 @@ def main(args: Args) -> str:
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
     ref_policy = None
-    if args.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
+    if args.beta > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
         ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
                                                                                   info, dtype)
     seed_everything(local_seed)
-    kl_coef = args.kl_coef
+    beta = args.beta
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
 
@@ -357,7 +372,8 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG (VinePPO has no more state)
     engines = {"policy": policy}
-    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
+    resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
+    start_step, state = ckpt.restore(engines, **resumable)
     first_eval = state.get("first_eval")
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
@@ -372,25 +388,25 @@ def main(args: Args) -> str:
         tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
         first_eval = metrics["eval/accuracy"]
     policy.train()
-    B, mb = args.local_batch_size, args.local_micro_batch_size
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
-        # 1. rollout: this rank's slice of the global prompt batch
+        ckpt.step_start(tracker, **resumable, first_eval=first_eval)
+        # 1. rollout: this rank's slice of the global prompt batch, G samples each
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_samples_per_prompt,
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
                                       temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=info.rank * args.local_num_prompts)
         comps = [c for group in outs for c in group]
-        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
-        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_samples_per_prompt)]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
         finished = torch.tensor([c.finished for c in comps], device=info.device)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
         # 2. scores: the grader (0 if truncated)
         with timer("reward"):
@@ -408,7 +424,7 @@ def main(args: Args) -> str:
                 starts.append(None)  # trajectory dropped from the loss (VinePPO's `parse_failed`)
                 parse_failed += 1
         cap = args.max_step_for_value_estimation or None
-        keys = [[None if cap is not None and j > cap else (local_idx[i // args.num_samples_per_prompt],
+        keys = [[None if cap is not None and j > cap else (local_idx[i // args.num_generations],
                                                             tuple(c.token_ids[:k])) for j, k in enumerate(st or [])]
                 for i, (c, st) in enumerate(zip(comps, starts))]
         unique, traj_states = dedup_states(keys)
@@ -452,56 +468,63 @@ def main(args: Args) -> str:
 
         # 6. log-probs before the update (no grad): old policy and reference
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)
-        entropy_sum = torch.zeros(B, device=info.device)
+        entropy_sum = torch.zeros(args.local_batch_size, device=info.device)
         with timer("logprob"), torch.no_grad():
-            for s in range(0, B, mb):
-                sl = slice(s, s + mb)
+            for s in range(0, args.local_batch_size, args.local_micro_batch_size):
+                sl = slice(s, s + args.local_micro_batch_size)
                 old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl], args.temperature, True)
                 entropy_sum[sl] = (ent * mask[sl]).sum(1)
                 if ref_policy is not None:
                     ref_logp[sl] = forward_logprobs(ref_policy, input_ids[sl], attn[sl], resp[sl], args.temperature)[0]
         kl_k1 = kl_penalty(old_logp, ref_logp, "k1") * mask if ref_policy is not None else torch.zeros_like(mask)
 
-        # 7. update: num_ppo_epochs x num_minibatches policy steps (PPO-clip + k3 KL loss), no value loss
-        stats = {k: [] for k in ("pg", "kl_loss", "clip", "ratio", "ratio_var", "approxkl", "skip")}
+        # 7. update: num_iterations passes x num_minibatches policy steps (PPO-clip + k3 KL loss), no value loss
+        stats = defaultdict(list)  # metric name -> one value per micro-batch
         grad_norms = []
         with timer("train"):
-            for _ in range(args.num_ppo_epochs):
-                perm = torch.randperm(B)
-                for m in range(args.num_minibatches):
-                    mb_idx = perm[m * args.local_minibatch_size : (m + 1) * args.local_minibatch_size]
-                    tokens = mask[mb_idx].sum()
-                    global_tokens = info.all_reduce(tokens.clone().cpu()).item()
-                    for a in range(args.gradient_accumulation_steps):
-                        idx = mb_idx[a * mb : (a + 1) * mb]
+            for _ in range(args.num_iterations):
+                perm = torch.randperm(args.local_batch_size)
+                for mb in range(args.num_minibatches):
+                    mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
+                    mb_tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
+                    for idx in data_utils.micro_batches(mb_idx.tolist(), [], args.gradient_accumulation_steps, "padded"):
                         m_mask = mask[idx]
+                        # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
                         logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
-                        pg, clipped, ratio = policy_loss(logp, old_logp[idx], advantages[idx], args.cliprange,
-                                                           m_mask)
-                        loss = (pg * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        pg, is_clipped, ratio = clipped_surrogate(logp, old_logp[idx], advantages[idx],
+                                                                  args.epsilon_low, args.epsilon_high, m_mask)
+                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
+                        # and precision differ from the trainer's), truncated or masked at tis_cap
+                        w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap)
+                        loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if ref_policy is not None:
                             # k3 per token, clamped to [0, 10] as in VinePPO
                             k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
-                            kl_loss = kl_coef * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            kl_loss = beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
                         guard.backward(policy, loss * (0.0 if skip else 1.0))
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
-                        with torch.no_grad():
+                        with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
-                            stats["pg"].append(mm(pg))
-                            stats["kl_loss"].append(kl_loss.item())
-                            stats["clip"].append(mm(clipped))
-                            stats["ratio"].append(mean_ratio)
-                            stats["ratio_var"].append(mm((ratio - mean_ratio) ** 2))
-                            stats["approxkl"].append(mm(0.5 * (logp - old_logp[idx]) ** 2))
-                            stats["skip"].append(float(skip))
+                            raw_w = torch.exp((old_logp[idx] - sampler_logp[idx]) * m_mask)  # per token, before the cap
+                            uncorrected = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, math.inf)
+                            for k, v in {"loss/policy_avg": mm(pg), "loss/kl_avg": kl_loss.item(),
+                                         "policy/clipfrac_avg": mm(is_clipped),
+                                         "policy/approxkl_avg": mm(0.5 * (logp - old_logp[idx]) ** 2),
+                                         "val/ratio": mean_ratio, "val/ratio_var": mm((ratio - mean_ratio) ** 2),
+                                         "val/skipped_frac": float(skip),
+                                         "val/tis_weight": mm(w), "val/tis_ratio": mm(raw_w),
+                                         "val/tis_clipfrac": mm((w != uncorrected).float()),
+                                         "val/sampler_logprob_diff": mm((old_logp[idx] - sampler_logp[idx]).abs())}.items():
+                                stats[k].append(v)
 
-        # 8. weight sync
+        # 8. weight sync: push the updated policy into the generation engine
         with timer("sync"):
             generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
@@ -511,28 +534,24 @@ def main(args: Args) -> str:
         num_states = sum(k is not None for row in traj_states for k in row)
         mc_trunc = [not cont.finished for _, cont in flat]
         avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-        local = {
+        local = {k: sum(v) / len(v) for k, v in stats.items()}
+        local.update({
             "objective/scores": scores_t.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
-            "loss/policy_avg": avg(stats["pg"]), "loss/kl_avg": avg(stats["kl_loss"]),
-            "policy/clipfrac_avg": avg(stats["clip"]), "policy/approxkl_avg": avg(stats["approxkl"]),
-            "val/ratio": avg(stats["ratio"]), "val/ratio_var": avg(stats["ratio_var"]),
-            "val/skipped_frac": avg(stats["skip"]),
             "mc_values/mean": avg(values), "mc_values/std": torch.tensor(values).std().item() if len(values) > 1 else 0.0,
             "val/mc_roll_trunc_frac": avg(mc_trunc), "val/unique_state_frac": len(requests) / max(num_states, 1),
             "val/steps_per_response": avg([len(st) for st in starts if st is not None]),
             "val/parse_failed": parse_failed / len(comps), "val/mc_rollouts": float(len(flat)),
             "val/sequence_lengths": avg(lengths), "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": avg(grad_norms),
-        }
-        gathered = info.gather_objects(local)
-        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
+        })
+        metrics = info.mean_over_ranks(local)
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
                         "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
-                                               best=best, first_eval=first_eval):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable,
+                                               first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
@@ -540,18 +559,17 @@ def main(args: Args) -> str:
         if args.sample_every and step % args.sample_every == 0:
             tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i],
                                   "finish_reason": comps[i].finish_reason}
-                                 for i in range(0, B, args.num_samples_per_prompt)][:8], step)
+                                 for i in range(0, args.local_batch_size, args.num_generations)][:8], step)
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first_eval=first_eval)
+            ckpt.save(step, engines, tracker, **resumable, first_eval=first_eval)
             if ckpt.stopping:
                 break
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
-                        sampler=sampler, guard=guard, best=best, first_eval=first_eval):
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     final = ""  # saved before the end-of-run checks, so a failure there loses nothing

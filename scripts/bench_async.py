@@ -1,5 +1,5 @@
-"""Benchmark (not a test): grpo.py --async_steps against the synchronous default, for speed and for learning.
-Docs: docs/grpo.md#asynchronous-generation---async_steps
+"""Benchmark (not a test): grpo_async.py against grpo.py (synchronous), for speed and for learning.
+Docs: docs/grpo_async.md
 
     python scripts/bench_async.py                          # speed (3 alternating repeats) + learning (3 seeds each)
     python scripts/bench_async.py --parts speed            # step time only (~10 min on 2 free cores)
@@ -8,18 +8,18 @@ Docs: docs/grpo.md#asynchronous-generation---async_steps
     python scripts/bench_async.py --parts speed learning --steps 3 --repeats 1 --seeds 1 \\
         --flags "--total_episodes 1024" --cache ~/.cache/cleanrlhf --out /tmp/ba --results /tmp/ba   # smoke run
 
-(a) speed: `algorithms/grpo.py` with the default run's batch (64 prompts x 8, 16 new tokens, builtin:tiny-sft) for
-`--steps` steps, no evaluation, as `--async_steps 0` (synchronous) and `--async_steps 1`, a fresh subprocess per
+(a) speed: `algorithms/grpo.py` and `algorithms/grpo_async.py` with the default run's batch (64 prompts x 8, 16 new
+tokens, builtin:tiny-sft) for `--steps` steps, no evaluation, a fresh subprocess per
 repeat, alternating (AB, BA, AB). Per step from metrics.jsonl: the wall time between consecutive step rows (the first
-step is warm-up, never counted) and each phase: `time/generate` (with k = 1 the generation's own time, overlapped
+step is warm-up, never counted) and each phase: `time/generate` (async: the generation's own time, overlapped
 with training), `time/generate_wait` (the trainer's wait for it), `time/train`, `time/logprob`, `time/sync`.
 Reported: min/median/max over the timed steps of all repeats, and the per-repeat ratio of async's median step time
 to sync's. On one device (this CPU) generation and training share the cores, so expect a ratio near 1
-(docs/grpo.md says why); the gain is for an engine on its own GPU.
+(docs/grpo_async.md says why); the gain is for an engine on its own GPU.
 
-(b) learning: the default run (`python algorithms/grpo.py --seed k`, 102,400 samples) and the same with
-`--async_steps 1`, seeds 1 2 3, equal samples, same start model, through scripts/bench_headline.py's run_one (a
-finished run is cached in <out>/<variant>/grpo/seed<k>.json and not rerun). `--variants` adds the runs that test why
+(b) learning: the default run (`python algorithms/grpo.py --seed k`, 102,400 samples) and the same run of
+`algorithms/grpo_async.py`, seeds 1 2 3, equal samples, same start model, through scripts/bench_headline.py's run_one (a
+finished run is cached in <out>/<variant>/<script>/seed<k>.json and not rerun). `--variants` adds the runs that test why
 async may learn less: one pass over each batch instead of two (`--num_iterations 1`, sync and async: half the
 updates per batch, so one step of staleness is 2 updates instead of 4) and async with `--tis token_mask` (tokens
 whose pi_old / mu lies outside [1/C, C] dropped, instead of the weights above C lowered to C). Reported: held-out accuracy at start, at the end
@@ -43,12 +43,12 @@ import bench_headline as bh  # noqa: E402
 
 ROOT = bc.ROOT
 PHASES = ("generate", "generate_wait", "reward", "logprob", "train", "sync")
-SPEED = {"sync": "0", "async1": "1"}  # contender -> --async_steps
-# learning: variant -> extra flags of the default run; each async variant is compared with its synchronous pair at
-# the same settings (--variants picks which run; a pair's missing side is left out of the differences)
-LEARNING = {"sync": "", "async1": "--async_steps 1",
-            "sync_iter1": "--num_iterations 1", "async1_iter1": "--async_steps 1 --num_iterations 1",
-            "async1_tis_mask": "--async_steps 1 --tis token_mask"}
+SPEED = {"sync": "grpo", "async1": "grpo_async"}  # contender -> script
+# learning: variant -> (script, extra flags of the default run); each async variant is compared with its synchronous
+# pair at the same settings (--variants picks which run; a pair's missing side is left out of the differences)
+LEARNING = {"sync": ("grpo", ""), "async1": ("grpo_async", ""),
+            "sync_iter1": ("grpo", "--num_iterations 1"), "async1_iter1": ("grpo_async", "--num_iterations 1"),
+            "async1_tis_mask": ("grpo_async", "--tis token_mask")}
 PAIRS = {"async1": "sync", "async1_iter1": "sync_iter1", "async1_tis_mask": "sync"}  # async variant -> its sync run
 
 
@@ -78,8 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --- (a) speed ----------------------------------------------------------------------------------------------------
-def grpo_argv(a, k: str, out: Path) -> list[str]:
-    return ["algorithms/grpo.py", "--output_dir", str(out), "--async_steps", k, "--seed", "1",
+def grpo_argv(a, script: str, out: Path) -> list[str]:
+    return [f"algorithms/{script}.py", "--output_dir", str(out), "--seed", "1",
             "--total_episodes", str(a.num_prompts * 8 * a.steps), "--local_num_prompts", str(a.num_prompts),
             "--local_micro_batch_size", str(min(256, a.num_prompts * 4)),  # the default's, or a half-batch minibatch
             "--max_new_tokens", str(a.max_new_tokens), "--eval_every", "0", "--eval_num_prompts", "8",
@@ -107,7 +107,8 @@ def speed(a) -> dict:
     for name, reps in runs.items():
         ok = [r for r in reps if "error" not in r]
         out[name] = {"error": reps[0]["error"]} if not ok else {
-            "async_steps": int(SPEED[name]), "step_s": bc.summarize([x for r in ok for x in r["step_s"]]),
+            "script": SPEED[name], "async_steps": int(SPEED[name] == "grpo_async"),
+            "step_s": bc.summarize([x for r in ok for x in r["step_s"]]),
             **{f"{ph}_s": bc.summarize([x for r in ok for x in r["phases_s"][ph]]) for ph in PHASES},
             "repeat_median_step_s": [statistics.median(r["step_s"]) for r in ok],
             "staleness": sorted({s for r in ok for s in r["staleness"]}),
@@ -129,17 +130,17 @@ def learning(a) -> dict | None:
     cache.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in a.variants:
-        extra = LEARNING[name]
+        script, extra = LEARNING[name]
         sub = SimpleNamespace(out=a.out / name, flags=f"{extra} {a.flags}".strip(), stop_after_steps=a.stop_after_steps)
         sub.out.mkdir(parents=True, exist_ok=True)
         if not (sub.out / "cache").exists():
             (sub.out / "cache").symlink_to(cache.resolve())
         runs = {}
         for seed in a.seeds:
-            r = bh.run_one(sub, "grpo", seed)
+            r = bh.run_one(sub, script, seed)
             if r is None:  # stopped after --stop_after_steps: rerun the same command
                 return None
-            rows = bc.read_jsonl(sub.out / "grpo" / f"seed{seed}" / "metrics.jsonl")
+            rows = bc.read_jsonl(sub.out / script / f"seed{seed}" / "metrics.jsonl")
             stale = [row["async/staleness"] for row in rows if "async/staleness" in row]
             r["staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
             for key in ("val/tis_clipfrac", "val/sampler_logprob_diff"):  # mean over the run's steps
@@ -148,7 +149,7 @@ def learning(a) -> dict | None:
             runs[str(seed)] = r
         keys = bh.METRICS["grpo"]
         results[name] = {
-            "flags": sub.flags, "command": f"python algorithms/grpo.py {sub.flags}".strip(),
+            "flags": sub.flags, "command": f"python algorithms/{script}.py {sub.flags}".strip(),
             "start": {k: bh.spread([r["start"][k] for r in runs.values()]) for k in keys},
             "final": {k: bh.spread([r["final"][k] for r in runs.values()]) for k in keys},
             "gain": bh.spread([r["final"][keys[0]] - r["start"][keys[0]] for r in runs.values()]),
@@ -178,7 +179,7 @@ def main(argv=None) -> dict | None:
     env = bc.environment()
     print(f"[bench_async] {env['device']}; parts {' '.join(a.parts)}; load {env['loadavg_at_start']}", flush=True)
     result = {"benchmark": "async", "env": env, "command": bc.invocation(argv and [sys.argv[0], *argv]),
-              "note": "grpo.py --async_steps 1 vs the synchronous default on the built-in task; speed on one device "
+              "note": "grpo_async.py vs grpo.py (synchronous) on the built-in task; speed on one device "
                       "(generation and training share it), learning at equal samples"}
     if "speed" in a.parts:
         result["speed"] = speed(a)

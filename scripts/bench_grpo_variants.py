@@ -4,7 +4,7 @@
     python scripts/bench_grpo_variants.py --variants default gspo --seeds 1  # a subset
     python scripts/bench_grpo_variants.py --stop_after_steps 100             # spread over sessions: rerun to continue
 
-Every run is `python algorithms/grpo.py --seed k` plus the variant's flags (VARIANTS below: each paper's own
+Every run is `python algorithms/grpo.py --seed k` plus the variant's flags (dynamic sampling: `algorithms/dapo.py`; VARIANTS below: each paper's own
 settings where it gives them, e.g. GSPO's clip range and minibatches), so all of them train on 102,400 samples (200 steps of
 64 prompts x 8 completions) from the same start model (builtin:tiny-sft, the committed weights, copied into <out>/cache). Dynamic sampling trains on
 as many batches but samples more to fill them: the table gives its generated samples, and its held-out accuracy at
@@ -35,8 +35,9 @@ VARIANTS = {
     # the GSPO paper: its clip range, the sequence-mean objective, one pass over each batch in 4 minibatches
     "gspo": "--importance_level sequence --epsilon_low 3e-4 --epsilon_high 4e-4 --loss_aggregation seq_mean "
             "--num_iterations 1 --num_minibatches 4",
-    "dynamic_sampling": "--dynamic_sampling",
+    "dynamic_sampling": "",  # algorithms/dapo.py with its defaults
 }
+SCRIPT = {"dynamic_sampling": "dapo"}  # variants that are their own file; the others are grpo.py's flags
 
 
 def generated_samples(run_dir: Path, batch_size: int) -> dict[int, int]:
@@ -68,10 +69,11 @@ def main() -> None:
             cache.mkdir(parents=True, exist_ok=True)
             (sub.out / "cache").symlink_to(cache.resolve())
         for seed in a.seeds:
-            r = bh.run_one(sub, "grpo", seed)
+            script = SCRIPT.get(name, "grpo")
+            r = bh.run_one(sub, script, seed)
             if r is None:
                 return
-            run_dir = sub.out / "grpo" / f"seed{seed}"
+            run_dir = sub.out / script / f"seed{seed}"
             args = json.loads((run_dir / "args.json").read_text())
             gen = generated_samples(run_dir, args["batch_size"])
             for point in r["curve"]:
@@ -85,7 +87,7 @@ def main() -> None:
             runs[str(seed)] = r
         keys = bh.METRICS["grpo"]
         results[name] = {
-            "flags": VARIANTS[name], "command": f"python algorithms/grpo.py {VARIANTS[name]}".strip(),
+            "flags": VARIANTS[name], "command": f"python algorithms/{SCRIPT.get(name, 'grpo')}.py {VARIANTS[name]}".strip(),
             "start": {k: bh.spread([r["start"][k] for r in runs.values()]) for k in keys},
             "final": {k: bh.spread([r["final"][k] for r in runs.values()]) for k in keys},
             "at_equal_generated": bh.spread([r["at_equal_generated"]["eval/accuracy"] for r in runs.values()]),

@@ -41,16 +41,17 @@ ROOT = bc.ROOT
 METRICS = {"sft": ["eval/accuracy"], "grpo": ["eval/accuracy", "eval/pass@4"],
            "dpo": ["eval/accuracy", "eval/rewards/accuracies"], "rm": ["eval/accuracy"],
            "restem": ["eval/accuracy", "eval/pass@4"], "drca": ["eval/accuracy", "eval/reward"]}
+METRICS.update(dapo=METRICS["grpo"], grpo_async=METRICS["grpo"])  # grpo's variant files
 
 
 def samples_before(name: str, row: dict, args: dict) -> int | None:
     """Completions the run had sampled for training when it logged this evaluation row (RL scripts; else None):
     grpo: step * batch_size; restem: its evaluations follow whole iterations of num_prompts * K samples."""
-    if name == "grpo":
+    if name in ("grpo", "dapo", "grpo_async"):  # dapo: trained samples (its generated ones: bench_grpo_variants.py)
         return row["step"] * args["batch_size"]
     if name == "restem":
         done = row["restem/iteration"] + 1 if "restem/iteration" in row else 0  # step 0: the base, none sampled
-        return done * args["num_prompts"] * args["num_samples_per_prompt"]
+        return done * args["num_prompts"] * args.get("num_generations", args.get("num_samples_per_prompt"))
     return None
 
 

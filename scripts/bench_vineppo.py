@@ -93,8 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def algo_argv(a, algo: str, out: Path) -> list[str]:
     argv = [str(ROOT / f"algorithms/{algo}.py"), "--model_name_or_path", a.model, "--output_dir", str(out),
             "--seed", str(a.seed), "--total_episodes", str(a.num_prompts * a.num_samples_per_prompt * a.steps),
-            "--local_num_prompts", str(a.num_prompts), "--num_samples_per_prompt", str(a.num_samples_per_prompt),
-            "--max_new_tokens", str(a.max_new_tokens), "--num_ppo_epochs", str(a.num_ppo_epochs),
+            "--local_num_prompts", str(a.num_prompts), "--num_generations", str(a.num_samples_per_prompt),
+            "--max_new_tokens", str(a.max_new_tokens), "--num_iterations", str(a.num_ppo_epochs),
             "--num_minibatches", str(a.num_minibatches), "--local_micro_batch_size", str(a.micro_batch_size),
             "--learning_rate", str(a.learning_rate), "--eval_every", "0", "--eval_num_prompts", "8",
             "--sample_every", "0", "--no_save_model", "--no_gradient_checkpointing"]

@@ -33,7 +33,7 @@ def read(run: Path) -> tuple[list[tuple[int, float, float]], dict]:
 
 def optimizer_steps(step: int, args: dict) -> int:
     """Gradient updates after `step` rollout steps: epochs x minibatches per step."""
-    return step * args["num_ppo_epochs"] * args["num_minibatches"]
+    return step * args.get("num_iterations", args.get("num_ppo_epochs")) * args["num_minibatches"]
 
 
 def steps_to_reach(curve, target: float, args: dict) -> int | None:

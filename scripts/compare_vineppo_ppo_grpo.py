@@ -10,10 +10,9 @@
    so every machine starts from the same weights; `build.json` records the SHA-256 of the weights. One start model
    for every algorithm and seed: the seeds vary the RL runs (sampling, minibatch order), not the start.
 2. PPO, VinePPO (K = 9 MC rollouts per state, as in the paper) and GRPO from that start, `--seeds` (3), with the
-   same prompts per step (64 prompts x 8 completions: ppo/vineppo `--local_num_prompts 64 --num_samples_per_prompt
-   8`, grpo `--local_num_prompts 64 --num_generations 8`), the same total (`--total_episodes` completions), the
-   same optimizer steps per rollout step (2 passes x 2 minibatches: `--num_ppo_epochs` / grpo's
-   `--num_iterations`), the same learning-rate schedule (constant `--learning_rate` after 5 warm-up steps; PPO's
+   same prompts per step (64 prompts x 8 completions: `--local_num_prompts 64 --num_generations 8` in all three),
+   the same total (`--total_episodes` completions), the same optimizer steps per rollout step (2 passes x 2
+   minibatches: `--num_iterations 2 --num_minibatches 2`), the same learning-rate schedule (constant `--learning_rate` after 5 warm-up steps; PPO's
    critic keeps its own 3e-4) and the same held-out evaluation (500 test prompts x 4 samples at T = 1, every
    `--eval_every` rollout steps, the same sampling seed for all three). Everything else is each script's default
    (PPO and VinePPO: clip 0.2, k3 KL loss 1e-4; GRPO: clip 0.2/0.28, no KL, its group-normalised advantage).
@@ -79,7 +78,7 @@ def run_argv(algo: str, seed: int, output_dir: Path, start: str, a) -> list[str]
         return [f"algorithms/{algo}.py", *common, "--num_generations", "8", "--num_iterations", "2",
                 "--no_gradient_checkpointing"]
     extra = ["--num_mc_rollouts", str(a.k)] if algo == "vineppo" else []
-    return [f"algorithms/{algo}.py", *common, "--num_samples_per_prompt", "8", "--num_ppo_epochs", "2", *extra,
+    return [f"algorithms/{algo}.py", *common, "--num_generations", "8", "--num_iterations", "2", *extra,
             "--no_gradient_checkpointing"]
 
 

@@ -154,8 +154,11 @@ def logprob_memory(d: dict) -> str:
 
 HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
                  "grpo": "held-out grader accuracy (4 samples per prompt)",
-                 "dpo": "held-out grader accuracy (4 samples per prompt)", "rm": "held-out pairwise accuracy",
-                 "drca": "held-out grader accuracy (4 samples per prompt)"}
+                 "dpo": "held-out grader accuracy (4 samples per prompt); the loss is DPO-Positive (`--loss_type dpop`, "
+                        "the default)",
+                 "rm": "held-out pairwise accuracy",
+                 "drca": "held-out grader accuracy (4 samples per prompt); responses and counterfactuals scored by the "
+                         "task's per-line grader (`--scorer auto` on the built-in task), not a reward model"}
 
 
 def _spread3(x: dict) -> str:
@@ -755,8 +758,8 @@ def drca_vs_ppo(d: dict) -> str:
     extra = d.get("extra", [])
     rm = extra[extra.index("--reward_model_path") + 1] if "--reward_model_path" in extra else "builtin:tiny-rm"
     scorer = ("the per-line grader (`--scorer line_grader`)" if "line_grader" in extra else rm)
-    kl = (f" with the KL coefficient eta = {extra[extra.index('--kl_coef') + 1]} (drca.py's default: 0.01)"
-          if "--kl_coef" in extra else "")
+    flag = next((f for f in ("--beta", "--kl_coef") if f in extra), None)  # --kl_coef: its name before --beta
+    kl = f" with the KL coefficient eta = {extra[extra.index(flag) + 1]} (drca.py's default: 0.01)" if flag else ""
     lines += ["", f"Both arms train on the score of {scorer}{kl}; \"RM reward\" is {rm}'s held-out mean normalised score. "
                   f"DRCA minus PPO, final accuracy: {100 * diff['mean']:+.1f} points (per seed {per_seed}); final RM "
                   f"reward: {m('drca_final_reward') - m('ppo_final_reward'):+.3f}. "

@@ -52,7 +52,7 @@ METHODS = {
 SWEPT = ("repulse", "p_proposal")  # --paper: run at every alpha of --alphas
 COMMON = ["--total_episodes", "15000", "--eval_every", "0", "--sample_every", "0", "--no_save_model", "--reward_fn",
           "toy"]
-PAPER = ["--total_episodes", "250000", "--num_generations", "500", "--local_micro_batch_size", "500", "--kl_coef", "0",
+PAPER = ["--total_episodes", "250000", "--num_generations", "500", "--local_micro_batch_size", "500", "--beta", "0",
          "--target_dist_beta", "-10", "--base_actor_learning_rate", "1e-4", "--actor_learning_rate", "3e-4",
          "--reward_fn", "toy_classifier", "--eval_every", "0", "--sample_every", "0", "--no_save_model",
          "--save_every", "25", "--best_metric", ""]

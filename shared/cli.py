@@ -27,19 +27,31 @@ from pathlib import Path
 
 import annotated_types
 
-from shared.distributed import NonFiniteError, end_process_group
+from shared.distributed import NonFiniteError, end_process_group, exact_div
 
 Range = tuple  # (low, low included, high, high included); None is unbounded
 
 
-def check_sizes(args, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
-    """One-line errors naming the flag for sizes that must be >= 1 (batch sizes, counts) or >= 0 (intervals)."""
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
-    for name in non_negative:
-        if getattr(args, name) < 0:
-            raise ValueError(f"{name}: must be >= 0, got {getattr(args, name)}")
+def derive_sizes(args, world_size: int) -> None:
+    """The batch sizes of an RL script, from its per-rank flags, into args (saved with it in args.json):
+        local_batch_size = local_num_prompts * num_generations    completions per rank per step
+        batch_size = local_batch_size * world_size; num_prompts = local_num_prompts * world_size
+        local_minibatch_size = local_batch_size / num_minibatches  completions per optimizer step and rank
+        gradient_accumulation_steps = local_minibatch_size / local_micro_batch_size
+        num_steps = total_episodes // batch_size
+    The micro-batch is a memory cap: a minibatch smaller than it is one micro-batch. One-line errors name the flag."""
+    args.world_size = world_size
+    args.local_batch_size = args.local_num_prompts * args.num_generations
+    args.batch_size = args.local_batch_size * world_size
+    args.num_prompts = args.local_num_prompts * world_size
+    args.local_minibatch_size = exact_div(args.local_batch_size, args.num_minibatches,
+                                          "num_minibatches: local_num_prompts * num_generations / num_minibatches")
+    args.local_micro_batch_size = min(args.local_micro_batch_size, args.local_minibatch_size)
+    args.gradient_accumulation_steps = exact_div(args.local_minibatch_size, args.local_micro_batch_size,
+                                                 "local_micro_batch_size: local minibatch / local_micro_batch_size")
+    args.num_steps = args.total_episodes // args.batch_size
+    if args.num_steps < 1:
+        raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one batch ({args.batch_size})")
 
 
 def _metadata(hint) -> list:
@@ -138,6 +150,20 @@ def check_args(args) -> None:
         parent = next((p for p in [path, *path.parents] if p.exists()), None)
         if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK)):
             raise ValueError(f"output_dir: cannot create {out} ({parent} is not a writable directory)")
+
+
+# flags of earlier versions: their new name, or the file that has the feature now (README, "Renamed flags")
+RENAMED = {
+    "num_samples_per_prompt": "--num_generations is its name now",
+    "num_ppo_epochs": "--num_iterations is its name now",
+    "kl_coef": "--beta is its name now",
+    "cliprange": "--epsilon_low and --epsilon_high are its names now (one per side)",
+    "async_steps": "use algorithms/grpo_async.py or algorithms/ppo_async.py (generation overlaps training there)",
+    "dynamic_sampling": "use algorithms/dapo.py (DAPO's dynamic sampling)",
+    "max_refill_rounds": "use algorithms/dapo.py (DAPO's dynamic sampling)",
+}
+
+
 class CommandLineError(Exception):
     """A command line tyro rejected (a value not among a flag's choices, a bad number, an unknown flag)."""
 
@@ -166,7 +192,10 @@ def _rejected(event, args_cls) -> str:
             return f"unexpected argument {tokens[0]!r}; see --help"
         known = [f.name for f in dataclasses.fields(args_cls) if "Suppress" not in str(f.type)]
         known += [f"no_{f.name}" for f in dataclasses.fields(args_cls) if str(f.type) == "bool"]
-        close = difflib.get_close_matches(flags[0].lstrip("-").replace("-", "_"), known, n=1, cutoff=0.6)
+        name = flags[0].lstrip("-").replace("-", "_")
+        if name in RENAMED and RENAMED[name].split()[0].lstrip("-") in known + ["use"]:
+            return f"{flags[0]}: {RENAMED[name]} (README, renamed flags)"
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         return f"{flags[0]}: unknown flag" + (f"; did you mean --{close[0]}?" if close else "; see --help")
     return f"the command line was rejected ({kind}); see --help"
 

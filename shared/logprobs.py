@@ -123,12 +123,15 @@ def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.T
     pad = (0, input_ids.shape[1] - n)
     return torch.nn.functional.pad(logp, pad), None if entropy is None else torch.nn.functional.pad(entropy, pad)
 
-def check_packing(model, a: list[int], b: list[int], tol: float) -> None:
+def check_packing(model, prompts: list[list[int]], tol: float | None = None) -> None:
     """--micro_batching packed, at start-up: a one-line error unless the model keeps packed sequences apart.
-    Sequence b is packed in one row after a + b, then after b + a (same length, other tokens); its log-probs must not move
-    (attention does not cross sequences) and must equal b's alone (the model reads the restarted position ids),
-    to within tol (fp32: 1e-4)."""
-    device = next(model.parameters()).device
+    Of two sequences a, b (the first two distinct prompts), b is packed in one row after a + b, then after b + a
+    (same length, other tokens); its log-probs must not move (attention does not cross sequences) and must equal
+    b's alone (the model reads the restarted position ids), to within tol (default: 1e-4 in fp32, else 5e-2)."""
+    a = prompts[0]
+    b = next((p for p in prompts if p != a), a)
+    param = next(model.parameters())
+    device, tol = param.device, tol or (1e-4 if param.dtype == torch.float32 else 5e-2)
     rows = lambda seqs: data_utils.pad_batch([x[:1] for x in seqs], [x[1:] for x in seqs], 0, device)  # noqa: E731
     with torch.no_grad():
         width = len(a) + 2 * len(b)  # both in one packed row

@@ -79,7 +79,7 @@ def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
     if missing:
         raise ValueError(f"lora_target_modules: {', '.join(missing)} is not a linear layer of {model_path} "
                          f"(its linear layers: {', '.join(sorted(linear))}; or `all-linear`)")
-    from shared.distributed import launch_zero_stage
+    from shared.launch import launch_zero_stage
 
     head = model.get_output_embeddings()
     head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)

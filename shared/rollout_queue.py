@@ -1,5 +1,5 @@
-"""Asynchronous generation (`--async_steps` of grpo.py and ppo.py, which allow k = 1): step t+k's batch is
-generated in a background thread while step t trains, Cleanba-style (Huang et al. 2023, arXiv 2310.00036;
+"""Asynchronous generation (algorithms/grpo_async.py, algorithms/ppo_async.py): step t+1's batch is generated in a
+background thread while step t trains, Cleanba-style (Huang et al. 2023, arXiv 2310.00036;
 "Asynchronous RLHF", Noukhovitch et al. 2024, arXiv 2410.18252; open-instruct's ppo_vllm_thread.py).
 
     rollouts, shuffle_rng = resume_async(state, seed)  # the queue with a resumed run's generated, untrained
@@ -11,13 +11,13 @@ generated in a background thread while step t trains, Cleanba-style (Huang et al
     state = async_checkpoint_state(rollouts, shuffle_rng)  # both, for a resumable checkpoint
 
 One worker thread runs the submitted generations in order, so a weight sync that waits for the queue to drain
-(`wait`) falls between two generations. The caller keeps the queue bounded (at most k batches submitted and not
+(`wait`) falls between two generations. The caller keeps the queue bounded (one batch submitted and not
 taken) and draws each batch's prompts on the main thread when it submits it, so the data order and the sampling
 seeds are those of a synchronous run. The weights of the colocated engine change only at the caller's sync, so a
 batch's `version` is the number of updates the engine held when it was submitted: it is generated from those
 weights, whatever the trainer does meanwhile. Generation (vLLM releases the GIL in its kernels and torch ops) overlaps
 the trainer's forward and backward passes; on one device they share its compute, so the overlap gains little there
-(docs/grpo.md#asynchronous-generation---async_steps).
+(docs/grpo_async.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -85,7 +88,7 @@ class RolloutQueue:
 
 
 def resume_async(state: dict, seed: int) -> tuple[RolloutQueue, "torch.Generator"]:
-    """--async_steps: the queue (with a resumed run's generated, untrained batches) and the update's own shuffle
+    """The queue (with a resumed run's generated, untrained batches) and the update's own shuffle
     generator (the engine thread draws on torch's global RNG at timing-dependent moments), both from a checkpoint's
     rank-local `state` (empty for a fresh run), the generator seeded with `seed` there."""
     import torch
@@ -97,7 +100,7 @@ def resume_async(state: dict, seed: int) -> tuple[RolloutQueue, "torch.Generator
 
 
 def async_checkpoint_state(rollouts: RolloutQueue | None, shuffle_rng) -> dict | None:
-    """The rank-local checkpoint state of resume_async's pair (None without --async_steps)."""
+    """The rank-local checkpoint state of resume_async's pair."""
     if rollouts is None:
         return None
     return {"async_rollouts": rollouts.state_dict(), "shuffle_rng": shuffle_rng.get_state()}

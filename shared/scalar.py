@@ -60,10 +60,16 @@ def score_last_token(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     values = token_values(model, input_ids, attention_mask)
     last = attention_mask.sum(1).long() - 1
     scores = values.gather(1, last.unsqueeze(1)).squeeze(1)
+    return normalized(scores, model) if normalize else scores
+
+
+def normalized(values: torch.Tensor, model) -> torch.Tensor:
+    """(v - mean) / std with the score stats stored in the model's config by a reward-model trainer (rm.py), so that
+    a reward model's scores, and the values of a critic initialised from it, share units; unchanged without stats."""
     config = getattr(model, "module", model).config
-    if normalize and getattr(config, "reward_mean", None) is not None:
-        scores = (scores - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
-    return scores
+    if getattr(config, "reward_mean", None) is None:
+        return values
+    return (values - config.reward_mean) / max(float(getattr(config, "reward_std", 1.0)), 1e-8)
 
 
 def score_sequences(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, info,

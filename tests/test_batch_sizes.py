@@ -27,9 +27,9 @@ def derived_sizes(script: str, argv: list[str], monkeypatch):
 # (script, flags giving a local minibatch of 32 completions, that minibatch)
 SMALL_MINIBATCH = [
     ("grpo", ["--local_num_prompts", "8", "--num_generations", "8", "--num_minibatches", "2"], 32),
-    ("ppo", ["--local_num_prompts", "4", "--num_samples_per_prompt", "8", "--num_minibatches", "1"], 32),
-    ("vineppo", ["--local_num_prompts", "4", "--num_samples_per_prompt", "8", "--num_minibatches", "1"], 32),
-    ("drca", ["--local_num_prompts", "4", "--num_samples_per_prompt", "8", "--num_minibatches", "1"], 32),
+    ("ppo", ["--local_num_prompts", "4", "--num_generations", "8", "--num_minibatches", "1"], 32),
+    ("vineppo", ["--local_num_prompts", "4", "--num_generations", "8", "--num_minibatches", "1"], 32),
+    ("drca", ["--local_num_prompts", "4", "--num_generations", "8", "--num_minibatches", "1"], 32),
 ]
 
 

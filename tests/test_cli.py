@@ -125,7 +125,8 @@ CHOICES = {
              "micro_batching": ("padded", "sorted", "packed")},
     "ppo": {**GENERATOR, "kl_placement": ("loss", "reward"),
             "tis": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
-    "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math")},
+    "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math"),
+                "tis": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
     "restem": {**GENERATOR, "early_stop": ("restem_paper_original", "choose_best")},
     "repulse": {"generator": ("hf", "vllm"), "loss_type": ("neg_training", "reinforce"),
                 "reward_transform": ("none", "minus_alpha_exp_beta_r")},
@@ -134,6 +135,12 @@ CHOICES = {
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
 }
+# the variant files: dapo.py keeps grpo.py's choices but the estimators, GSPO and CISPO; the async files generate
+# with vLLM only
+CHOICES["dapo"] = {k: v for k, v in CHOICES["grpo"].items()
+                   if k not in ("advantage_estimator", "importance_level", "policy_loss")}
+CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
+CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
@@ -287,10 +294,10 @@ EXPECTED_RANGES = {
     "total_episodes": (1, True, INF, False), "temperature": (0, False, INF, False),
     "eval_temperature": (0, True, INF, False), "gamma": (0, True, 1, True), "lam": (0, True, 1, True),
     "warmup_ratio": (0, True, 1, False), "lora_dropout": (0, True, 1, False), "label_smoothing": (0, True, 0.5, False),
-    "confidence": (0, False, 1, False), "cvar_level": (0, False, 1, True), "cliprange": (0, False, INF, False),
+    "confidence": (0, False, 1, False), "cvar_level": (0, False, 1, True), "cliprange_value": (0, False, INF, False),
     "response_skip_tokens": (-1, True, INF, False), "num_prompts": (0, True, INF, False),
     "penalty_reward_value": (INF, False, INF, False), "rew_trans_alpha": (INF, False, INF, False),
-    "max_grad_norm": (0, True, INF, False), "kl_coef": (0, True, INF, False),
+    "max_grad_norm": (0, True, INF, False), "epsilon_high": (0, True, INF, False), "beta": (0, True, INF, False),
 }
 
 
@@ -341,8 +348,8 @@ BAD_VALUES = [("learning_rate", "0"), ("learning_rate", "-1e-5"), ("base_actor_l
               ("temperature", "0"), ("temperature", "-1"), ("local_micro_batch_size", "0"),
               ("local_micro_batch_size", "-4"), ("local_num_prompts", "0"), ("total_episodes", "0"),
               ("num_minibatches", "-1"), ("max_new_tokens", "0"), ("gamma", "1.5"), ("lam", "-0.1"),
-              ("vllm_gpu_memory_utilization", "0"), ("warmup_ratio", "1"), ("cliprange", "0"), ("seed", "-1"),
-              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("kl_coef", "inf"),
+              ("vllm_gpu_memory_utilization", "0"), ("warmup_ratio", "1"), ("cliprange_value", "0"), ("seed", "-1"),
+              ("eval_every", "-5"), ("max_grad_norm", "-1"), ("learning_rate", "nan"), ("beta", "inf"),
               ("seed", "2147483648")]
 
 
@@ -402,4 +409,26 @@ def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, 
     code, err = run_cli_in_process(script, ["--best_metric", "dve/accuracy", "--output_dir", "run"], monkeypatch, capsys)
     assert (code, err) == (2, "error: best_metric: expected a held-out metric, dev/<name> or eval/<name>, got "
                               "'dve/accuracy'\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("ppo", ["--num_samples_per_prompt", "4"], "error: --num_samples_per_prompt: --num_generations is its name now"),
+    ("vineppo", ["--num_ppo_epochs", "1"], "error: --num_ppo_epochs: --num_iterations is its name now"),
+    ("drca", ["--kl_coef", "0.1"], "error: --kl_coef: --beta is its name now"),
+    ("ppo", ["--cliprange", "0.1"], "error: --cliprange: --epsilon_low and --epsilon_high are its names now"),
+    ("grpo", ["--dynamic_sampling"], "error: --dynamic_sampling: use algorithms/dapo.py"),
+    ("sft", ["--kl_coef", "0.1"], "error: --kl_coef: unknown flag"),  # sft never had one: no rename to point at
+])
+def test_a_renamed_flag_names_its_new_name_or_file(script, argv, message, tmp_path, monkeypatch, capsys):
+    """Commands written for earlier versions get a one-line error that says what to write now (README table)."""
+    from shared.cli import run_cli
+
+    mod = importlib.import_module(f"algorithms.{script}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv, "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as e:
+        run_cli(mod.main, mod.Args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []

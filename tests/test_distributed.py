@@ -108,7 +108,7 @@ def test_max_over_ranks_in_one_process_calls_no_collective(monkeypatch):
 
 
 def _launch(monkeypatch, **env):
-    from shared.distributed import launch_zero_stage
+    from shared.launch import launch_zero_stage
 
     for key in ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
                 "ACCELERATE_DEEPSPEED_ZERO3_INIT", "ACCELERATE_MIXED_PRECISION",

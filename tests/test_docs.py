@@ -1,6 +1,7 @@
 """Docs against their data: every generated table in README.md and docs/*.md equals what scripts/docs_tables.py
 renders from the stored JSON it names, and the docs link to nothing outside the repository."""
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -122,7 +123,8 @@ def _documented_defaults(page: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo", "drca", "dpo", "ppo", "vineppo", "rm", "sft", "repulse", "evaluate", "restem"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "grpo_async", "drca", "dpo", "ppo", "ppo_async", "vineppo", "rm", "sft",
+                                  "repulse", "evaluate", "restem"])
 def test_flag_tables_state_the_code_defaults(name):
     """A docs flag table that names a default must give the one in the script's Args (grpo.md once said
     num_iterations 1 while the code used 2)."""
@@ -194,3 +196,96 @@ def test_headline_table_names_a_script_it_cannot_describe():
     """A default-run benchmark of a script without a metric description is an error naming it, not a KeyError."""
     with pytest.raises(ValueError, match="no metric description for ppo"):
         docs_tables.headline([{"results": {"grpo": {}, "ppo": {}}}])
+
+
+# ---------------------------------------------------------------- commands in the README and docs
+def _shell_commands(text: str) -> list[str]:
+    """The commands of a page's ```bash blocks, continuation lines joined, comments dropped, `VAR=...` assignments
+    substituted into the later commands of the page."""
+    import shlex
+
+    out, env = [], {}
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.strip()
+            m = re.match(r"^([A-Z_]+)=(\$?'.*'|\".*\")$", line)
+            if m:
+                value = m.group(2)
+                env[m.group(1)] = shlex.split(value[1:] if value.startswith("$") else value)[0].encode().decode(
+                    "unicode_escape") if value.startswith("$") else shlex.split(value)[0]
+                continue
+            for name, value in env.items():
+                line = line.replace(f'"${name}"', shlex.quote(value)).replace(f"${name}", shlex.quote(value))
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def _script_argv(command: str) -> tuple[str, list[str]] | None:
+    """(script, argv) of a `python algorithms/<script>.py ...` or `accelerate launch ... algorithms/<script>.py ...`
+    command, up to a shell comment; None for other commands."""
+    import shlex
+
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:
+        return None
+    for i, w in enumerate(words):
+        m = re.fullmatch(r"algorithms/(\w+)\.py", w)
+        if m:
+            return m.group(1), [x for x in words[i + 1 :] if x not in ("...",)]
+    return None
+
+
+def test_the_readme_commands_parse_against_each_script_s_flags():
+    """Every script command of the README (the quick start included, with its hub names) is a command line each
+    script accepts: the flag names, their values and choices (parsed, not run)."""
+    import importlib
+
+    from shared.cli import parse_cli
+
+    commands = [c for c in map(_script_argv, _shell_commands((ROOT / "README.md").read_text())) if c]
+    assert len(commands) >= 3 and {"grpo", "evaluate"} <= {s for s, _ in commands}
+    for script, argv in commands:
+        parse_cli(importlib.import_module(f"algorithms.{script}").Args, argv)
+
+
+def _pages_with_commands() -> dict[str, str]:
+    pages = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+    for p in sorted((ROOT / "algorithms").glob("*.py")):  # docstrings: their Launch sections hold commands too
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        pages[str(p.relative_to(ROOT))] = "```bash\n" + "\n".join(
+            line for line in doc.splitlines() if line.startswith(("    ", "\t"))) + "\n```"
+    return pages
+
+
+def gsm8k_without_its_answer_line(command: str) -> bool:
+    """A command that trains or evaluates with the GSM8K grader (`--reward_fn gsm8k`, or `auto` on a gsm8k dataset)
+    whose prompt template does not ask for the `#### <answer>` line the grader reads. A model fine-tuned to GSM8K's
+    format (VinePPO's `*-sft-GSM8K` checkpoints) writes the line unasked, and so does one sft.py trains on GSM8K's
+    solutions (`--response_key answer`: each ends with it)."""
+    parsed = _script_argv(command)
+    if not parsed:
+        return False
+    argv = parsed[1]
+    value = lambda flag, default="": argv[argv.index(flag) + 1] if flag in argv[:-1] else default  # noqa: E731
+    grader = value("--reward_fn", "auto")
+    if not (grader == "gsm8k" or (grader == "auto" and "gsm8k" in value("--dataset").lower())):
+        return False
+    return ("####" not in value("--prompt_template") and "sft-GSM8K" not in value("--model_name_or_path")
+            and "--response_key" not in argv)
+
+
+def test_gsm8k_commands_ask_for_the_answer_line_the_grader_reads():
+    """Every command in README, docs and docstrings that uses the GSM8K grader has a prompt template with `####`."""
+    bad = [f"{page}: {c[:120]}" for page, text in _pages_with_commands().items()
+           for c in _shell_commands(text) if gsm8k_without_its_answer_line(c)]
+    assert not bad, bad
+
+
+def test_the_gsm8k_check_catches_a_command_without_the_template():
+    assert gsm8k_without_its_answer_line("python algorithms/grpo.py --dataset openai/gsm8k:main --reward_fn gsm8k")
+    assert gsm8k_without_its_answer_line("python algorithms/ppo.py --dataset openai/gsm8k:main")  # auto: gsm8k
+    assert not gsm8k_without_its_answer_line("python algorithms/grpo.py --dataset openai/gsm8k:main --prompt_template "
+                                             "'{prompt} End with #### <n>.'")
+    assert not gsm8k_without_its_answer_line("python algorithms/grpo.py --dataset openai/gsm8k:main --reward_fn math")

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from algorithms import drca, ppo
-from algorithms.drca import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_span_to_tokens, compute_gae,
-                             slip_localisation,
-                             counterfactual_response, entropy_units, masked_whiten, regex_units, shaped_rewards,
-                             think_prefix_length, unit_token_rewards)
+from algorithms.drca import (compute_gae, counterfactual_response, masked_whiten, shaped_rewards, slip_localisation,
+                             unit_token_rewards)
+from shared.units import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_span_to_tokens, entropy_units, regex_units,
+                          think_prefix_length)
 from shared.cli import check_args
 
 
@@ -171,7 +171,7 @@ def test_beta_zero_gives_exactly_ppo_rewards():
     scores, mask, last, units, credits = batch()
     logp, ref = torch.randn(3, 7), torch.randn(3, 7)
     raw = unit_token_rewards(scores, units, credits, last, 7, beta=0.0)
-    ours, _ = shaped_rewards(raw, logp, ref, mask, kl_coef=0.05, reward_clip=10.0)
+    ours, _ = shaped_rewards(raw, logp, ref, mask, beta=0.05, reward_clip=10.0)
     theirs = ppo.score_rewards(scores, mask) - 0.05 * ppo.kl_penalty(logp, ref, "k1") * mask  # ppo.py, reward flavour
     torch.testing.assert_close(ours, theirs)
 
@@ -202,7 +202,7 @@ def test_reward_clip_before_kl_and_kl_clamped():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     raw = torch.tensor([[25.0, -30.0, 1.0, 7.0]])
     logp, ref = torch.tensor([[0.0, -20.0, -1.0, 5.0]]), torch.tensor([[-15.0, 0.0, -1.5, 0.0]])
-    r, kl = shaped_rewards(raw, logp, ref, mask, kl_coef=0.1, reward_clip=10.0)
+    r, kl = shaped_rewards(raw, logp, ref, mask, beta=0.1, reward_clip=10.0)
     assert kl.tolist() == [[10.0, -10.0, 0.5, 0.0]]  # k1 clamped to [-10, 10], 0 on padding
     torch.testing.assert_close(r, torch.tensor([[10.0 - 1.0, -10.0 + 1.0, 1.0 - 0.05, 0.0]]))
 
@@ -267,7 +267,7 @@ def test_validate_names_the_flag():
                          ({"unitless_fallback": "r"}, "unitless_fallback"), ({"max_units_per_sequence": 0},
                                                                               "max_units_per_sequence"),
                          ({"unit_pattern": "("}, "unit_pattern"), ({"reward_model_path": ""}, "reward_model_path"),
-                         ({"entropy_source": "reference", "kl_coef": 0.0}, "entropy_source")]:
+                         ({"entropy_source": "reference", "beta": 0.0}, "entropy_source")]:
         args = drca.Args(**kwargs)
         with pytest.raises(ValueError, match=f"^{flag}: "):
             check_args(args)  # the start-up checks in run_cli's order: fixed choices and ranges, then drca's own

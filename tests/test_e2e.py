@@ -2,7 +2,7 @@
 
 Covers: sft.py; grpo.py with vLLM and with HF generation, the optional branches (KL to a reference,
 num_iterations > 1, several minibatches, truncation masking), a learning check, and each variant flag (GSPO, CISPO,
-RLOO, REINFORCE++-baseline, dynamic sampling, also on 2 ranks); ppo.py and vineppo.py; rm.py and
+RLOO, REINFORCE++-baseline); ppo.py and vineppo.py (dapo.py: tests/test_dapo.py); rm.py and
 its checkpoint as the reward of grpo.py, ppo.py and drca.py; dpo.py; and 2-process `accelerate launch` runs under
 ZeRO-2 and ZeRO-3 whose ranks must end with identical weights."""
 
@@ -137,60 +137,10 @@ def test_grpo_variant_trains_end_to_end(tmp_path, name):
     assert (tmp_path / "final" / "config.json").exists()
 
 
-def _sampling_counts_add_up(r: dict, num_prompts: int) -> None:
-    sampled = num_prompts * (r["dynamic_sampling/extra_rounds"] + 1)  # groups sampled in the step
-    kept = num_prompts - r["dynamic_sampling/unfilled_groups"]  # groups trained on
-    assert r["dynamic_sampling/dropped_groups"] + kept + r["dynamic_sampling/surplus_groups"] == sampled
-    assert r["val/frac_reward_zero_std"] == pytest.approx(r["dynamic_sampling/dropped_groups"] / sampled)
-
-
-def test_grpo_dynamic_sampling_refills_the_batch(tmp_path):
-    """The SFT warm start solves some prompts of the built-in task: dynamic sampling drops the all-equal groups,
-    samples extra rounds when needed, and its counts add up."""
-    run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path), *TINY_RUN, "--dynamic_sampling",
-         "--max_refill_rounds", "3"])
-    steps = [r for r in metrics(tmp_path) if "loss/policy_avg" in r]
-    assert len(steps) == 2
-    for r in steps:
-        assert 0 <= r["dynamic_sampling/extra_rounds"] <= 3
-        _sampling_counts_add_up(r, 4)
-        assert math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["optim/grad_norm"])
-    assert any(r["dynamic_sampling/unfilled_groups"] < 4 for r in steps)  # it trained on informative groups
-
-
-def test_grpo_dynamic_sampling_that_cannot_fill_trains_on_what_it_has(tmp_path):
-    """A reward that is always 0: no group is informative, every round is used, the shortfall is logged and printed
-    once, and the run finishes (the filler groups are masked out of the loss)."""
-    reward = tmp_path / "zero.py"
-    reward.write_text("def zero(completions, **kw):\n    return [0.0 for _ in completions]\n")
-    out = run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path / "run"), *TINY_RUN,
-               "--reward_fn", f"{reward}:zero", "--dynamic_sampling", "--max_refill_rounds", "1"])
-    steps = [r for r in metrics(tmp_path / "run") if "loss/policy_avg" in r]
-    assert [r["dynamic_sampling/unfilled_groups"] for r in steps] == [4, 4]
-    assert [r["dynamic_sampling/extra_rounds"] for r in steps] == [1, 1]
-    for r in steps:
-        _sampling_counts_add_up(r, 4)
-        assert r["loss/policy_avg"] == 0.0 and r["val/advantages_std"] == 0.0
-    assert out.count("dynamic sampling: 0 of 4 groups informative after 1 extra rounds") == 1
-
-
-def test_grpo_dynamic_sampling_two_processes(tmp_path):
-    """2 ranks pool their groups (global prompt order) and take their slices of the refilled batch: they end with
-    identical weights and trained on disjoint prompts."""
-    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
-         "algorithms/grpo.py", "--output_dir", str(tmp_path), *TINY_RUN, "--total_episodes", "64",
-         "--dynamic_sampling"], timeout=900)
-    rows = metrics(tmp_path)
-    for r in [r for r in rows if "loss/policy_avg" in r]:
-        _sampling_counts_add_up(r, 8)
-    assert rows[-1]["check/world_size"] == 2.0
-    assert rows[-1]["check/ranks_identical_weights"] == 1.0 and rows[-1]["check/ranks_shared_prompts"] == 0.0
-
-
 PPO_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keeps the runs short
               # a small dev slice (selects best/) keeps the runs short
          "--model_name_or_path", "builtin:tiny", "--total_episodes", "64", "--local_num_prompts", "4",
-             "--num_samples_per_prompt", "4", "--local_micro_batch_size", "8", "--max_new_tokens", "8",
+             "--num_generations", "4", "--local_micro_batch_size", "8", "--max_new_tokens", "8",
              "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "1", "--sample_every", "1"]
 
 
@@ -210,7 +160,7 @@ def test_ppo_reward_model_flavour(tmp_path):
     AutoTokenizer.from_pretrained(builtin_tiny()).save_pretrained(rm_dir)
     out = tmp_path / "run"
     run([sys.executable, "algorithms/ppo.py", "--output_dir", str(out), *PPO_SMALL, "--reward_model_path",
-         str(rm_dir), "--kl_placement", "reward", "--kl_coef", "0.05", "--adaptive_kl", "--non_stop_penalty",
+         str(rm_dir), "--kl_placement", "reward", "--beta", "0.05", "--adaptive_kl", "--non_stop_penalty",
          "--lam", "0.95", "--generator", "hf"])
     steps = [r for r in metrics(out) if "loss/value_avg" in r]
     assert len(steps) == 4 and steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
@@ -346,7 +296,7 @@ def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
 
 DRCA_SMALL = ["--scorer", "rm",  # the RM scores (the built-in task's default, --scorer auto, is the per-line grader)
               "--dev_num_prompts", "8", "--localisation_num_pairs", "12",  # small dev and slip sets: short runs
-               "--total_episodes", "64", "--local_num_prompts", "4", "--num_samples_per_prompt", "4",
+               "--total_episodes", "64", "--local_num_prompts", "4", "--num_generations", "4",
               "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "8",
               "--eval_num_samples", "2", "--eval_every", "2", "--sample_every", "1"]
 
@@ -458,7 +408,7 @@ def test_dpo_reference_logps_precomputed_equal_on_the_fly(tmp_path):
 
 def test_dpo_self_generated_pairs(tmp_path):
     run([sys.executable, "algorithms/dpo.py", "--output_dir", str(tmp_path), "--pair_source", "self_generated",
-         "--num_generation_prompts", "32", "--num_samples_per_prompt", "8", *DPO_SMALL, "--total_episodes", "128",
+         "--num_generation_prompts", "32", "--num_generations", "8", *DPO_SMALL, "--total_episodes", "128",
          "--loss_type", "dpop", "--logit_temperature", "0.6"])
     rows = metrics(tmp_path)
     info = rows[0]

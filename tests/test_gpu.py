@@ -121,9 +121,9 @@ SCRIPTS = {
     "sft": ["--total_episodes", "32", "--local_micro_batch_size", "16", "--eval_num_prompts", "8", "--eval_every", "1",
             "--dev_num_prompts", "8", "--max_new_tokens", "16"],
     "grpo": [*RL, "--total_episodes", "32", "--num_generations", "4", "--beta", "0.04"],
-    "ppo": [*RL, "--total_episodes", "32", "--num_samples_per_prompt", "4"],
-    "vineppo": [*RL, "--total_episodes", "32", "--num_samples_per_prompt", "4", "--num_mc_rollouts", "3"],
-    "restem": ["--generator", "hf", "--total_episodes", "64", "--local_num_prompts", "16", "--num_samples_per_prompt",
+    "ppo": [*RL, "--total_episodes", "32", "--num_generations", "4"],
+    "vineppo": [*RL, "--total_episodes", "32", "--num_generations", "4", "--num_mc_rollouts", "3"],
+    "restem": ["--generator", "hf", "--total_episodes", "64", "--local_num_prompts", "16", "--num_generations",
                "4", "--num_epochs", "1", "--local_micro_batch_size", "8", "--max_new_tokens", "16",
                "--eval_num_prompts", "8", "--eval_num_samples", "2", "--dev_num_prompts", "8"],
     "dpo": ["--total_episodes", "32", "--local_micro_batch_size", "8", "--eval_num_pairs", "8", "--eval_num_prompts",
@@ -131,7 +131,7 @@ SCRIPTS = {
             "--generator", "hf"],
     "rm": ["--total_episodes", "32", "--local_micro_batch_size", "8", "--eval_num_pairs", "8", "--eval_every", "1",
            "--dev_num_prompts", "8"],
-    "drca": [*RL, "--total_episodes", "32", "--num_samples_per_prompt", "4", "--scorer", "rm"],  # + --reward_model_path
+    "drca": [*RL, "--total_episodes", "32", "--num_generations", "4", "--scorer", "rm"],  # + --reward_model_path
     "repulse": ["--dataset", "builtin", "--num_generations", "2", "--local_num_prompts", "2", "--local_micro_batch_size",
                 "4", "--total_episodes", "16", "--max_new_tokens", "8", "--eval_num_prompts", "4",
                 "--eval_num_samples", "2", "--eval_every", "1", "--best_metric", "", "--generator", "hf"],

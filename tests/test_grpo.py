@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from algorithms.grpo import (Args, aggregate_loss, cispo_surrogate, clipped_surrogate, completion_mask,
-                             compute_advantages, informative_groups, kl_penalty,
+                             compute_advantages, kl_penalty,
                              log_importance_ratio, tis_weights, validate)
 from shared.logprobs import forward_logprobs
 
@@ -81,18 +81,6 @@ def test_default_estimator_is_unchanged_grpo():
     r = torch.rand(4, 8)
     for scaling in ("group", "batch", "none"):
         assert torch.equal(compute_advantages(r, scaling), compute_advantages(r, scaling, estimator="grpo"))
-
-
-# ---------------------------------------------------------------- dynamic sampling (DAPO, arXiv 2503.14476)
-def test_dynamic_sampling_keeps_groups_with_a_spread_of_rewards():
-    # all wrong, all right, 1 of 4 right, all equal non-binary, two distinct non-binary values
-    r = torch.tensor([[0.0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 0.7, 0.3]])
-    assert informative_groups(r).tolist() == [False, False, True, False, True]
-    # the dropped groups are exactly those with zero advantage under grpo and rloo (0.1 * 4 / 4 may round, so the
-    # test is on max > min, not on std == 0)
-    for estimator in ("grpo", "rloo"):
-        adv = compute_advantages(r, "group", estimator=estimator)
-        assert ((adv.abs().amax(1) > 1e-6) == informative_groups(r)).all()
 
 
 # ---------------------------------------------------------------- KL estimators (k3's gradient is not the KL's)
@@ -387,7 +375,6 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
                                           ({"importance_level": "seq"}, "importance_level"),
                                           ({"policy_loss": "ppo"}, "policy_loss"),
                                           ({"advantage_estimator": "reinforce"}, "advantage_estimator"),
-                                          ({"max_refill_rounds": -1}, "max_refill_rounds"),
                                           ({"epsilon_low": 1.5}, "epsilon_low"),
                                           ({"advantage_estimator": "rloo", "advantage_scaling": "batch"},
                                            "advantage_scaling"),
@@ -405,26 +392,23 @@ def test_variant_flags_parse():
     from shared.cli import parse_cli
 
     args = parse_cli(Args, ["--importance_level", "sequence", "--policy_loss", "cispo", "--advantage_estimator",
-                            "reinforce_pp_baseline", "--dynamic_sampling", "--max_refill_rounds", "0",
-                            "--epsilon_low", "1"])
+                            "reinforce_pp_baseline", "--epsilon_low", "1"])
     assert (args.importance_level, args.policy_loss, args.advantage_estimator) == ("sequence", "cispo",
                                                                                  "reinforce_pp_baseline")
-    assert args.dynamic_sampling and args.max_refill_rounds == 0 and args.epsilon_low == 1.0
+    assert args.epsilon_low == 1.0
     default = Args()  # the defaults are the plain GRPO run
-    assert (default.importance_level, default.policy_loss, default.advantage_estimator, default.dynamic_sampling) == (
-        "token", "clip", "grpo", False)
+    assert (default.importance_level, default.policy_loss, default.advantage_estimator) == ("token", "clip", "grpo")
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--advantage_estimator", "rloo", "--advantage_scaling", "none"],
      "error: advantage_scaling: applies to --advantage_estimator grpo only (rloo has its own normalisation)\n"),
-    (["--max_refill_rounds", "-1"], "error: max_refill_rounds: must be in [0, inf), got -1\n"),
     (["--epsilon_low", "1.5"], "error: epsilon_low: must be in [0, 1], got 1.5\n"),
     (["--importance_level", "seq"], "error: --importance_level: 'seq' is not one of token, sequence\n"),
     (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo\n"),
     (["--advantage_estimator", "reinforce"],
      "error: --advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_pp_baseline\n"),
-    (["--dynamic_sampling", "yes"], "error: unexpected argument 'yes'; see --help\n"),  # a switch takes no value
+    (["--mask_truncated_completions", "yes"], "error: unexpected argument 'yes'; see --help\n"),  # a switch: no value
 ])
 def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
     """Through the real entry point (run_cli(grpo.main)): one line naming the flag, exit status 2, no output_dir."""

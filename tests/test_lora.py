@@ -265,9 +265,9 @@ SMALL_RL = ["--local_num_prompts", "4", "--local_micro_batch_size", "8", "--max_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script, flags", [
-    ("ppo", [*SMALL_RL, "--total_episodes", "32", "--num_samples_per_prompt", "4", "--kl_coef", "0.05"]),
-    ("vineppo", [*SMALL_RL, "--total_episodes", "32", "--num_samples_per_prompt", "4", "--num_mc_rollouts", "2",
-                 "--kl_coef", "0.05"]),
+    ("ppo", [*SMALL_RL, "--total_episodes", "32", "--num_generations", "4", "--beta", "0.05"]),
+    ("vineppo", [*SMALL_RL, "--total_episodes", "32", "--num_generations", "4", "--num_mc_rollouts", "2",
+                 "--beta", "0.05"]),
     ("dpo", ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_prompts", "8",
              "--eval_num_pairs", "16", "--dev_num_prompts", "8", "--generator", "hf", "--lora_r", "4",
              "--no_precompute_ref_logps"]),
@@ -305,7 +305,7 @@ def test_every_script_runs_with_lora_and_exports_adapter_and_merged_model(tmp_pa
 def test_lora_grpo_learns_on_the_builtin_task(tmp_path):
     """LoRA GRPO and full fine-tuning GRPO from builtin:tiny-sft, same samples (the same steps and batch): the held-out
     accuracy gain of LoRA (rank 16, lr 1e-3: 10x the full fine-tuning default) is at least half that of full
-    fine-tuning after 50 steps (the default run's first quarter). Measured numbers: README.md#lora."""
+    fine-tuning after 50 steps (the default run's first quarter). Measured numbers: docs/lora.md."""
     flags = ["--total_episodes", "25600", "--eval_every", "0", "--save_every", "0", "--dev_num_prompts", "0",
              "--best_metric", ""]
     full = run_script("grpo", tmp_path / "full", *flags)

@@ -191,9 +191,9 @@ def test_changing_one_packed_sequence_does_not_move_the_other(tiny_model, attn_i
 def test_check_packing_passes_the_model_and_rejects_a_leaking_one(tiny_model):
     model, _ = tiny_model
     a, b = [1, 5, 9, 12, 7, 30, 8], [1, 14, 3, 27, 9]
-    check_packing(model, a, b, 1e-4)
+    check_packing(model, [a, b], 1e-4)
     with pytest.raises(ValueError, match="micro_batching: packed: .* does not keep packed sequences apart"):
-        check_packing(_WithCache(model), a, b, 1e-4)
+        check_packing(_WithCache(model), [a, b], 1e-4)
 
 
 def test_flag_parses_and_defaults_to_padded():

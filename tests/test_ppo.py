@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from algorithms.ppo import (Args, adaptive_kl_update, compute_gae, init_value_head, kl_penalty, masked_whiten,
-                            policy_loss, score_rewards, validate, value_loss)
+                            clipped_surrogate, score_rewards, validate, value_loss)
 
 
 def gae_loop(rewards, values, gamma, lam):
@@ -73,13 +73,30 @@ def test_clipped_value_loss_hand_computed():
     torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0]))
 
 
+def test_ppo_family_clipped_surrogate_is_grpos_with_a_symmetric_range():
+    """One PPO-clip function in every file: ppo's -min(rho A, clip(rho, 1-eps, 1+eps) A) is grpo's token-level one."""
+    import importlib
+
+    from algorithms import grpo
+
+    g = torch.Generator().manual_seed(1)
+    logp, old = -torch.rand(3, 6, generator=g) * 2, -torch.rand(3, 6, generator=g) * 2
+    adv, mask = torch.randn(3, 6, generator=g), (torch.rand(3, 6, generator=g) > 0.3).float()
+    want = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.2, mask, "token")
+    for script in ("ppo", "ppo_async", "vineppo", "drca"):
+        got = importlib.import_module(f"algorithms.{script}").clipped_surrogate(logp, old, adv, 0.2, 0.2, mask)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
 def test_policy_loss_is_ratio_one_at_the_old_policy():
     logp = torch.randn(4)
-    loss, clipped, ratio = policy_loss(logp, logp.clone(), torch.tensor([1.0, -1.0, 2.0, 0.0]), 0.2)
+    loss, clipped, ratio = clipped_surrogate(logp, logp.clone(), torch.tensor([1.0, -1.0, 2.0, 0.0]), 0.2, 0.2)
     torch.testing.assert_close(ratio, torch.ones(4))
     assert clipped.sum() == 0
     torch.testing.assert_close(loss, torch.tensor([-1.0, 1.0, -2.0, 0.0]))
-    loss, clipped, _ = policy_loss(torch.log(torch.tensor([1.5, 0.5])), torch.zeros(2), torch.tensor([1.0, -1.0]), 0.2)
+    loss, clipped, _ = clipped_surrogate(torch.log(torch.tensor([1.5, 0.5])), torch.zeros(2), torch.tensor([1.0, -1.0]),
+                                         0.2, 0.2)
     torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8]))
     torch.testing.assert_close(clipped, torch.ones(2))
 
@@ -107,7 +124,7 @@ def test_adaptive_kl_controller_formula_and_clip():
 
 
 @pytest.mark.parametrize("change, flag", [({"kl_placement": "both"}, "kl_placement"), ({"generator": "x"}, "generator"),
-                                          ({"adaptive_kl": True, "kl_coef": 0.0}, "adaptive_kl")])
+                                          ({"adaptive_kl": True, "beta": 0.0}, "adaptive_kl")])
 def test_invalid_config_is_rejected(change, flag):
     from shared.cli import check_args
 
@@ -117,13 +134,14 @@ def test_invalid_config_is_rejected(change, flag):
         validate(args)
 
 
-@pytest.mark.parametrize("script", ["ppo", "vineppo", "drca"])
+@pytest.mark.parametrize("script", ["ppo", "ppo_async", "vineppo", "drca", "grpo", "dapo", "grpo_async"])
 def test_ratio_is_masked_before_exp_so_padding_cannot_poison_the_loss(script):
     """Extreme log-probs on padding (e.g. a pad position whose log-prob moved by 200 nats): exponentiated first, the
     ratio is inf there and inf * 0 = NaN in the masked sum, so the step was skipped as non-finite."""
     import importlib
 
-    policy_loss = importlib.import_module(f"algorithms.{script}").policy_loss
+    surrogate = importlib.import_module(f"algorithms.{script}").clipped_surrogate
+    policy_loss = lambda logp, old, adv, eps, mask=None: surrogate(logp, old, adv, eps, eps, mask)  # noqa: E731
     logp = torch.tensor([[-1.0, -2.0, 200.0, -300.0]], requires_grad=True)
     old = torch.tensor([[-1.1, -1.9, 0.0, 0.0]])
     adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]])

@@ -80,9 +80,9 @@ def grpo_run(runs, rm_run):
 @pytest.fixture(scope="module")
 def ppo_run(runs, rm_run):
     out = runs / "ppo"
-    script("ppo", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--reward_model_path",
+    script("ppo", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
            str(rm_run / "final"), "--critic_model_path", "builtin:smollm2-135m", "--kl_placement", "reward",
-           "--kl_coef", "0.05", "--best_metric", "dev/reward")
+           "--beta", "0.05", "--best_metric", "dev/reward")
     return out
 
 
@@ -94,7 +94,7 @@ def vineppo_run(runs):
     reward = runs / "length_reward.py"
     reward.write_text("def odd_length(prompts, completions, **kwargs):\n"
                       "    return [float(len(c) % 2) for c in completions]\n")
-    script("vineppo", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--num_mc_rollouts",
+    script("vineppo", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--num_mc_rollouts",
            "2", "--stop", "\n\n", "--reward_fn", f"{reward}:odd_length")
     return out
 
@@ -121,7 +121,7 @@ def repulse_run(runs):
 @pytest.fixture(scope="module")
 def drca_run(runs, rm_run):
     out = runs / "drca"
-    script("drca", out, *SMOL, *RL, "--num_samples_per_prompt", "2", "--total_episodes", "8", "--reward_model_path",
+    script("drca", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
            str(rm_run / "final"), "--scorer", "rm", "--generator", "hf")
     return out
 

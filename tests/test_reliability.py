@@ -27,7 +27,7 @@ from shared.models import resolve_model_path
 from shared.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft", "grpo", "ppo", "vineppo", "dpo", "rm", "repulse", "drca", "restem"]
+SCRIPTS = ["sft", "grpo", "dapo", "grpo_async", "ppo", "ppo_async", "vineppo", "dpo", "rm", "repulse", "drca", "restem"]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -51,13 +51,13 @@ def metric_rows(out: Path) -> list[dict]:
 def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
-    launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo",
-            "dpo_self_generated", "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"], timeout=1800)
+    launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "dapo", "ppo", "vineppo",
+            "dpo", "dpo_self_generated", "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"], timeout=1800)
     return out, json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "ppo", "vineppo", "dpo", "dpo_self_generated", "rm",
-                                  "repulse", "drca", "restem", "sft_lora", "grpo_lora"])
+@pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "dapo", "ppo", "vineppo", "dpo", "dpo_self_generated",
+                                  "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"])
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
     weight, bit for bit (also the critic of ppo.py; with LoRA the merged export and the adapter, from checkpoints
@@ -430,17 +430,17 @@ def test_bad_input_is_one_clear_error_before_anything_is_written(tmp_path, scrip
 
 
 @pytest.mark.parametrize("script, flags, message", [
-    ("sft", ["--local_micro_batch_size", "0"], "local_micro_batch_size: must be >= 1"),
+    ("sft", ["--local_micro_batch_size", "0"], r"local_micro_batch_size: must be in \[1, inf\), got 0"),
     ("grpo", ["--local_micro_batch_size", "5"], "local_micro_batch_size: .* is not divisible by 5"),
     ("grpo", ["--num_generations", "1"], "num_generations: GRPO needs at least 2"),
     ("ppo", ["--num_minibatches", "3"], "num_minibatches: .* is not divisible by 3"),
     ("vineppo", ["--local_micro_batch_size", "7"], "local_micro_batch_size: .* is not divisible by 7"),
-    ("dpo", ["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps: must be >= 1"),
-    ("dpo", ["--pair_source", "self_generated", "--num_samples_per_prompt", "1"], "num_samples_per_prompt: self-gen"),
+    ("dpo", ["--gradient_accumulation_steps", "0"], r"gradient_accumulation_steps: must be in \[1, inf\)"),
+    ("dpo", ["--pair_source", "self_generated", "--num_generations", "1"], "num_generations: self-gen"),
     ("rm", ["--total_episodes", "8"], "total_episodes: 8 is smaller than one batch"),
     ("repulse", ["--num_generations", "1"], "num_generations: RLOO"),
     ("repulse", ["--local_micro_batch_size", "7"], "local_micro_batch_size: .* is not divisible by 7"),
-    ("ppo", ["--save_every", "-1"], "save_every: must be >= 0"),
+    ("ppo", ["--save_every", "-1"], r"save_every: must be in \[0, inf\), got -1"),
     ("drca", ["--drca_beta", "1.5"], "drca_beta: must be in"),
     ("drca", ["--num_minibatches", "3"], "num_minibatches: .* is not divisible by 3"),
 ])
@@ -449,10 +449,13 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, script, flags, 
 
     import tyro
 
+    from shared.cli import check_args
+
     mod = importlib.import_module(f"algorithms.{script}")
     out = tmp_path / "out"
     args = tyro.cli(mod.Args, args=["--output_dir", str(out), *flags], use_underscores=True)
     with pytest.raises(ValueError, match=message):
+        check_args(args)  # run_cli's order: the ranges beside the flags, then the script's own checks
         mod.main(args)
     assert not out.exists()
 

@@ -414,7 +414,7 @@ SMALL = ["--total_episodes", "256", "--num_generations", "32", "--local_micro_ba
 
 def test_repulse_toy_end_to_end(tmp_path):
     """The script as users launch it, with every model (KL > 0 loads p_0) and micro-batching."""
-    run([sys.executable, "algorithms/repulse.py", "--output_dir", str(tmp_path), *SMALL, "--kl_coef", "0.1"])
+    run([sys.executable, "algorithms/repulse.py", "--output_dir", str(tmp_path), *SMALL, "--beta", "0.1"])
     rows = metrics(tmp_path)
     steps = [r for r in rows if "loss/proposal_avg" in r]
     assert len(steps) == 256 // 64  # p and q samples both count towards total_episodes
@@ -436,7 +436,7 @@ def test_repulse_two_processes_deepspeed(tmp_path, stage):
     forwards (it used to skip them, and the partitioned models hung)."""
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"scripts/accelerate/zero{stage}.yaml",
          "algorithms/repulse.py", "--output_dir", str(tmp_path), "--total_episodes", "256", "--num_generations",
-         "16", "--local_micro_batch_size", "8", "--eval_every", "0", "--eval_num_samples", "32", "--kl_coef", "0.1",
+         "16", "--local_micro_batch_size", "8", "--eval_every", "0", "--eval_num_samples", "32", "--beta", "0.1",
          "--no_save_model"])
     rows = metrics(tmp_path)
     assert rows[-1]["check/world_size"] == 2

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from algorithms.restem import choose_checkpoint, filter_correct, forward_logprobs, sequence_mean_nll
+from algorithms.restem import choose_checkpoint, filter_correct, sequence_mean_nll
+from shared.logprobs import forward_logprobs
 
 
 def test_filter_keeps_only_correct_and_at_most_the_cap_per_prompt_the_first_ones():
@@ -61,7 +62,7 @@ def test_lean_loss_equals_the_full_logits_loss_in_value_and_gradient(tiny_model,
     T, num_seqs = 0.6, 6  # the step's sequences on this rank: this micro-batch is a share of the loss
 
     ref_loss = sequence_mean_nll(_full_logits_logprobs(model, ids, attn, T), mask, num_seqs)
-    loss = sequence_mean_nll(forward_logprobs(model, ids, attn, resp, T, chunk), mask, num_seqs)
+    loss = sequence_mean_nll(forward_logprobs(model, ids, attn, resp, T, False, chunk)[0], mask, num_seqs)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     params = list(model.parameters())
     for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref_loss, params)):
@@ -70,7 +71,7 @@ def test_lean_loss_equals_the_full_logits_loss_in_value_and_gradient(tiny_model,
     torch.manual_seed(1)
     other = LlamaForCausalLM(model.config)
     with torch.no_grad():
-        kl = ((forward_logprobs(model, ids, attn, resp, T, chunk) - forward_logprobs(other, ids, attn, resp, T, chunk))
+        kl = ((forward_logprobs(model, ids, attn, resp, T, False, chunk)[0] - forward_logprobs(other, ids, attn, resp, T, False, chunk)[0])
               * mask).sum()
         ref_kl = ((_full_logits_logprobs(model, ids, attn, T) - _full_logits_logprobs(other, ids, attn, T))
                   * mask).sum()
@@ -89,7 +90,7 @@ def test_choose_checkpoint_paper_original_stops_at_the_first_non_improvement():
         choose_checkpoint([0.1], "last")
 
 
-TINY = ["--generator", "hf", "--total_episodes", "96", "--local_num_prompts", "12", "--num_samples_per_prompt", "4",
+TINY = ["--generator", "hf", "--total_episodes", "96", "--local_num_prompts", "12", "--num_generations", "4",
         "--local_micro_batch_size", "8", "--num_epochs", "2", "--max_new_tokens", "8", "--eval_num_prompts", "8",
         "--eval_num_samples", "2", "--dev_num_prompts", "20", "--early_stop", "choose_best"]
 

@@ -55,5 +55,7 @@ def test_identical_states_are_deduplicated_and_share_an_index():
 def test_invalid_config_is_rejected():
     with pytest.raises(ValueError, match="num_mc_rollouts"):
         validate(Args(num_mc_rollouts=0))
+    from shared.cli import check_args
+
     with pytest.raises(ValueError, match="max_step_for_value_estimation"):
-        validate(Args(max_step_for_value_estimation=-1))
+        check_args(Args(max_step_for_value_estimation=-1))  # its range, declared beside the flag

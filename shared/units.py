@@ -1,0 +1,119 @@
+"""Text units of a response for DRCA (algorithms/drca.py; docs/drca.md, "Units"): where a response splits into the
+units whose counterfactuals DRCA scores, as token spans. Segmentation only, as shared/steps.py is for VinePPO's
+steps; the credits and rewards stay in drca.py. Follows the reference's `utils/unit_extraction.py`
+(github.com/npnike10/LearningSegmentRewards), with its off-by-one offsets reproducible (`code_compat`).
+
+    regex_units(text, pattern, max_units)           character spans: each match of `pattern` starts a unit
+    entropy_units(entropy, threshold, max_units)    token spans split at entropy peaks
+    char_offsets(decode, ids), char_span_to_tokens  characters <-> tokens
+    think_prefix_length(pieces)                     tokens of a leading <think>...</think> block (no unit there)
+"""
+
+from __future__ import annotations
+
+import re
+
+LABEL_PATTERN = r"^\*?[A-Z]{1,2}\.\s+"  # the reference's step labels: "A. ", "AB. ", "*A. "
+UNIT_PATTERNS = {
+    "labels": LABEL_PATTERN,
+    "labels+digits": r"^\*?(?:[A-Z]{1,2}|\d{1,2})\.\s+",  # also "1. ", "12. " (the reference's docstring intent)
+    "lines": r"^(?=\S)",  # every non-blank line starts a unit (the built-in task: one running sum per line)
+}
+
+
+def think_prefix_length(pieces: list[str]) -> int:
+    """Tokens before the unit region: a leading `<think>...</think>` block (pieces = the response's tokens, each
+    decoded with its special tokens) plus the whitespace-only tokens after it; 0 without one. An unterminated
+    block covers the whole response. (The reference hard-codes 4 for Qwen3: <think>, \\n\\n, </think>, \\n\\n.)"""
+    if not "".join(pieces).lstrip().startswith("<think>"):
+        return 0
+    text = ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        if "</think>" in text:
+            end = i + 1
+            while end < len(pieces) and not pieces[end].strip():
+                end += 1
+            return end
+    return len(pieces)
+
+
+def char_offsets(decode, ids: list[int], context: int = 8) -> list[int]:
+    """offsets[i] = len(decode(ids[:i])), i = 0..n: token i covers characters [offsets[i], offsets[i+1]).
+    Prefix decoding (not per-token decoding) keeps multi-byte characters split over tokens intact; a prefix
+    ending inside a character decodes to a trailing U+FFFD, which is not counted.
+
+    Linear time: the characters token i adds are len(decode(ids[i-c:i+1])) - len(decode(ids[i-c:i])), decoded
+    with `context` tokens before it (as vLLM's incremental detokenizer), so split characters, leading-space and
+    clean-up rules see the same neighbourhood as in the full prefix. If the total disagrees with the full decode
+    (a tokenizer whose decoding depends on more context), the exact quadratic prefix decoding is used."""
+    clean = lambda t: len(t.rstrip("\ufffd"))  # noqa: E731
+    offsets = [0]
+    for i in range(len(ids)):
+        lo = max(0, i - context)
+        added = clean(decode(ids[lo:i + 1])) - clean(decode(ids[lo:i])) if i > lo else clean(decode(ids[:1]))
+        offsets.append(max(offsets[-1], offsets[-1] + added))
+    if offsets[-1] != clean(decode(ids)):
+        offsets = [0] + [0] * len(ids)
+        for i in range(1, len(ids) + 1):
+            offsets[i] = max(offsets[i - 1], clean(decode(ids[:i])))
+    return offsets
+
+
+def char_span_to_tokens(offsets: list[int], char_start: int, char_end: int) -> tuple[int, int]:
+    """[first token touching char_start, last token touching char_end - 1] as a half-open token span.
+    Zero-width tokens just before the first one (the leading bytes of a split character) are included."""
+    n = len(offsets) - 1
+    ts = next(i for i in range(n) if offsets[i + 1] > char_start)
+    while ts > 0 and offsets[ts - 1] == offsets[ts]:
+        ts -= 1
+    te = next(j for j in range(1, n + 1) if offsets[j] >= char_end)
+    return ts, te
+
+
+def regex_units(text: str, pattern: str, max_units: int, code_compat: bool = False) -> list[tuple[int, int]]:
+    """Character spans of the units: each match of `pattern` (multiline) starts one; at most max_units, the last
+    running to the end of the text (so it absorbs later matches); text before the first match is in no unit.
+
+    Default: unit k = [start_k, start_{k+1}) with trailing whitespace stripped. `code_compat` reproduces the
+    reference: lines matched one by one after dropping blank lines, so each blank line shifts later offsets
+    one character left (units lose their last character and start with "\\n"), unit k ends one character
+    before the next start, the last unit is not stripped."""
+    if code_compat:
+        starts, pos = [], 0
+        for line in [x for x in text.split("\n") if x]:
+            if re.match(pattern, line):
+                starts.append(pos)
+                if len(starts) >= max_units:
+                    break
+            pos += len(line) + 1
+        ends = [s - 1 for s in starts[1:]] + [len(text)]
+        return [(s, e) for s, e in zip(starts, ends)]
+    starts = [m.start() for m in re.finditer(pattern, text, re.M)][:max_units]
+    spans = []
+    for k, s in enumerate(starts):
+        e = starts[k + 1] if k + 1 < len(starts) else len(text)
+        e = s + len(text[s:e].rstrip())
+        if e > s:
+            spans.append((s, e))
+    return spans
+
+
+def entropy_units(entropy: list[float], threshold: float, max_units: int, boundary: str = "before",
+                  cap: bool = True) -> list[tuple[int, int]]:
+    """Token spans tiling [0, n) split at entropy peaks (H_i > threshold); H_i is the entropy of the distribution
+    that produced token i. `before`: a peak token starts a unit; `after` (the reference): it ends one.
+    With `cap`, only the first max_units - 1 interior boundaries are kept (the last unit absorbs the rest)."""
+    n = len(entropy)
+    if n == 0:
+        return []
+    if boundary == "before":
+        interior = [i for i in range(1, n) if entropy[i] > threshold]
+    elif boundary == "after":
+        interior = [i + 1 for i in range(n - 1) if entropy[i] > threshold]
+    else:
+        raise ValueError(f"entropy_boundary: expected before or after, got {boundary!r}")
+    if cap:
+        interior = interior[: max(max_units - 1, 0)]
+    bounds = [0] + interior + [n]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
