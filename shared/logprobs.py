@@ -1,7 +1,7 @@
 """Per-token log-probs of a policy on right-padded [prompt | completion | pad] rows, the forward pass every RL script
 trains through: the LM head runs on the completion positions only, in chunks recomputed in the backward pass
 (docs/performance.md#memory-of-the-log-probs), and `--micro_batching` lays a micro-batch out as padded, sorted or
-packed rows with the same log-probs (docs/grpo.md#micro-batches-padded-sorted-packed). No loss here: the scripts compute theirs.
+packed rows with the same log-probs (docs/micro_batching.md). No loss here: the scripts compute theirs.
 """
 
 from __future__ import annotations

@@ -289,3 +289,20 @@ def test_the_gsm8k_check_catches_a_command_without_the_template():
     assert not gsm8k_without_its_answer_line("python algorithms/grpo.py --dataset openai/gsm8k:main --prompt_template "
                                              "'{prompt} End with #### <n>.'")
     assert not gsm8k_without_its_answer_line("python algorithms/grpo.py --dataset openai/gsm8k:main --reward_fn math")
+
+
+STALE = re.compile(r"\bissue #?\d+|spec §|Status: issue|\bv[1-9] (build|start model)\b|lent so far|commit [0-9a-f]{7}\b")
+
+
+def _prose(text: str) -> str:
+    """A page without its generated blocks (whose captions name commits and builds on purpose)."""
+    return re.sub(r"<!-- table .*?<!-- end table -->", "", text, flags=re.S)
+
+
+def test_prose_keeps_no_history_a_reader_cannot_follow():
+    """Commit hashes belong in the rendered captions of stored results; issue numbers, build nicknames ("v2 build")
+    and notes on this project's machines ("the one GPU lent so far") in none of the pages."""
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in docs_tables.markdown_files()
+             for m in STALE.finditer(_prose(p.read_text()))]
+    assert not found, found
+    assert STALE.search("measured at commit 6ba6b38") and STALE.search("Status: issue 3 in progress")
