@@ -162,9 +162,9 @@ def test_run_argv_same_budget_for_every_algorithm():
         assert f["--dataset"] == "builtin:sums-6" and f["--max_new_tokens"] == "18" and f["--seed"] == "3"
         assert f["--local_num_prompts"] == "64" and f["--total_episodes"] == "51200"
         assert f["--learning_rate"] == "0.0001" and f["--warmup_steps"] == "5" and f["--eval_every"] == "2"
-    assert flags["grpo"]["--num_generations"] == flags["ppo"]["--num_samples_per_prompt"] == "8"
-    assert flags["grpo"]["--num_iterations"] == flags["ppo"]["--num_ppo_epochs"] == flags["vineppo"][
-        "--num_ppo_epochs"] == "2"
+    assert flags["grpo"]["--num_generations"] == flags["ppo"]["--num_generations"] == "8"  # one vocabulary
+    assert flags["grpo"]["--num_iterations"] == flags["ppo"]["--num_iterations"] == flags["vineppo"][
+        "--num_iterations"] == "2"
     assert flags["vineppo"]["--num_mc_rollouts"] == "9" and "--num_mc_rollouts" not in flags["ppo"]
 
 
