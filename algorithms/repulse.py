@@ -57,13 +57,14 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared import logprobs, toy
+from shared import toy
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exact_div, full_named_parameters,
                                 init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
+from shared.logprobs import forward_logprobs as lean_logprobs
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.models import resolve_model_path
@@ -199,7 +200,7 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """log pi(token_{t+1} | prefix) at temperature 1 where mask[:, t] = 1 (mask [B, L-1], aligned with the output: the
     response mask resp[:, 1:]), [B, L-1], 0 elsewhere: shared/logprobs.py's lean forward pass."""
     response_mask = torch.nn.functional.pad(mask, (1, 0))  # [B, L]: the token each kept position predicts
-    return logprobs.forward_logprobs(model, input_ids, attention_mask, response_mask, 1.0, chunk_size=chunk_size)[0]
+    return lean_logprobs(model, input_ids, attention_mask, response_mask, 1.0, chunk_size=chunk_size)[0]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
