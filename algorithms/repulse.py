@@ -36,11 +36,7 @@ every step. Launch:
     python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
     python scripts/repulse_toy.py --paper --hours 3                 # the paper's toy settings, resumable (hours)
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
-    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py \
-        --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct --reward_model_path <rm> \
-        --dataset <prompts.jsonl> --chat_template --max_new_tokens 20 --num_generations 5 \
-        --local_num_prompts 50 --beta 0.2 --target_dist_beta -10 --alpha 0.1 \
-        --base_actor_learning_rate 3e-5 --actor_learning_rate 3e-5 --eta -5 --cvar_level 0.0001
+    # the paper's settings on SmolLM-135M-Instruct with a reward model: docs/repulse.md, "Usage"
 """
 
 from __future__ import annotations
@@ -68,6 +64,7 @@ from shared.logprobs import forward_logprobs as lean_logprobs
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
 from shared.models import resolve_model_path
+from shared.toy import exact_log_prob_bad
 from shared.tracking import Timer, Tracker
 
 
@@ -290,41 +287,6 @@ def neg_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, num_
     return (weights.detach() * masked_mean(logp, mask)).sum() / num_seqs
 
 
-@torch.no_grad()
-def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids: int | list[int],
-                       max_new_tokens: int, chunk: int = 1024) -> float:
-    """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary.
-
-    log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g not in E} [log p(g|x) + lse_b log p(b|x,g)]).
-    E (`end_ids`): the tokens that end a completion when sampled first (EOS, the other stop ids, tokens that complete
-    a stop string), so they are excluded from the second term, as in sampling; the reference scores a second token
-    after EOS too (a tiny difference).
-    The second term runs one forward per first token g, `chunk` of them at a time, with the LM head on the last
-    position only: logits [chunk, V], never [V, L, V] (a real vocabulary, V = 49,152 for SmolLM2, would need 48 GB
-    for the whole enumeration at once)."""
-    if max_new_tokens > 2:
-        raise ValueError("max_new_tokens: the exact P(bad) enumerates at most 2 generated tokens")
-    device = next(model.parameters()).device
-    x = torch.tensor([prompt_ids], device=device)
-    lp1 = torch.log_softmax(model(input_ids=x).logits[0, -1].float(), -1)
-    bad = torch.tensor(bad_ids, device=device)
-    first = torch.logsumexp(lp1[bad], 0)
-    if max_new_tokens == 1:
-        return first.item()
-    V = lp1.shape[0]
-    keep = torch.ones(V, dtype=torch.bool, device=device)
-    keep[bad] = False
-    keep[torch.tensor(end_ids if isinstance(end_ids, list) else [end_ids], device=device)] = False
-    goods = keep.nonzero().squeeze(-1)
-    terms = []
-    for g in goods.split(chunk):
-        x2 = torch.cat([x.expand(len(g), -1), g[:, None]], dim=1)
-        lp2 = torch.log_softmax(model(input_ids=x2, logits_to_keep=1).logits[:, -1].float(), -1)
-        terms.append(lp1[g] + torch.logsumexp(lp2[:, bad], -1))
-    second = torch.logsumexp(torch.cat(terms), 0)
-    return torch.logaddexp(first, second).item()
-
-
 def tail_metrics(rewards: torch.Tensor, eta: float, level: float) -> dict:
     """P(bad) = fraction with r < eta; CVaR_a = mean of the k = max(1, floor(a M)) lowest rewards."""
     k = max(1, int(math.floor(level * rewards.numel())))
@@ -335,8 +297,6 @@ def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: RLOO and the SNIS weights need at least 2 samples per prompt")
-    if args.beta < 0 or args.alpha < 0:
-        raise ValueError("beta and alpha must be >= 0")
     if args.use_base_as_proposal and args.loss_type != "neg_training":
         raise ValueError("use_base_as_proposal: only meaningful with --loss_type neg_training")
 

@@ -1,4 +1,5 @@
-"""The built-in "bad output" toy for repulse.py: the RePULSe paper's Sec. 4.2 setting in small.
+"""The built-in "bad output" toy for repulse.py: the RePULSe paper's Sec. 4.2 setting in small, and its exact
+log P(bad) (`exact_log_prob_bad`, by enumerating the vocabulary).
 
 Paper: distilgpt2, the prompt "This man is a", 2 generated tokens, a toxicity classifier's score as the reward
 (continuous), and 19 bad (profane) tokens whose exact probability can be computed. Here: the built-in tiny model
@@ -36,6 +37,8 @@ bounded smooth part,
 from __future__ import annotations
 
 import math
+
+import torch
 
 PROMPT = "This man is a"
 BAD_CHARS = "049"
@@ -102,3 +105,38 @@ def make_toy_reward(tokenizer, name: str = "toy"):
         return [score(text) for text in completions]
 
     return toy_reward
+
+
+@torch.no_grad()
+def exact_log_prob_bad(model, prompt_ids: list[int], bad_ids: list[int], end_ids: int | list[int],
+                       max_new_tokens: int, chunk: int = 1024) -> float:
+    """Exact log P(a bad token among the <= 2 generated tokens) by enumerating the vocabulary.
+
+    log P = logsumexp(lse_{b in B} log p(b|x), lse_{g not in B, g not in E} [log p(g|x) + lse_b log p(b|x,g)]).
+    E (`end_ids`): the tokens that end a completion when sampled first (EOS, the other stop ids, tokens that complete
+    a stop string), so they are excluded from the second term, as in sampling; the reference scores a second token
+    after EOS too (a tiny difference).
+    The second term runs one forward per first token g, `chunk` of them at a time, with the LM head on the last
+    position only: logits [chunk, V], never [V, L, V] (a real vocabulary, V = 49,152 for SmolLM2, would need 48 GB
+    for the whole enumeration at once)."""
+    if max_new_tokens > 2:
+        raise ValueError("max_new_tokens: the exact P(bad) enumerates at most 2 generated tokens")
+    device = next(model.parameters()).device
+    x = torch.tensor([prompt_ids], device=device)
+    lp1 = torch.log_softmax(model(input_ids=x).logits[0, -1].float(), -1)
+    bad = torch.tensor(bad_ids, device=device)
+    first = torch.logsumexp(lp1[bad], 0)
+    if max_new_tokens == 1:
+        return first.item()
+    V = lp1.shape[0]
+    keep = torch.ones(V, dtype=torch.bool, device=device)
+    keep[bad] = False
+    keep[torch.tensor(end_ids if isinstance(end_ids, list) else [end_ids], device=device)] = False
+    goods = keep.nonzero().squeeze(-1)
+    terms = []
+    for g in goods.split(chunk):
+        x2 = torch.cat([x.expand(len(g), -1), g[:, None]], dim=1)
+        lp2 = torch.log_softmax(model(input_ids=x2, logits_to_keep=1).logits[:, -1].float(), -1)
+        terms.append(lp1[g] + torch.logsumexp(lp2[:, bad], -1))
+    second = torch.logsumexp(torch.cat(terms), 0)
+    return torch.logaddexp(first, second).item()
