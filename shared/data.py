@@ -454,7 +454,8 @@ def sampler_logprobs(prompt_lens: list[int], logprobs: list[list[float]], like: 
 
 
 def micro_batches(rows: list[int], lengths: list[int], num: int, layout: str) -> list[list[int]]:
-    """Split `rows` (indices into a padded batch) into exactly `num` micro-batches, for grpo.py's --micro_batching.
+    """Split `rows` (indices into a padded batch) into exactly `num` micro-batches (grpo's --micro_batching; the PPO
+    family uses `padded`).
 
     `lengths[i]` is the token count (prompt + completion) of batch row i. The number of micro-batches never
     depends on the lengths: DeepSpeed's gradient-accumulation boundary and ZeRO-3's per-forward collectives

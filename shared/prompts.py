@@ -1,4 +1,4 @@
-"""The prompts and grader of an RL script (grpo, dapo, grpo_async, ppo, vineppo, drca, restem): its train split
+"""The prompts and grader of an RL script (grpo, dapo, grpo_async, ppo, ppo_async, vineppo, drca): its train split
 minus a dev slice, a fixed sample of the held-out split, the dev slice, and the reward function, all validated at
 start-up so that a bad row, column or reward function stops the run before anything is written.
 

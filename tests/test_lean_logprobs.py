@@ -36,7 +36,7 @@ def reference_logprobs(model, input_ids, attention_mask, temperature=1.0):
 
 
 # Each script's function as (log-probs [B, L-1], entropy or None); dpo's returns per-sequence sums, checked apart.
-SCRIPTS = {  # shared/logprobs.py: grpo, dapo, grpo_async, ppo, vineppo, drca and restem train through it
+SCRIPTS = {  # shared/logprobs.py: the RL scripts but repulse (its own wrapper of it) train through it
     "logprobs": lambda m, ids, attn, resp, t, chunk: logprobs.forward_logprobs(m, ids, attn, resp, t, True, chunk),
     "repulse": lambda m, ids, attn, resp, t, chunk: (repulse.forward_logprobs(m, ids, attn, resp[:, 1:], chunk), None),
     "sft": lambda m, ids, attn, resp, t, chunk: (-sft.sequence_nll(m, ids, attn, resp, chunk)[0], None),
