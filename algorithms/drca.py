@@ -1,12 +1,10 @@
 """DRCA: PPO whose sequence reward is redistributed over text units by counterfactual difference rewards.
 Docs: docs/drca.md
 
-Source: the "Learning Segment Rewards" code (github.com/npnike10/LearningSegmentRewards, OpenRLHF fork:
-`train_drca_ray.py`, `utils/unit_reward.py`, `utils/unit_extraction.py`). The acronym is never expanded there;
-the code calls the method "unit-level difference rewards for fine-grained credit assignment", so we read it
-as Difference-Reward Credit Assignment (inferred). The beta-mixing is ABC's (Chan et al. 2024, "Dense Reward
-for Free in RLHF", https://arxiv.org/abs/2402.00782), with ABC's attention weights replaced by counterfactual
-unit differences (Wolpert & Tumer's difference rewards, applied to text units).
+Source: the "Learning Segment Rewards" code (github.com/npnike10/LearningSegmentRewards, an OpenRLHF fork:
+`train_drca_ray.py`, `utils/unit_reward.py`), which calls it "unit-level difference rewards for fine-grained credit
+assignment" (we read DRCA as Difference-Reward Credit Assignment). The beta-mixing is ABC's (Chan et al. 2024,
+https://arxiv.org/abs/2402.00782) with its attention weights replaced by counterfactual unit differences.
 
 Per rollout, with R = (RM(x, y) - mu) / sigma the reward model's normalised score:
   1. split the response into at most N units: step labels (`regex`) or peaks of the policy's entropy (`entropy`);
@@ -14,23 +12,16 @@ Per rollout, with R = (RM(x, y) - mu) / sigma the reward model's normalised scor
      the unit blanked with spaces, then EOS) or `mask` (leave-one-out: the unit blanked, the rest kept);
   3. score every counterfactual with the same RM in batches: d_k = R - R~_k (mu cancels);
   4. per-token rewards: beta * d_k / |unit k| on unit k's tokens, (1 - beta) * R on the last token, 0 elsewhere;
-  5. then PPO as in ppo.py's RLHF flavour: clip to [-10, 10], minus eta * k1 KL per token, GAE on a critic
+  5. then PPO as in ppo_rlhf.py: clip to [-10, 10], minus eta * k1 KL per token, GAE on a critic
      (initialised from the RM), batch whitening, clipped policy and value updates.
-Delta from PPO (algorithms/ppo.py): only step 4's reward placement (and the RM calls it needs). beta = 0 gives
-exactly PPO's reward (R on the last token) and skips the counterfactual RM calls. Reference-code bugs are fixed
-by default and reproducible with flags (docs/drca.md lists them).
-On the built-in task the default `--scorer auto` puts its per-line grader in the RM's place in steps 1-3 (the
-built-in RMs do not judge counterfactual text well enough for the run to learn: docs/drca.md); the RM
-(builtin:tiny-rm) still initialises the critic and gives eval/reward. `--scorer rm` scores with the RM; on any
-other dataset `auto` is the RM.
+Delta from PPO (algorithms/ppo_rlhf.py): only step 4's reward placement and the scorer calls it needs; beta = 0 is
+ppo_rlhf.py's reward. Reference-code bugs are fixed by default and reproducible with flags (docs/drca.md lists them).
+On the built-in task `--scorer auto` (the default) scores responses and counterfactuals with the per-line grader, as
+its small RMs do not judge counterfactual text well enough to learn (docs/drca.md); elsewhere `auto` is the RM.
 
 Launch:
-    python algorithms/drca.py     # CPU, built-in task, a few minutes: the per-line grader scores responses and
-                                  # counterfactuals (--scorer auto), held-out accuracy rises (docs/drca.md)
-    python algorithms/drca.py --scorer rm                              # builtin:tiny-rm scores them (the RM's score
-                                                                       # rises, held-out accuracy does not)
-    python algorithms/drca.py --scorer rm --reward_model_path builtin:tiny-cf-rm   # an RM trained on counterfactuals
-    accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/drca.py
+    python algorithms/drca.py              # CPU, built-in task, a few minutes: held-out accuracy rises (docs/drca.md)
+    python algorithms/drca.py --scorer rm  # builtin:tiny-rm scores (its score rises, held-out accuracy does not)
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/drca.py \
         --model_name_or_path <sft> --reward_model_path <rm trained by rm.py> --dataset <prompts.jsonl> \
         --chat_template --max_new_tokens 2048 --learning_rate 6.57e-6 --critic_learning_rate 2.34e-6
@@ -40,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -61,9 +51,9 @@ from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.prompts import load_prompt_task
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
-from shared.logprobs import forward_logprobs
-from shared.units import (UNIT_PATTERNS, char_offsets, char_span_to_tokens, entropy_units, regex_units,
-                          think_prefix_length)
+from shared.localisation import load_slips, localisation_metrics
+from shared.logprobs import forward_logprobs, response_entropies
+from shared.units import blank_token_id, response_units, unit_pattern
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -216,7 +206,7 @@ class Args:
     """sampling temperature for evaluation"""
     sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions with their units and credits every this many steps"""
-    localisation_num_pairs: Annotated[int, Ge(1)] = 200
+    localisation_num_pairs: Annotated[int, Ge(0)] = 200
     """built-in task only: held-out slip pairs on which each evaluation measures eval/localisation (docs/drca.md; 0: off)"""
 
     # to be filled at runtime
@@ -240,17 +230,6 @@ def counterfactual_response(response: list[int], start: int, end: int, mode: str
     if mode == "mask":
         return response[:start] + blank + response[end:]
     raise ValueError(f"counterfactual: expected truncate or mask, got {mode!r}")
-
-
-def slip_localisation(credits: list[float], spans: list[tuple[int, int]], slip: tuple[int, int]) -> tuple[float, float]:
-    """Does the lowest credit land on the slip? (The share of the units tied at the lowest credit d_k that overlap the
-    slipped tokens [slip): 1.0 or 0.0 without a tie, a tie counted as a unit picked at random among the tied; and the
-    share of all units overlapping the slip: the score of a unit picked at random.) No unit: (0.0, 0.0)."""
-    if not spans:
-        return 0.0, 0.0
-    on_slip = [float(a < slip[1] and slip[0] < b) for a, b in spans]
-    lowest = [k for k in range(len(credits)) if credits[k] == min(credits)]
-    return sum(on_slip[k] for k in lowest) / len(lowest), sum(on_slip) / len(on_slip)
 
 
 def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, int]]], credits: list[list[float]],
@@ -344,8 +323,7 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 
 def effective_scorer(args: Args) -> str:
-    """--scorer auto: the per-line grader on the built-in task (whose small RMs do not judge counterfactual text well
-    enough for the default run to learn: docs/drca.md), the reward model elsewhere."""
+    """--scorer auto: the per-line grader on the built-in task (module docstring), the reward model elsewhere."""
     if args.scorer != "auto":
         return args.scorer
     return "line_grader" if builtin_task.is_builtin(args.dataset) else "rm"
@@ -357,11 +335,8 @@ def validate(args: Args) -> None:
         raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
     if effective_scorer(args) == "line_grader" and not builtin_task.is_builtin(args.dataset):
         raise ValueError(f"scorer: line_grader grades the built-in running sums only, not dataset {args.dataset!r}")
-    if args.unit_extraction == "regex" and args.unit_pattern not in UNIT_PATTERNS and args.unit_pattern != "auto":
-        try:
-            re.compile(args.unit_pattern)
-        except re.error as e:
-            raise ValueError(f"unit_pattern: not a regular expression ({e})") from None
+    if args.unit_extraction == "regex":
+        unit_pattern(args)  # a raw regex must compile
     if args.entropy_source == "reference" and args.beta == 0:
         raise ValueError("entropy_source: `reference` needs the reference model, which beta 0 skips")
 
@@ -372,9 +347,8 @@ def main(args: Args) -> str:
     args.scorer = effective_scorer(args)  # `auto` resolved, so the run's config names the scorer that ran
     info = init_distributed()
     derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
-    if args.unit_pattern == "auto":
+    if args.unit_pattern == "auto":  # resolved, so the run's config names the pattern
         args.unit_pattern = "lines" if args.dataset.startswith("builtin") else "labels"
-    pattern = UNIT_PATTERNS.get(args.unit_pattern, args.unit_pattern)
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
@@ -388,19 +362,12 @@ def main(args: Args) -> str:
     check_same_tokenizer(rm_path, tokenizer)
     # train / held-out / dev prompts and the grader (None with --reward_fn none: no accuracy, best/ by dev/reward)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path,
-                                                                  graded=args.reward_fn != "none")
+                                                                  graded=False if args.reward_fn == "none" else None)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    slips = None  # held-out slip pairs of the built-in task: is the lowest credit on the slipped line?
-    if args.localisation_num_pairs and builtin_task.is_builtin(args.dataset):
-        slips = data_utils.load_preferences(args.dataset, args.eval_split, tokenizer,
-                                            prompt_template=args.prompt_template, use_chat_template=args.chat_template,
-                                            max_prompt_length=args.max_prompt_length,
-                                            max_seq_length=args.max_prompt_length + args.max_new_tokens,
-                                            limit=args.localisation_num_pairs)
-    fill_ids = tokenizer.encode(" ", add_special_tokens=False)
-    if len(fill_ids) != 1:
-        raise ValueError(f"model_name_or_path: the tokenizer encodes ' ' as {fill_ids}, not one token to blank units")
-    fill_id, eos_id = fill_ids[0], tokenizer.eos_token_id
+    headlines = ["eval/accuracy", "eval/reward"] if reward_fn else ["eval/reward"]  # printed at start and end
+    # held-out slip pairs of the built-in task: is the lowest credit on the slipped line? (shared/localisation.py)
+    slips = load_slips(args, tokenizer) if args.localisation_num_pairs and builtin_task.is_builtin(args.dataset) else None
+    fill_id, eos_id = blank_token_id(tokenizer), tokenizer.eos_token_id  # a counterfactual blanks a unit with fill_id
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -429,8 +396,7 @@ def main(args: Args) -> str:
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(critic)
     critic = critic.to(info.device)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0,
-                                         fused=True)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0, fused=True)
     critic, critic_optimizer, _ = prepare(critic, critic_optimizer,
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
@@ -451,88 +417,46 @@ def main(args: Args) -> str:
     micro = args.local_micro_batch_size
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
-        """Normalised RM scores in micro-batches (shared/scalar.py; every rank runs the same number of forwards), or
-        with --scorer line_grader the per-line grader's score of the decoded text (shared/task.py::line_grade)."""
+        """Normalised RM scores in micro-batches (shared/scalar.py), or the per-line grader's (--scorer line_grader)."""
         if args.scorer == "line_grader":
             grades = [builtin_task.line_grade(tokenizer.decode(p, skip_special_tokens=True), decode(r))
                       for p, r in zip(prompts, responses)]
             return torch.tensor(grades, dtype=torch.float32, device=info.device)
         return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, micro)
 
-    def extract_units(response: list[int], entropy: torch.Tensor | None) -> list[tuple[int, int]]:
-        """Unit token spans in response coordinates; the last response token is never in a unit."""
-        skip = args.response_skip_tokens
-        if skip < 0:
-            skip = think_prefix_length([tokenizer.decode([t]) for t in response])
-        text_ids = response[skip:-1]
-        if not text_ids:
-            return []
-        if args.unit_extraction == "entropy":
-            spans = entropy_units(entropy[skip : skip + len(text_ids)].tolist(), args.unit_entropy_threshold,
-                                  args.max_units_per_sequence, args.entropy_boundary, args.entropy_cap)
-        else:
-            text = decode(text_ids)
-            offsets = char_offsets(decode, text_ids)
-            spans = [char_span_to_tokens(offsets, cs, ce) for cs, ce in
-                     regex_units(text, pattern, args.max_units_per_sequence, args.code_compat_regex_offsets)]
-        return [(skip + s, skip + e) for s, e in spans if e > s]
-
-    def localisation() -> dict:
-        """eval/localisation: the share of held-out slip pairs (the rejected response of a built-in pair: one line
-        off, later lines continued from it) whose lowest-credit unit holds the slipped line, with this run's units,
-        counterfactuals and RM; eval/localisation_chance: what a unit picked at random would score;
-        eval/localisation_line{k}: the share over the slips at line k."""
-        per_rank = math.ceil(len(slips) / info.world_size)
-        idx = list(range(info.rank * per_rank, min(len(slips), (info.rank + 1) * per_rank)))
-        prompts, responses = [slips.prompt_ids[i] for i in idx], [slips.rejected_ids[i] for i in idx]
-        entropies = [None] * len(idx)
-        if args.unit_extraction == "entropy":  # entropies along the response from --entropy_source, as in training
-            with torch.no_grad():
-                for s in range(0, per_rank, micro):  # the same number of forwards on every rank (ZeRO-3)
-                    p, r = prompts[s : s + micro], responses[s : s + micro]
-                    if not r:  # this rank has run out: a dummy forward keeps the ranks in step
-                        p, r = slips.prompt_ids[:1], slips.rejected_ids[:1]
-                    ids, attn, resp = data_utils.pad_batch(p, r, tokenizer.pad_token_id, info.device)
-                    source = ref_policy if args.entropy_source == "reference" and ref_policy is not None else policy
-                    _, ent = forward_logprobs(source, ids, attn, resp, args.temperature, True)
-                    for j in range(len(responses[s : s + micro])):
-                        entropies[s + j] = ent[j, len(p[j]) - 1 :].cpu()
-        spans, cf_owner, cf_prompts, cf_responses = [], [], [], []
-        for j in range(len(idx)):
-            spans.append(extract_units(responses[j], entropies[j]))
-            for a, b in spans[j]:
-                cf_owner.append(j)
-                cf_prompts.append(prompts[j])
-                cf_responses.append(counterfactual_response(responses[j], a, b, args.counterfactual, fill_id, eos_id))
+    def unit_credits(prompts, responses, entropies):
+        """Units of each response (none when `entropies` is None) and their credits d_k = R - R~_k: one scorer call
+        per response and one per unit (its counterfactual). Returns units, R, credits, the number of counterfactuals."""
+        units = ([response_units(r, e, tokenizer, decode, args) for r, e in zip(responses, entropies)]
+                 if entropies is not None else [[] for _ in responses])
+        cf_owner, cf_prompts, cf_responses = [], [], []
+        for i in range(len(responses)):
+            for s, e in units[i]:
+                cf_owner.append(i)
+                cf_prompts.append(prompts[i])
+                cf_responses.append(counterfactual_response(responses[i], s, e, args.counterfactual, fill_id, eos_id))
         scores, cf_scores = rm_scores(prompts, responses), rm_scores(cf_prompts, cf_responses)
-        credits = [[] for _ in idx]
-        for j, cf in zip(cf_owner, cf_scores.tolist()):
-            credits[j].append(scores[j].item() - cf)
-        lines_max = max(r["rejected_step"] for r in slips.rows) + 1  # the same on every rank
-        stats = torch.zeros(3 + 2 * lines_max, dtype=torch.float64)  # hits, chance, pairs; per slipped line: hits, pairs
-        for j, i in enumerate(idx):
-            text_ids = responses[j][:-1]  # without EOS
-            lines, k = slips.rows[i]["rejected"].split("\n"), slips.rows[i]["rejected_step"]
-            start = sum(len(line) + 1 for line in lines[:k])
-            slip = char_span_to_tokens(char_offsets(decode, text_ids), start, start + len(lines[k]))
-            hit, rate = slip_localisation(credits[j], spans[j], slip)
-            stats[:3] += torch.tensor([hit, rate, 1.0], dtype=torch.float64)
-            stats[3 + 2 * k : 5 + 2 * k] += torch.tensor([hit, 1.0], dtype=torch.float64)
-        stats = info.all_reduce(stats)
-        return {"eval/localisation": (stats[0] / stats[2]).item(),
-                "eval/localisation_chance": (stats[1] / stats[2]).item(),
-                **{f"eval/localisation_line{k}": (stats[3 + 2 * k] / stats[4 + 2 * k]).item()
-                   for k in range(lines_max) if stats[4 + 2 * k] > 0}}
+        credits = [[] for _ in responses]
+        for i, cf_score in zip(cf_owner, cf_scores.tolist()):
+            credits[i].append(scores[i].item() - cf_score)
+        return units, scores, credits, len(cf_responses)
+
+    def slip_credits(prompts, responses):
+        """Units and credits of held-out slip responses as in training (entropies from --entropy_source)."""
+        source = ref_policy if args.entropy_source == "reference" and ref_policy is not None else policy
+        entropies = (response_entropies(source, prompts, responses, tokenizer.pad_token_id, micro, args.temperature,
+                                        info.device) if args.unit_extraction == "entropy" else [None] * len(responses))
+        units, _, credits, _ = unit_credits(prompts, responses, entropies)
+        return units, credits
 
     def evaluate(step: int) -> dict:
-        """Grader accuracy / pass@k and the mean normalised RM score of the same samples, on eval and dev; the
-        localisation of slips by the credits (built-in task)."""
+        """Grader accuracy / pass@k and the mean RM score of the same samples (eval, dev); slip localisation."""
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
                                     seed=eval_seed(args.seed), reward_model=reward_model,
                                     pad_id=tokenizer.pad_token_id, micro_batch_size=micro)
         if slips is not None:
-            metrics |= localisation()
+            metrics |= localisation_metrics(slips, info, decode, slip_credits)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
     # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, first evaluation
@@ -550,8 +474,7 @@ def main(args: Args) -> str:
         tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
                      "data/skipped_too_long": train_data.num_filtered}, 0)
         first = dict(metrics)
-        tracker.write(f"[step 0] held-out accuracy {metrics.get('eval/accuracy', float('nan')):.3f}, "
-                      f"reward {metrics['eval/reward']:.3f}")
+        tracker.write("[step 0] held-out " + ", ".join(f"{k[5:]} {metrics[k]:.3f}" for k in headlines))
     policy.train()
     critic.train()
     B = args.local_batch_size
@@ -575,8 +498,7 @@ def main(args: Args) -> str:
         finished = torch.tensor([c.finished for c in comps], device=info.device)
 
         # 2. log-probs, entropies and values before the update (no grad): old policy, reference, critic
-        old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
-        entropy = torch.zeros_like(mask)
+        old_logp, ref_logp, old_values, entropy = [torch.zeros_like(mask) for _ in range(4)]
         with timer("logprob"), torch.no_grad():
             for s in range(0, B, micro):
                 sl = slice(s, s + micro)
@@ -590,26 +512,10 @@ def main(args: Args) -> str:
                 old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
         old_values = old_values * mask
 
-        # 3. units and counterfactual credits: R from the RM, then one RM call per unit, d_k = R - R~_k
-        with timer("units"):
-            units = [[] for _ in range(B)]
-            if args.drca_beta > 0:  # beta = 0 is plain PPO: no unit is needed
-                for i in range(B):
-                    first_action = len(prompts[i]) - 1  # action index of response token 0
-                    units[i] = extract_units(responses[i], entropy[i, first_action:].cpu())
-            cf_owner, cf_prompts, cf_responses = [], [], []
-            for i in range(B):
-                for s, e in units[i]:
-                    cf_owner.append(i)
-                    cf_prompts.append(prompts[i])
-                    cf_responses.append(counterfactual_response(responses[i], s, e, args.counterfactual, fill_id,
-                                                                eos_id))
-        with timer("reward"):
-            scores = rm_scores(prompts, responses)
-            cf_scores = rm_scores(cf_prompts, cf_responses)
-        credits = [[] for _ in range(B)]
-        for i, cf_score in zip(cf_owner, cf_scores.tolist()):
-            credits[i].append(scores[i].item() - cf_score)
+        # 3. units and counterfactual credits: R from the scorer, then one scorer call per unit, d_k = R - R~_k
+        with timer("reward"):  # beta = 0 is plain PPO: no unit is needed
+            entropies = [entropy[i, len(prompts[i]) - 1 :].cpu() for i in range(B)] if args.drca_beta > 0 else None
+            units, scores, credits, num_counterfactuals = unit_credits(prompts, responses, entropies)
 
         # 4. per-token rewards: beta * d_k / |unit| on unit k, (1 - beta) R last; clip; minus eta * k1
         action_units = [[(len(prompts[i]) + s - 1, len(prompts[i]) + e - 1) for s, e in units[i]] for i in range(B)]
@@ -670,7 +576,7 @@ def main(args: Args) -> str:
         lengths = mask.sum(1)
         flat_credits = [d for c in credits for d in c]
         with_units = [i for i in range(B) if units[i]]
-        # the identity sum_a r_a = beta * sum_k d_k + (1 - beta) R, before clipping (0 up to rounding)
+        # the identity sum_a r_a = beta * sum_k d_k + (1 - beta) R, before clipping (0 up to rounding), max over ranks
         identity_err = max([abs(raw_rewards[i].sum().item() - args.drca_beta * sum(credits[i])
                                 - (1 - args.drca_beta) * scores[i].item()) for i in with_units], default=0.0)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
@@ -683,10 +589,8 @@ def main(args: Args) -> str:
             "drca/units_per_seq": sum(len(u) for u in units) / B,
             "drca/unitless_frac": 1 - len(with_units) / B,
             "drca/credit_mean": avg(flat_credits),
-            "drca/credit_std": (avg([d * d for d in flat_credits]) - avg(flat_credits) ** 2) ** 0.5
-            if flat_credits else 0.0,
-            "drca/rm_calls": float(B + len(cf_responses)),
-            "drca/sum_identity_err": identity_err,
+            "drca/credit_std": max(avg([d * d for d in flat_credits]) - avg(flat_credits) ** 2, 0.0) ** 0.5,
+            "drca/rm_calls": float(B + num_counterfactuals),
             "drca/token_reward_clipfrac": ((raw_rewards.abs() > args.reward_clip).float() * mask).sum().item()
             / mask.sum().item(),
             **{k: avg(v) for k, v in stats.items()},
@@ -696,10 +600,9 @@ def main(args: Args) -> str:
             "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": avg(grad_norms), "optim/critic_grad_norm": avg(critic_norms),
         }
-        gathered = info.gather_objects(local)
-        metrics = {k: sum(g[k] for g in gathered) / len(gathered) for k in local}
-        metrics["drca/rm_calls"] = sum(g["drca/rm_calls"] for g in gathered)  # per step, all ranks
-        metrics["drca/sum_identity_err"] = max(g["drca/sum_identity_err"] for g in gathered)
+        metrics = info.mean_over_ranks(local)
+        metrics["drca/rm_calls"] *= info.world_size  # per step, all ranks
+        metrics["drca/sum_identity_err"] = max(info.gather_objects(identity_err))
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
                         "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
                         "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
@@ -712,10 +615,8 @@ def main(args: Args) -> str:
         tracker.progress(1, reward=metrics["objective/scores"], units=metrics["drca/units_per_seq"])
         if args.sample_every and step % args.sample_every == 0:
             tracker.log_samples([{"prompt": decode(prompts[i]), "completion": decode(responses[i]),
-                                  "score": scores[i].item(),
-                                  "units": [decode(responses[i][s:e]) for s, e in units[i]],
-                                  "credits": [round(d, 4) for d in credits[i]],
-                                  "finish_reason": comps[i].finish_reason}
+                                  "score": scores[i].item(), "units": [decode(responses[i][s:e]) for s, e in units[i]],
+                                  "credits": [round(d, 4) for d in credits[i]], "finish_reason": comps[i].finish_reason}
                                  for i in range(0, B, args.num_generations)][:8], step)
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
@@ -737,9 +638,8 @@ def main(args: Args) -> str:
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out accuracy {first.get('eval/accuracy', float('nan')):.3f} -> "
-                  f"{metrics.get('eval/accuracy', float('nan')):.3f}, reward {first['eval/reward']:.3f} -> "
-                  f"{metrics['eval/reward']:.3f} in {metrics['time/total']:.0f}s")
+    tracker.write("held-out " + ", ".join(f"{k[5:]} {first[k]:.3f} -> {metrics[k]:.3f}" for k in headlines)
+                  + f" in {metrics['time/total']:.0f}s")
     ckpt.finish()
     tracker.close()
     return final

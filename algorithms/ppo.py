@@ -15,12 +15,10 @@ Default objective (maximised; VinePPO's PPO: verifiable reward, gamma = lambda =
 
 Delta from GRPO (algorithms/grpo.py): advantages from GAE on a learned critic (a second model with its own
 optimizer, updated on the same minibatches) instead of group statistics; the score is a per-token reward on the
-last token, and the KL may instead be a per-token reward penalty. Flags that switch a pure function (docs/ppo.md):
---kl_placement reward (-beta * k1 on every token's reward, classic RLHF), --adaptive_kl (Ziegler et al.'s
-controller), --non_stop_penalty, --gamma/--lam, --whiten_advantages, --tis (the weight against the sampler).
---reward_model_path scores with a reward model (RLHF; its critic starts from that model). VinePPO
-(algorithms/vineppo.py) replaces the critic with Monte Carlo value estimates; algorithms/ppo_async.py generates the
-next batch while this one trains.
+last token. Flags that switch a pure function (docs/ppo.md): --gamma/--lam, --whiten_advantages, --tis (the weight
+against the sampler). VinePPO (algorithms/vineppo.py) replaces the critic with Monte Carlo value estimates;
+algorithms/ppo_rlhf.py scores with a reward model and puts the KL in the reward (RLHF); algorithms/ppo_async.py
+generates the next batch while this one trains.
 
 Launch:
     python algorithms/ppo.py                                                   # CPU, built-in task
@@ -56,7 +54,7 @@ from shared.logprobs import forward_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.prompts import load_prompt_task
 from shared.rewards import compute_rewards
-from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
+from shared.scalar import head, load_scalar_model, token_values
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -81,7 +79,7 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
-    """column of the gold answer given to the reward function; may be absent with --reward_model_path (then no accuracy)"""
+    """column of the gold answer given to the reward function"""
     prompt_template: str = "{prompt}"
     """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
     chat_template: bool = False
@@ -90,10 +88,6 @@ class Args:
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
-    reward_model_path: str = ""
-    """if set, score completions with this reward model (HF sequence classification) instead of reward_fn"""
-    critic_model_path: str = ""
-    """initialise the critic from this checkpoint (default: the reward model if given, else the policy + a new head)"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -131,7 +125,7 @@ class Args:
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/reward` with a reward model"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none)"""
 
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 51200
@@ -165,7 +159,7 @@ class Args:
     gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """GAE discount"""
     lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
-    """GAE lambda (VinePPO's PPO: 1; RLHF PPO: 0.95)"""
+    """GAE lambda (VinePPO's PPO: 1; ppo_rlhf.py: 0.95)"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
     """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
     epsilon_high: Annotated[float, Ge(0)] = 0.2
@@ -174,20 +168,8 @@ class Args:
     """value clip range around the old values"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
-    kl_placement: Literal["loss", "reward"] = "loss"
-    """`loss`: beta * k3 as a loss term (VinePPO); `reward`: -beta * k1 on every token's reward (RLHF)"""
     beta: Annotated[float, Ge(0)] = 1e-4
-    """KL coefficient (VinePPO 1e-4; RLHF with a reward model 0.05); 0 skips the reference model"""
-    adaptive_kl: bool = False
-    """adapt beta towards kl_target (Ziegler et al.)"""
-    kl_target: Annotated[float, Gt(0)] = 6.0
-    """target per-sequence KL for the adaptive controller"""
-    kl_horizon: Annotated[int, Ge(1)] = 10000
-    """horizon (in episodes) of the adaptive controller"""
-    non_stop_penalty: bool = False
-    """replace the score of completions without EOS by penalty_reward_value (RLHF flavour)"""
-    penalty_reward_value: Annotated[float, Interval()] = -1.0  # any real number
-    """score given to completions without EOS when non_stop_penalty is on"""
+    """coefficient of the k3 KL loss to the reference (VinePPO: 1e-4, clamped to [0, 10]); 0 skips the reference model"""
     ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
@@ -320,12 +302,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def adaptive_kl_update(beta: float, current_kl: float, target: float, n_steps: int, horizon: int) -> float:
-    """Ziegler et al.'s controller: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / horizon."""
-    error = max(-0.2, min(0.2, current_kl / target - 1))
-    return beta * (1 + error * n_steps / horizon)
-
-
 def init_value_head(model) -> None:
     """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (as vwxyzjn/summarize_from_feedback_details and VinePPO's
     `pretrained_with_value_head.py`)."""
@@ -336,21 +312,13 @@ def init_value_head(model) -> None:
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-action values [B, L-1]. A critic initialised from a reward model (the default with one) carries the RM's
-    score stats: its values are normalised with them, V = (v - mu) / sigma, the same units as the normalised
-    rewards it must predict (raw RM units biased every sequence's last advantage by (v - mu) / sigma - v)."""
-    return normalized(token_values(critic, input_ids, attention_mask)[:, :-1], critic)
-
-
-def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
-    if args.adaptive_kl and args.beta == 0:
-        raise ValueError("adaptive_kl: needs beta > 0 to adapt")
+    """Per-action values [B, L-1]: the critic's value head at every position (position t values the state before
+    token t+1)."""
+    return token_values(critic, input_ids, attention_mask)[:, :-1]
 
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
-    validate(args)
     info = init_distributed()
     derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
 
@@ -360,14 +328,11 @@ def main(args: Args) -> str:
 
     # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
-    rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
-    critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
-    # train / held-out / dev prompts and the grader (None with a reward model and no gold answers: no accuracy)
-    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path)
+    # train / held-out / dev prompts and the grader
+    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    headline = "eval/accuracy" if reward_fn else "eval/reward"  # the held-out number printed at start and end
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -376,13 +341,11 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
-    if args.kl_placement == "loss" and args.reward_model_path:
-        tracker.write("note: KL as a loss term with a reward model; classic RLHF uses --kl_placement reward (k1)")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
                   f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
                   f"{args.batch_size} completions")
 
-    # models and optimizers: policy, critic (own optimizer), frozen reference and reward model
+    # models and optimizers: policy, critic (own optimizer), frozen reference
     dtype = default_dtype(info.device)
     schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
@@ -391,16 +354,13 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
-    critic_path = critic_path or rm_path or model_path
-    critic = load_scalar_model(critic_path, dtype)
-    if critic_path == model_path:  # a fresh head on the policy's backbone
-        init_value_head(critic)
+    critic = load_scalar_model(model_path, dtype)  # the policy's backbone with a fresh value head
+    init_value_head(critic)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(critic)
     critic = critic.to(info.device)
     critic = add_lora(critic, args, seq_cls=True)  # LoRA: adapters on the backbone, the value head in full
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0,
-                                         fused=True)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0, fused=True)
     critic, critic_optimizer, _ = prepare(critic, critic_optimizer,
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
@@ -409,10 +369,6 @@ def main(args: Args) -> str:
     if args.beta > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
         ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
                                                                                   info, dtype)
-    reward_model = None
-    if rm_path:
-        check_same_tokenizer(rm_path, tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -425,18 +381,17 @@ def main(args: Args) -> str:
                                enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
-    def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
+    def evaluate(step: int) -> dict:  # grader accuracy and pass@k on eval and dev (shared/evaluation.py)
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
-                                    seed=eval_seed(args.seed), reward_model=reward_model,
-                                    pad_id=tokenizer.pad_token_id, micro_batch_size=args.local_micro_batch_size)
+                                    seed=eval_seed(args.seed))
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
-    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, algorithm state
+    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG
     engines = {"policy": policy, "critic": critic}
     resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
     start_step, state = ckpt.restore(engines, **resumable)
-    beta, first_eval = state.get("beta", args.beta), state.get("first_eval")  # beta adapts with --adaptive_kl
+    first_eval = state.get("first_eval")
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
@@ -447,13 +402,13 @@ def main(args: Args) -> str:
         metrics = evaluate(0)
         tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
                      "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out {headline.split('/')[1]} {metrics[headline]:.3f}")
-        first_eval = metrics[headline]
+        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
+        first_eval = metrics["eval/accuracy"]
     policy.train()
     critic.train()
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
-        ckpt.step_start(tracker, **resumable, beta=beta, first_eval=first_eval)
+        ckpt.step_start(tracker, **resumable, first_eval=first_eval)
         # 1. rollout: this rank's slice of the global prompt batch, G samples each
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
@@ -472,19 +427,13 @@ def main(args: Args) -> str:
         finished = torch.tensor([c.finished for c in comps], device=info.device)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
-        # 2. scores: the grader (0 if truncated) or the reward model at the last non-pad token
+        # 2. scores: the grader (0 if truncated)
         with timer("reward"):
             texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:  # the reward model's normalised score of prompt + completion
-                scores = score_sequences(reward_model, prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
-                                         info, args.local_micro_batch_size)
-            else:  # a reward function that raises stops the run, after saving the previous step
-                with ckpt.user_code(step, engines, tracker):
-                    scores = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
-                                                          [x["answer"] for x in rows], [c.finished for c in comps],
-                                                          rows), device=info.device)
-            if args.non_stop_penalty:
-                scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
+            with ckpt.user_code(step, engines, tracker):  # a raising reward function: save step - 1, stop
+                scores = torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
+                                                      [x["answer"] for x in rows], [c.finished for c in comps], rows),
+                                      device=info.device)
 
         # 3. log-probs and values before the update (no grad): old policy, reference, critic
         old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
@@ -499,11 +448,9 @@ def main(args: Args) -> str:
                 old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
         old_values = old_values * mask
 
-        # 4. rewards: score on the last completion token, minus beta * k1 per token when the KL is in the reward
+        # 4. rewards: the score on the last completion token (the KL is a loss term below; k1 is logged)
         kl_k1 = kl_penalty(old_logp, ref_logp, "k1") * mask if ref_policy is not None else torch.zeros_like(mask)
         rewards = score_rewards(scores, mask)
-        if args.kl_placement == "reward":
-            rewards = rewards - beta * kl_k1
 
         # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
         advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
@@ -535,10 +482,10 @@ def main(args: Args) -> str:
                         w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap)
                         loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
-                        if args.kl_placement == "loss" and ref_policy is not None:
+                        if ref_policy is not None:
                             # k3 per token, clamped to [0, 10] as in VinePPO
                             k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
-                            kl_loss = beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            kl_loss = args.beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
@@ -578,9 +525,7 @@ def main(args: Args) -> str:
         local.update({
             "objective/scores": scores.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
-            "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
-            else 0.0,
-            "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
+            "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
             "val/sequence_lengths": lengths.mean().item(),
@@ -589,14 +534,10 @@ def main(args: Args) -> str:
             "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
         })
         metrics = info.mean_over_ranks(local)
-        if args.adaptive_kl:
-            beta = adaptive_kl_update(beta, metrics["objective/kl"], args.kl_target, args.batch_size, args.kl_horizon)
-        metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
-                        "objective/kl_coef": beta, "lr": scheduler.get_last_lr()[0],
-                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
-        # evaluation: the engine holds this step's weights (synced above)
+        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
+                        "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, beta=beta,
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable,
                                                first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
@@ -609,14 +550,13 @@ def main(args: Args) -> str:
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, **resumable, beta=beta, first_eval=first_eval)
+            ckpt.save(step, engines, tracker, **resumable, first_eval=first_eval)
             if ckpt.stopping:
                 break
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, beta=beta,
-                        first_eval=first_eval):
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
     final = ""  # saved before the end-of-run checks, so a failure there loses nothing
@@ -626,7 +566,7 @@ def main(args: Args) -> str:
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
+    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
                   f"in {metrics['time/total']:.0f}s")
     ckpt.finish()
     tracker.close()

@@ -154,7 +154,7 @@ class Args:
     num_mc_rollouts: Annotated[int, Ge(1)] = 9
     """K: continuations sampled from each intermediate state to estimate its value"""
     max_step_for_value_estimation: Annotated[int, Ge(0)] = 0
-    """roll out only states S_1..S_cap (0: all); later values are back-filled with the trajectory's own return"""
+    """roll out only states S_0..S_cap (0: all); later values are back-filled with the trajectory's own return"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
     """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
     epsilon_high: Annotated[float, Ge(0)] = 0.2
@@ -276,6 +276,23 @@ def dedup_states(states_per_traj: list[list]) -> tuple[list, list[list[int | Non
     return unique, out
 
 
+def step_states(token_ids: list[list[int]], texts: list[str], prompt_index: list[int], split_steps, decode,
+                cap: int | None) -> tuple[list[list[int] | None], list[list], int]:
+    """Each response's step starts (token offsets; None when the splitter fails: the trajectory leaves the loss, as
+    VinePPO's `parse_failed`) and its states S_j as keys (prompt index, the tokens of the steps before j), None for a
+    state past `cap` (not rolled out). Returns the starts, the keys and the number of failed splits."""
+    starts, parse_failed = [], 0
+    for ids, text in zip(token_ids, texts):
+        try:
+            starts.append(step_token_starts(ids, split_steps(text), decode))
+        except StepSplitError:
+            starts.append(None)
+            parse_failed += 1
+    keys = [[None if cap is not None and j > cap else (p, tuple(ids[:k])) for j, k in enumerate(st or [])]
+            for ids, st, p in zip(token_ids, starts, prompt_index)]
+    return starts, keys, parse_failed
+
+
 def step_advantages(values: list[float], ret: float) -> list[float]:
     """A_j = 1[j = n-1] * R + V(S_{j+1}) - V(S_j) with V(S_n) = 0; sums to R - V(S_0)."""
     n = len(values)
@@ -298,15 +315,22 @@ def token_advantages(starts: list[int], step_adv: list[float], num_tokens: int) 
     return out
 
 
-def validate(args: Args) -> None:
-    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
-    if args.num_mc_rollouts < 1:
-        raise ValueError("num_mc_rollouts: needs at least 1 rollout per state")
+def response_advantages(starts: list, state_index: list[list], values: list[float], scores: list[float],
+                        offsets: list[int], lengths: list[int], mask: torch.Tensor):
+    """Advantages like `mask` ([B, T]): each response's states' MC values (back-filled past the cap) give its step
+    advantages, broadcast to each step's tokens from column offsets[i] on; and [B] kept, 0 where the split failed."""
+    advantages, kept = torch.zeros_like(mask), torch.ones_like(mask[:, 0])
+    for i, (st, idx, score, p, n) in enumerate(zip(starts, state_index, scores, offsets, lengths)):
+        if st is None:
+            kept[i] = 0.0
+            continue
+        v = backfill_values([values[k] if k is not None else None for k in idx], score)
+        advantages[i, p : p + n] = torch.tensor(token_advantages(st, step_advantages(v, score), n))
+    return advantages, kept
 
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
-    validate(args)
     info = init_distributed()
     derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
 
@@ -352,7 +376,6 @@ def main(args: Args) -> str:
         ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
                                                                                   info, dtype)
     seed_everything(local_seed)
-    beta = args.beta
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
 
@@ -370,7 +393,7 @@ def main(args: Args) -> str:
                                     seed=eval_seed(args.seed))
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
-    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG (VinePPO has no more state)
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG
     engines = {"policy": policy}
     resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
     start_step, state = ckpt.restore(engines, **resumable)
@@ -415,50 +438,32 @@ def main(args: Args) -> str:
                 scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
                                          [c.finished for c in comps], rows)
 
-        # 3. states: split each response into steps; state S_j = prompt + the tokens of steps < j
-        starts, parse_failed = [], 0
-        for c, text in zip(comps, texts):
-            try:
-                starts.append(step_token_starts(c.token_ids, split_steps(text), decode))
-            except StepSplitError:
-                starts.append(None)  # trajectory dropped from the loss (VinePPO's `parse_failed`)
-                parse_failed += 1
-        cap = args.max_step_for_value_estimation or None
-        keys = [[None if cap is not None and j > cap else (local_idx[i // args.num_generations],
-                                                            tuple(c.token_ids[:k])) for j, k in enumerate(st or [])]
-                for i, (c, st) in enumerate(zip(comps, starts))]
+        # 3. states: split each response into steps; state S_j = prompt + the tokens of steps < j, each rolled out once
+        starts, keys, parse_failed = step_states([c.token_ids for c in comps], texts,
+                                                 [i for i in local_idx for _ in range(args.num_generations)],
+                                                 split_steps, decode, args.max_step_for_value_estimation or None)
         unique, traj_states = dedup_states(keys)
         requests = [(train_data.prompt_ids[p] + list(prefix), args.max_new_tokens - len(prefix), train_data.rows[p],
                      list(prefix)) for p, prefix in unique]
 
-        # 4. Monte Carlo values: K continuations per unique state (one request with n=K each), graded in full
+        # 4. Monte Carlo values: K continuations per unique state, graded in full (each rank calls, maybe with none)
         with timer("value_estimation"):
             mc = generator.generate([r[0] for r in requests], n=args.num_mc_rollouts, temperature=args.temperature,
                                     top_p=args.top_p, max_new_tokens=[r[1] for r in requests],
-                                    seed=args.seed * 7_919 + step + 500_009, index_offset=info.rank)  # (a call also
-            # with no request: under ZeRO-3 the HF backend's ranks must make the same generate calls; the offset gives
-            # each rank its own random stream)
+                                    seed=args.seed * 7_919 + step + 500_009, index_offset=info.rank)
             flat = [(r, cont) for r, group in zip(requests, mc) for cont in group]
             with ckpt.user_code(step, engines, tracker):
                 mc_rewards = compute_rewards(
                     reward_fn, [r[2]["prompt"] for r, _ in flat], [decode(r[3] + cont.token_ids) for r, cont in flat],
                     [r[2]["answer"] for r, _ in flat], [cont.finished for _, cont in flat], [r[2] for r, _ in flat])
-            values = torch.tensor(mc_rewards).view(len(requests), args.num_mc_rollouts).mean(1).tolist() \
-                if requests else []
+            values = torch.tensor(mc_rewards).view(len(requests), args.num_mc_rollouts).mean(1).tolist()
             generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
 
         # 5. advantages: step TD on the MC values, broadcast to tokens, whitened over the batch (all ranks)
-        advantages = torch.zeros_like(mask)
-        for i, (c, st, state_idx) in enumerate(zip(comps, starts, traj_states)):
-            if st is None:
-                mask[i] = 0
-                continue
-            v = backfill_values([values[k] if k is not None else None for k in state_idx], scores[i])
-            adv = token_advantages(st, step_advantages(v, scores[i]), len(c.token_ids))
-            p = len(prompts[i]) - 1  # mask position of the first completion token
-            advantages[i, p : p + len(adv)] = torch.tensor(adv)
+        advantages, kept = response_advantages(starts, traj_states, values, scores, [len(p) - 1 for p in prompts],
+                                               [len(c.token_ids) for c in comps], mask)  # from each response's
+        mask = mask * kept[:, None]  # first completion token's column; a response whose split failed leaves the loss
         advantages = advantages * mask
-        scores_t = torch.tensor(scores)
         if args.whiten_advantages:
             sums = torch.stack([(advantages * mask).sum(), (advantages**2 * mask).sum(), mask.sum()]).double().cpu()
             info.all_reduce(sums)
@@ -502,7 +507,7 @@ def main(args: Args) -> str:
                         if ref_policy is not None:
                             # k3 per token, clamped to [0, 10] as in VinePPO
                             k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
-                            kl_loss = beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            kl_loss = args.beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
                             loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
@@ -530,20 +535,20 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 9. log (reduced over ranks once per step)
-        lengths = [len(c.token_ids) for c in comps]
         num_states = sum(k is not None for row in traj_states for k in row)
         mc_trunc = [not cont.finished for _, cont in flat]
         avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         local.update({
-            "objective/scores": scores_t.mean().item(),
+            "objective/scores": torch.tensor(scores).mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
             "mc_values/mean": avg(values), "mc_values/std": torch.tensor(values).std().item() if len(values) > 1 else 0.0,
             "val/mc_roll_trunc_frac": avg(mc_trunc), "val/unique_state_frac": len(requests) / max(num_states, 1),
             "val/steps_per_response": avg([len(st) for st in starts if st is not None]),
             "val/parse_failed": parse_failed / len(comps), "val/mc_rollouts": float(len(flat)),
-            "val/sequence_lengths": avg(lengths), "val/stop_rate": finished.float().mean().item(),
+            "val/sequence_lengths": avg([len(c.token_ids) for c in comps]),
+            "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": avg(grad_norms),
         })
         metrics = info.mean_over_ranks(local)

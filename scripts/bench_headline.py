@@ -42,6 +42,8 @@ METRICS = {"sft": ["eval/accuracy"], "grpo": ["eval/accuracy", "eval/pass@4"],
            "dpo": ["eval/accuracy", "eval/rewards/accuracies"], "rm": ["eval/accuracy"],
            "restem": ["eval/accuracy", "eval/pass@4"], "drca": ["eval/accuracy", "eval/reward"]}
 METRICS.update(dapo=METRICS["grpo"], grpo_async=METRICS["grpo"])  # grpo's variant files
+METRICS.update(ppo=METRICS["grpo"], ppo_async=METRICS["grpo"])
+METRICS["ppo_rlhf"] = ["eval/reward", "eval/accuracy"]  # the reward model's held-out score first: what it trains on
 
 
 def samples_before(name: str, row: dict, args: dict) -> int | None:

@@ -7,7 +7,7 @@ A randomly initialised tiny Llama (hidden 128, 2 layers) with a large vocabulary
 model, dominate memory. Reports the growth of the process's peak RSS (`ru_maxrss`) during the first
 `HFGenerator.generate` call, and on a GPU `torch.cuda.max_memory_allocated()`. Memory does not depend on
 machine load, so this runs anywhere. Keeping every step's logits (`output_scores`) costs B x T x V floats;
-`shared.generation` keeps one B x V log-softmax at a time (docs/performance.md, "Fixes").
+`shared.generation` keeps one B x V log-softmax at a time (docs/changelog.md).
 JSON summary: runs/bench/hf_memory/{cpu,gpu}_<time>.json.
 """
 

@@ -5,8 +5,8 @@
     python scripts/compare_drca_ppo.py --out runs/drca_cf_rm --results docs/results/drca_vs_ppo.json \
         --plot docs/img/drca_vs_ppo_cf_rm.png --extra --reward_model_path builtin:tiny-cf-rm --counterfactual mask
 
-The PPO arm is `algorithms/drca.py --drca_beta 0`: with beta = 0 the per-token reward is exactly ppo.py's
-RLHF-flavour reward (R on the last token, minus eta * k1; tests/test_drca.py checks it against ppo.py), and no
+The PPO arm is `algorithms/drca.py --drca_beta 0`: with beta = 0 the per-token reward is exactly ppo_rlhf.py's
+reward (R on the last token, minus eta * k1; tests/test_drca.py checks it against ppo_rlhf.py), and no
 counterfactual RM call is made. Everything else (critic initialised from the RM, clipping, GAE, whitening,
 learning rates, sampling seeds) is identical, so the comparison isolates the credit assignment.
 Runs alternate (ppo seed 1, drca seed 1, ppo seed 2, ...) so that machine load affects both alike. Writes

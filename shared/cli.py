@@ -161,6 +161,9 @@ RENAMED = {
     "async_steps": "use algorithms/grpo_async.py or algorithms/ppo_async.py (generation overlaps training there)",
     "dynamic_sampling": "use algorithms/dapo.py (DAPO's dynamic sampling)",
     "max_refill_rounds": "use algorithms/dapo.py (DAPO's dynamic sampling)",
+    **{name: "use algorithms/ppo_rlhf.py (PPO with a reward model; ppo.py's reward-model flags are there)"
+       for name in ("reward_model_path", "critic_model_path", "kl_placement", "adaptive_kl", "kl_target", "kl_horizon",
+                    "non_stop_penalty", "penalty_reward_value")},
 }
 
 

@@ -53,7 +53,7 @@ class DistInfo:
     # One process: no collective at all. Besides saving the call, this keeps gloo's worker threads from running
     # tensor ops: the first time one does, OpenMP (libgomp) starts a second thread pool, counts more threads than
     # cores and, for the rest of the process, makes its workers sleep between parallel regions instead of spinning,
-    # which made every CPU training step ~1.4x slower (measured: docs/performance.md, "Fixes").
+    # which made every CPU training step ~1.4x slower (measured: docs/changelog.md).
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -123,6 +123,20 @@ def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.T
     pad = (0, input_ids.shape[1] - n)
     return torch.nn.functional.pad(logp, pad), None if entropy is None else torch.nn.functional.pad(entropy, pad)
 
+def response_entropies(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int,
+                       temperature: float, device) -> list[torch.Tensor]:
+    """The policy's entropy (no gradient) at the position predicting each response token, one CPU tensor per response
+    in response-token coordinates (trailing padding included), micro_batch_size rows per forward."""
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(responses), micro_batch_size):
+            p, r = prompts[s : s + micro_batch_size], responses[s : s + micro_batch_size]
+            ids, attn, resp = data_utils.pad_batch(p, r, pad_id, device)
+            _, ent = forward_logprobs(model, ids, attn, resp, temperature, True)
+            out += [ent[j, len(p[j]) - 1 :].cpu() for j in range(len(r))]
+    return out
+
+
 def check_packing(model, prompts: list[list[int]], tol: float | None = None) -> None:
     """--micro_batching packed, at start-up: a one-line error unless the model keeps packed sequences apart.
     Of two sequences a, b (the first two distinct prompts), b is packed in one row after a + b, then after b + a

@@ -7,6 +7,7 @@ steps; the credits and rewards stay in drca.py. Follows the reference's `utils/u
     entropy_units(entropy, threshold, max_units)    token spans split at entropy peaks
     char_offsets(decode, ids), char_span_to_tokens  characters <-> tokens
     think_prefix_length(pieces)                     tokens of a leading <think>...</think> block (no unit there)
+    response_units(response, entropy, ..., args)    a response's unit token spans with drca.py's unit flags
 """
 
 from __future__ import annotations
@@ -117,3 +118,42 @@ def entropy_units(entropy: list[float], threshold: float, max_units: int, bounda
         interior = interior[: max(max_units - 1, 0)]
     bounds = [0] + interior + [n]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def blank_token_id(tokenizer) -> int:
+    """The token that blanks a unit in a counterfactual: " ", which must be one token (a ValueError naming the flag)."""
+    ids = tokenizer.encode(" ", add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"model_name_or_path: the tokenizer encodes ' ' as {ids}, not one token to blank units")
+    return ids[0]
+
+
+def unit_pattern(args) -> str:
+    """The regex of `--unit_pattern`: a named pattern (UNIT_PATTERNS), `auto` (lines on the built-in task, labels
+    elsewhere) or a raw regex, which must compile (a ValueError naming the flag)."""
+    name = args.unit_pattern if args.unit_pattern != "auto" else "lines" if args.dataset.startswith("builtin") else "labels"
+    try:
+        return re.compile(UNIT_PATTERNS.get(name, name)).pattern
+    except re.error as e:
+        raise ValueError(f"unit_pattern: not a regular expression ({e})") from None
+
+
+def response_units(response: list[int], entropy, tokenizer, decode, args) -> list[tuple[int, int]]:
+    """Unit token spans [s, e) of one response (response-token coordinates) with drca.py's unit flags: after
+    `response_skip_tokens` (-1: a leading think block), split by `unit_pattern` or at entropy peaks (`entropy`: the
+    entropy at each response token, as shared/logprobs.py::response_entropies gives it). The last token (EOS or the
+    length cut) is never in a unit; empty spans are dropped."""
+    skip = args.response_skip_tokens
+    if skip < 0:
+        skip = think_prefix_length([tokenizer.decode([t]) for t in response])
+    text_ids = response[skip:-1]
+    if not text_ids:
+        return []
+    if args.unit_extraction == "entropy":
+        spans = entropy_units(entropy[skip : skip + len(text_ids)].tolist(), args.unit_entropy_threshold,
+                              args.max_units_per_sequence, args.entropy_boundary, args.entropy_cap)
+    else:
+        text, offsets = decode(text_ids), char_offsets(decode, text_ids)
+        spans = [char_span_to_tokens(offsets, cs, ce) for cs, ce in
+                 regex_units(text, unit_pattern(args), args.max_units_per_sequence, args.code_compat_regex_offsets)]
+    return [(skip + s, skip + e) for s, e in spans if e > s]

@@ -83,8 +83,11 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
         "dapo": ("dapo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
                           "--num_generations", "4", "--max_refill_rounds", "2"], 3),
         "ppo": ("ppo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
-                        "--num_generations", "4", "--kl_placement", "reward", "--beta", "0.05",
-                        "--adaptive_kl", "--kl_horizon", "100"], 3),
+                        "--num_generations", "4"], 3),
+        # the adaptive KL coefficient is resumed state
+        "ppo_rlhf": ("ppo_rlhf", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes",
+                                  "80", "--num_generations", "4", "--reward_model_path", d["rm"], "--adaptive_kl",
+                                  "--kl_horizon", "100"], 3),
         "vineppo": ("vineppo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes",
                                 "80", "--num_generations", "4", "--num_mc_rollouts", "3"], 3),
         "dpo": ("dpo", ["--dataset", d["pairs"], "--reward_fn", "builtin", "--total_episodes", "192",

@@ -123,8 +123,7 @@ CHOICES = {
              "kl_estimator": ("k1", "k2", "k3"),
              "tis": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
              "micro_batching": ("padded", "sorted", "packed")},
-    "ppo": {**GENERATOR, "kl_placement": ("loss", "reward"),
-            "tis": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+    "ppo": {**GENERATOR, "tis": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
     "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math"),
                 "tis": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
     "restem": {**GENERATOR, "early_stop": ("restem_paper_original", "choose_best")},
@@ -141,6 +140,7 @@ CHOICES["dapo"] = {k: v for k, v in CHOICES["grpo"].items()
                    if k not in ("advantage_estimator", "importance_level", "policy_loss")}
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
+CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
@@ -417,6 +417,8 @@ def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, 
     ("vineppo", ["--num_ppo_epochs", "1"], "error: --num_ppo_epochs: --num_iterations is its name now"),
     ("drca", ["--kl_coef", "0.1"], "error: --kl_coef: --beta is its name now"),
     ("ppo", ["--cliprange", "0.1"], "error: --cliprange: --epsilon_low and --epsilon_high are its names now"),
+    ("ppo", ["--reward_model_path", "runs/rm/final"], "error: --reward_model_path: use algorithms/ppo_rlhf.py"),
+    ("ppo", ["--kl_placement", "reward"], "error: --kl_placement: use algorithms/ppo_rlhf.py"),
     ("grpo", ["--dynamic_sampling"], "error: --dynamic_sampling: use algorithms/dapo.py"),
     ("sft", ["--kl_coef", "0.1"], "error: --kl_coef: unknown flag"),  # sft never had one: no rename to point at
 ])

@@ -54,6 +54,7 @@ ONE_STEP = {
     "grpo_async": ([*RL[2:], "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "ppo": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "ppo_async": ([*RL[2:], "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
+    "ppo_rlhf": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "vineppo": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--num_mc_rollouts", "2"],
                 "metrics.jsonl"),
     "drca": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--localisation_num_pairs", "4"],

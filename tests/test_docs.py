@@ -123,8 +123,8 @@ def _documented_defaults(page: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "grpo_async", "drca", "dpo", "ppo", "ppo_async", "vineppo", "rm", "sft",
-                                  "repulse", "evaluate", "restem"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "grpo_async", "drca", "dpo", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
+                                  "rm", "sft", "repulse", "evaluate", "restem"])
 def test_flag_tables_state_the_code_defaults(name):
     """A docs flag table that names a default must give the one in the script's Args (grpo.md once said
     num_iterations 1 while the code used 2)."""
@@ -196,6 +196,32 @@ def test_headline_table_names_a_script_it_cannot_describe():
     """A default-run benchmark of a script without a metric description is an error naming it, not a KeyError."""
     with pytest.raises(ValueError, match="no metric description for ppo"):
         docs_tables.headline([{"results": {"grpo": {}, "ppo": {}}}])
+
+
+def test_results_overview_keeps_the_headline_rows_and_names_what_is_not_measured():
+    """README's table of every script: the default runs' rows (all cells but the last) and footnotes as `headline`
+    renders them, every other script a row of its own, and one without a stored result a 'not measured yet' row."""
+    import json
+
+    names = ["docs/bench/headline/cpu_20261126_035550.json", "docs/bench/headline/cpu_20261126_115515.json"]
+    files = [{**json.loads((ROOT / n).read_text()), "_path": n} for n in names]
+    head, over = docs_tables.headline(files).split("\n"), docs_tables.results_overview(files)
+    rows = [line for line in head if line.startswith("| `python")]
+    assert rows and all(r.rsplit(" | ", 1)[0] in over for r in rows)
+    assert all(line in over for line in head if line.startswith("["))
+    assert [line.split("`")[1].split()[1] for line in over.split("\n") if line.startswith("| `python")] == [
+        f"algorithms/{n}.py" for n in docs_tables.OVERVIEW]
+    assert "| `python algorithms/ppo_async.py` | not measured yet: `python algorithms/ppo_async.py" in over
+    with pytest.raises(ValueError, match="no file it knows how to read"):
+        docs_tables.results_overview([*files, {"benchmark": "packing", "_path": "x.json"}])
+
+
+def test_the_overview_s_repulse_row_is_the_run_at_repulse_s_default_alpha():
+    import json
+
+    flags = json.loads((ROOT / "docs/results/repulse_toy.json").read_text())["settings"]["config_flags"]
+    alpha = flags[docs_tables.REPULSE_CONFIG][flags[docs_tables.REPULSE_CONFIG].index("--alpha") + 1]
+    assert float(alpha) == importlib.import_module("algorithms.repulse").Args().alpha
 
 
 # ---------------------------------------------------------------- commands in the README and docs

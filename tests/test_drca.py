@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from algorithms import drca, ppo
-from algorithms.drca import (compute_gae, counterfactual_response, masked_whiten, shaped_rewards, slip_localisation,
+from algorithms import drca, ppo, ppo_rlhf
+from algorithms.drca import (compute_gae, counterfactual_response, masked_whiten, shaped_rewards,
                              unit_token_rewards)
 from shared.units import (LABEL_PATTERN, UNIT_PATTERNS, char_offsets, char_span_to_tokens, entropy_units, regex_units,
                           think_prefix_length)
 from shared.cli import check_args
+from shared.localisation import slip_localisation
 
 
 def units_text(text, spans):
@@ -172,7 +173,7 @@ def test_beta_zero_gives_exactly_ppo_rewards():
     logp, ref = torch.randn(3, 7), torch.randn(3, 7)
     raw = unit_token_rewards(scores, units, credits, last, 7, beta=0.0)
     ours, _ = shaped_rewards(raw, logp, ref, mask, beta=0.05, reward_clip=10.0)
-    theirs = ppo.score_rewards(scores, mask) - 0.05 * ppo.kl_penalty(logp, ref, "k1") * mask  # ppo.py, reward flavour
+    theirs = ppo_rlhf.score_rewards(scores, mask) - 0.05 * ppo_rlhf.kl_penalty(logp, ref, "k1") * mask  # ppo_rlhf.py
     torch.testing.assert_close(ours, theirs)
 
 
@@ -298,6 +299,17 @@ def test_slip_localisation_by_hand():
     assert slip_localisation([0.2, 0.2, 0.5], spans, (2, 5)) == (0.5, 1 / 3)
     assert slip_localisation([0.2, 0.1], [(0, 4), (4, 8)], (3, 5)) == (1.0, 1.0)  # the slip spans both units
     assert slip_localisation([], [], (2, 5)) == (0.0, 0.0)  # no unit: not located
+
+
+def test_unit_pattern_resolves_names_and_rejects_a_bad_regex():
+    """--unit_pattern: `auto` is lines on the built-in task and labels elsewhere; a raw regex must compile."""
+    from shared.units import unit_pattern
+
+    assert unit_pattern(drca.Args()) == UNIT_PATTERNS["lines"]
+    assert unit_pattern(drca.Args(dataset="prompts.jsonl")) == LABEL_PATTERN
+    assert unit_pattern(drca.Args(unit_pattern=r"^Step \d+:")) == r"^Step \d+:"
+    with pytest.raises(ValueError, match="unit_pattern: not a regular expression"):
+        drca.validate(drca.Args(unit_pattern="(unclosed"))
 
 
 def test_line_grader_by_hand():

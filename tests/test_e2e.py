@@ -144,9 +144,9 @@ PPO_SMALL = ["--dev_num_prompts", "8",  # a small dev slice (selects best/) keep
              "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "1", "--sample_every", "1"]
 
 
-def test_ppo_reward_model_flavour(tmp_path):
-    """Flavour B: a reward model (here the tiny model with a fresh scalar head) scores completions, KL in the
-    reward, adaptive KL, non-EOS penalty; the held-out metric is still the task grader."""
+def test_ppo_rlhf_with_adaptive_kl_and_the_non_eos_penalty(tmp_path):
+    """ppo_rlhf.py: a reward model (here the tiny model with a fresh scalar head) scores completions, KL in the
+    reward (its default), adaptive KL, non-EOS penalty; the held-out accuracy is still the task grader's."""
     from shared.scalar import load_scalar_model
     from shared.tiny import builtin_tiny
 
@@ -159,9 +159,8 @@ def test_ppo_reward_model_flavour(tmp_path):
 
     AutoTokenizer.from_pretrained(builtin_tiny()).save_pretrained(rm_dir)
     out = tmp_path / "run"
-    run([sys.executable, "algorithms/ppo.py", "--output_dir", str(out), *PPO_SMALL, "--reward_model_path",
-         str(rm_dir), "--kl_placement", "reward", "--beta", "0.05", "--adaptive_kl", "--non_stop_penalty",
-         "--lam", "0.95", "--generator", "hf"])
+    run([sys.executable, "algorithms/ppo_rlhf.py", "--output_dir", str(out), *PPO_SMALL, "--reward_model_path",
+         str(rm_dir), "--adaptive_kl", "--non_stop_penalty", "--generator", "hf"])
     steps = [r for r in metrics(out) if "loss/value_avg" in r]
     assert len(steps) == 4 and steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     assert steps[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved beta
@@ -266,7 +265,7 @@ def _strip_answers(rows: list[dict], out: Path) -> None:
                            for r in rows))
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
+@pytest.mark.parametrize("script", ["grpo", "ppo_rlhf", "drca"])
 def test_a_reward_model_task_needs_no_gold_answers(trained_rm, tmp_path, script):
     """Prompts without an answer column train on the reward model; no accuracy is reported, the held-out and
     dev reward are, and best/ is selected on dev/reward."""
@@ -274,7 +273,7 @@ def test_a_reward_model_task_needs_no_gold_answers(trained_rm, tmp_path, script)
 
     _strip_answers(task.builtin_split("train")[:200], tmp_path / "p.train.jsonl")
     _strip_answers(task.builtin_split("test")[:8], tmp_path / "p.test.jsonl")
-    flags = SMALL if script == "grpo" else PPO_SMALL
+    flags = {"grpo": SMALL, "ppo_rlhf": PPO_SMALL, "drca": DRCA_SMALL}[script]
     out = tmp_path / "run"
     log = run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(out), *flags, "--generator", "hf",
                "--dataset", str(tmp_path / "p.jsonl"), "--reward_model_path", str(trained_rm / "final")])
@@ -286,9 +285,9 @@ def test_a_reward_model_task_needs_no_gold_answers(trained_rm, tmp_path, script)
     assert "held-out reward" in log
 
 
-def test_rm_trained_by_rm_py_is_the_reward_of_ppo(trained_rm, tmp_path):
-    run([sys.executable, "algorithms/ppo.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--reward_model_path",
-         str(trained_rm / "final"), "--kl_placement", "reward", "--generator", "hf"])
+def test_rm_trained_by_rm_py_is_the_reward_of_ppo_rlhf(trained_rm, tmp_path):
+    run([sys.executable, "algorithms/ppo_rlhf.py", "--output_dir", str(tmp_path), *PPO_SMALL, "--reward_model_path",
+         str(trained_rm / "final"), "--generator", "hf"])
     steps = [r for r in metrics(tmp_path) if "loss/value_avg" in r]
     assert len(steps) == 4 and all(math.isfinite(r["objective/scores"]) for r in steps)
     assert all(math.isfinite(r["eval/reward"]) for r in metrics(tmp_path) if "eval/accuracy" in r)

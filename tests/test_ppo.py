@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from algorithms.ppo import (Args, adaptive_kl_update, compute_gae, init_value_head, kl_penalty, masked_whiten,
-                            clipped_surrogate, score_rewards, validate, value_loss)
+from algorithms.ppo import (compute_gae, init_value_head, kl_penalty, masked_whiten,
+                            clipped_surrogate, score_rewards, value_loss)
 
 
 def gae_loop(rewards, values, gamma, lam):
@@ -83,7 +83,7 @@ def test_ppo_family_clipped_surrogate_is_grpos_with_a_symmetric_range():
     logp, old = -torch.rand(3, 6, generator=g) * 2, -torch.rand(3, 6, generator=g) * 2
     adv, mask = torch.randn(3, 6, generator=g), (torch.rand(3, 6, generator=g) > 0.3).float()
     want = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.2, mask, "token")
-    for script in ("ppo", "ppo_async", "vineppo", "drca"):
+    for script in ("ppo", "ppo_async", "ppo_rlhf", "vineppo", "drca"):
         got = importlib.import_module(f"algorithms.{script}").clipped_surrogate(logp, old, adv, 0.2, 0.2, mask)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
@@ -117,6 +117,8 @@ def test_k3_clamped_kl_is_zero_at_init_and_nonnegative():
 
 
 def test_adaptive_kl_controller_formula_and_clip():
+    from algorithms.ppo_rlhf import adaptive_kl_update
+
     assert adaptive_kl_update(0.1, 6.0, 6.0, 512, 10000) == pytest.approx(0.1)
     assert adaptive_kl_update(0.1, 7.2, 6.0, 512, 10000) == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))
     assert adaptive_kl_update(0.1, 60.0, 6.0, 512, 10000) == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))  # clipped
@@ -126,6 +128,7 @@ def test_adaptive_kl_controller_formula_and_clip():
 @pytest.mark.parametrize("change, flag", [({"kl_placement": "both"}, "kl_placement"), ({"generator": "x"}, "generator"),
                                           ({"adaptive_kl": True, "beta": 0.0}, "adaptive_kl")])
 def test_invalid_config_is_rejected(change, flag):
+    from algorithms.ppo_rlhf import Args, validate
     from shared.cli import check_args
 
     args = Args(**change)
@@ -134,7 +137,7 @@ def test_invalid_config_is_rejected(change, flag):
         validate(args)
 
 
-@pytest.mark.parametrize("script", ["ppo", "ppo_async", "vineppo", "drca", "grpo", "dapo", "grpo_async"])
+@pytest.mark.parametrize("script", ["ppo", "ppo_async", "ppo_rlhf", "vineppo", "drca", "grpo", "dapo", "grpo_async"])
 def test_ratio_is_masked_before_exp_so_padding_cannot_poison_the_loss(script):
     """Extreme log-probs on padding (e.g. a pad position whose log-prob moved by 200 nats): exponentiated first, the
     ratio is inf there and inf * 0 = NaN in the masked sum, so the step was skipped as non-finite."""
@@ -165,10 +168,10 @@ def test_kl_penalty_masked_before_exp():
 
 
 def test_a_critic_from_a_reward_model_predicts_in_normalised_reward_units(tiny_path):
-    """Flavour B initialises the critic from rm.py's checkpoint, whose config stores the RM's score mean / std; the
+    """ppo_rlhf.py initialises the critic from rm.py's checkpoint, whose config stores the RM's score mean / std; the
     rewards it must predict are the normalised scores (r - mu) / sigma. Its values must be in those same units (they
     were raw head outputs, biasing every sequence's last advantage by the difference)."""
-    from algorithms.ppo import critic_values
+    from algorithms.ppo_rlhf import critic_values
     from shared import data
     from shared.scalar import load_scalar_model, score_last_token, token_values
 

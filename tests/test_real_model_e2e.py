@@ -79,10 +79,9 @@ def grpo_run(runs, rm_run):
 
 @pytest.fixture(scope="module")
 def ppo_run(runs, rm_run):
-    out = runs / "ppo"
-    script("ppo", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
-           str(rm_run / "final"), "--critic_model_path", "builtin:smollm2-135m", "--kl_placement", "reward",
-           "--beta", "0.05", "--best_metric", "dev/reward")
+    out = runs / "ppo_rlhf"
+    script("ppo_rlhf", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
+           str(rm_run / "final"), "--critic_model_path", "builtin:smollm2-135m", "--best_metric", "dev/reward")
     return out
 
 
@@ -165,7 +164,7 @@ def test_grpo_zero3_two_processes_with_the_reward_model(grpo_run):
         assert "." not in s["completion"]
 
 
-def test_ppo_reward_model_and_critic_from_the_base(ppo_run):
+def test_ppo_rlhf_reward_model_and_critic_from_the_base(ppo_run):
     rows = metrics(ppo_run)
     steps = trained_steps(rows, "loss/value_avg")
     assert len(steps) == 2 and all(math.isfinite(r["loss/value_avg"]) for r in steps)

@@ -82,3 +82,14 @@ def test_the_table_says_first_when_the_run_was_a_subset_and_names_uncommitted_fi
     d["uncommitted_changes"] = [f"f{i}.py" for i in range(12)]
     assert "`f9.py` and 2 more (listed in the file)." in docs_tables.test_suite(d)
     assert "Failing:" not in lines
+
+
+def test_the_brief_version_names_the_failing_tests_and_leaves_out_the_slowest():
+    """README's block (test_suite_brief): the full table's first line, the failing tests by name, no timings."""
+    text = docs_tables.test_suite_brief(_result())
+    assert text.splitlines()[0] == docs_tables.test_suite(_result()).splitlines()[0]
+    assert text.endswith("Failing: `tests/test_b.py::test_bad` (failed), `tests/test_b.py::test_fixture` (error).")
+    assert "| slowest" not in text and "61.0" not in text
+    d = _result(failing=[], exit_status=0, uncommitted_changes=["README.md"])
+    assert "Failing" not in docs_tables.test_suite_brief(d)
+    assert "uncommitted changes in 1 tracked files: `README.md`" in docs_tables.test_suite_brief(d)

@@ -27,7 +27,8 @@ from shared.models import resolve_model_path
 from shared.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft", "grpo", "dapo", "grpo_async", "ppo", "ppo_async", "vineppo", "dpo", "rm", "repulse", "drca", "restem"]
+SCRIPTS = ["sft", "grpo", "dapo", "grpo_async", "ppo", "ppo_async", "ppo_rlhf", "vineppo", "dpo", "rm", "repulse", "drca",
+           "restem"]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -51,22 +52,23 @@ def metric_rows(out: Path) -> list[dict]:
 def resumed(tmp_path_factory):
     """Every script: straight vs stopped after K steps + resumed (tests/resume_runs.py), one process."""
     out = tmp_path_factory.mktemp("resume")
-    launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "dapo", "ppo", "vineppo",
-            "dpo", "dpo_self_generated", "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"], timeout=1800)
+    launch([sys.executable, "tests/resume_runs.py", str(out), "sft", "grpo", "grpo_variants", "dapo", "ppo", "ppo_rlhf",
+            "vineppo", "dpo", "dpo_self_generated", "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"],
+           timeout=1800)
     return out, json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "dapo", "ppo", "vineppo", "dpo", "dpo_self_generated",
-                                  "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"])
+@pytest.mark.parametrize("case", ["sft", "grpo", "grpo_variants", "dapo", "ppo", "ppo_rlhf", "vineppo", "dpo",
+                                  "dpo_self_generated", "rm", "repulse", "drca", "restem", "sft_lora", "grpo_lora"])
 def test_n_steps_then_resume_equals_straight_run(resumed, case):
     """N steps + resume + M steps == N + M straight: every metric logged after the checkpoint and every final
-    weight, bit for bit (also the critic of ppo.py; with LoRA the merged export and the adapter, from checkpoints
-    that hold only the adapters and their optimizer state); the resumed run finished."""
+    weight, bit for bit (also the critics of ppo.py and ppo_rlhf.py; with LoRA the merged export and the adapter, from
+    checkpoints that hold only the adapters and their optimizer state); the resumed run finished."""
     r = resumed[1][case]
     assert r["stopped_at"] >= 2 and r["rows_at_stop"] < r["n_rows"][1]  # it really stopped, then continued
     assert r["rows_equal"], f"first differing row: {r['first_diff']}"
     assert r["weights_equal"] and "final" in r["weights"] and r["best"] and r["finished"]
-    if case in ("ppo", "drca"):
+    if case in ("ppo", "ppo_rlhf", "drca"):
         assert "critic" in r["weights"]
     assert r["adapter"] == case.endswith("_lora")
 

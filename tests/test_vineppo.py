@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from algorithms.vineppo import Args, backfill_values, dedup_states, step_advantages, token_advantages, validate
+from algorithms.vineppo import (Args, backfill_values, dedup_states, response_advantages, step_advantages, step_states,
+                                token_advantages)
 from shared.steps import step_token_starts
 
 
@@ -53,9 +54,42 @@ def test_identical_states_are_deduplicated_and_share_an_index():
 
 
 def test_invalid_config_is_rejected():
-    with pytest.raises(ValueError, match="num_mc_rollouts"):
-        validate(Args(num_mc_rollouts=0))
     from shared.cli import check_args
+
+    with pytest.raises(ValueError, match="num_mc_rollouts"):  # the range declared beside the flag (Ge(1))
+        check_args(Args(num_mc_rollouts=0))
 
     with pytest.raises(ValueError, match="max_step_for_value_estimation"):
         check_args(Args(max_step_for_value_estimation=-1))  # its range, declared beside the flag
+
+
+def test_step_states_by_hand_with_a_failed_split_and_the_cap():
+    """Character "tokens" (decode = join): starts per response, state keys (prompt index, the tokens before the
+    step), None past the cap, and a response the splitter rejects counted and without states."""
+    from shared.steps import StepSplitError
+
+    def split(text):  # a line per step; "x" cannot be split
+        if "x" in text:
+            raise StepSplitError(text)
+        return [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"] + [len(text)]
+
+    decode = lambda ids: "".join(ids)  # noqa: E731
+    ids = [list("7\n12"), list("x"), list("3\n4\n5")]
+    starts, keys, failed = step_states(ids, ["".join(x) for x in ids], [10, 10, 11], split, decode, cap=None)
+    assert starts == [[0, 2], None, [0, 2, 4]] and failed == 1
+    assert keys == [[(10, ()), (10, ("7", "\n"))], [], [(11, ()), (11, ("3", "\n")), (11, ("3", "\n", "4", "\n"))]]
+    _, capped, _ = step_states(ids, ["".join(x) for x in ids], [10, 10, 11], split, decode, cap=1)
+    assert capped[2] == [(11, ()), (11, ("3", "\n")), None]  # S_2 past the cap: not rolled out
+
+
+def test_response_advantages_by_hand():
+    """Two responses after 2-token prompts (their completions start at column 1): the first with states valued 0.5
+    and 0.75 and reward 1 (steps at tokens 0 and 2 of 3), the second's split failed (kept 0, no advantage)."""
+    import torch
+
+    mask = torch.zeros(2, 5)
+    adv, kept = response_advantages([[0, 2], None], [[0, 1], []], [0.5, 0.75], [1.0, 0.0], [1, 1], [3, 2], mask)
+    # A_0 = V(S_1) - V(S_0) = 0.25 on tokens 0-1, A_1 = R - V(S_1) = 0.25 on token 2
+    assert adv.tolist() == [[0.0, 0.25, 0.25, 0.25, 0.0], [0.0] * 5] and kept.tolist() == [1.0, 0.0]
+    adv, _ = response_advantages([[0, 2]], [[0, None]], [0.5], [1.0], [0], [3], torch.zeros(1, 3))
+    assert adv.tolist() == [[0.5, 0.5, 0.0]]  # S_1 past the cap: back-filled with R, so its step gets R - R = 0
