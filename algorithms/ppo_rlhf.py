@@ -2,7 +2,8 @@
 
 Papers: Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593), Ouyang et al. 2022 (InstructGPT), and "The N+
 Implementation Details of RLHF with PPO" (Huang et al. 2024, https://arxiv.org/abs/2403.17031), whose reference code
-is vwxyzjn/summarize_from_feedback_details; TRL's PPOTrainer follows the same recipe (its defaults are this file's).
+is vwxyzjn/summarize_from_feedback_details; TRL's PPOTrainer follows the same recipe (this file takes its KL
+coefficient, GAE lambda and KL placement; batch sizes and passes stay ppo.py's).
 The reward model scores prompt + completion once (normalised by its stored mean and std); that score is the reward of
 the last completion token, every token also pays -beta * k1 (its log-ratio to the reference policy); GAE on a critic
 initialised from the reward model turns the per-token rewards into advantages.
