@@ -122,6 +122,7 @@ SCRIPTS = {
             "--dev_num_prompts", "8", "--max_new_tokens", "16"],
     "grpo": [*RL, "--total_episodes", "32", "--num_generations", "4", "--beta", "0.04"],
     "ppo": [*RL, "--total_episodes", "32", "--num_generations", "4"],
+    "ppo_rlhf": [*RL, "--total_episodes", "32", "--num_generations", "4"],  # + --reward_model_path
     "vineppo": [*RL, "--total_episodes", "32", "--num_generations", "4", "--num_mc_rollouts", "3"],
     "restem": ["--generator", "hf", "--total_episodes", "64", "--local_num_prompts", "16", "--num_generations",
                "4", "--num_epochs", "1", "--local_micro_batch_size", "8", "--max_new_tokens", "16",
@@ -131,7 +132,7 @@ SCRIPTS = {
             "--generator", "hf"],
     "rm": ["--total_episodes", "32", "--local_micro_batch_size", "8", "--eval_num_pairs", "8", "--eval_every", "1",
            "--dev_num_prompts", "8"],
-    "drca": [*RL, "--total_episodes", "32", "--num_generations", "4", "--scorer", "rm"],  # + --reward_model_path
+    "drca": [*RL, "--total_episodes", "32", "--num_generations", "4", "--scorer", "rm"],  # + a reward model
     "repulse": ["--dataset", "builtin", "--num_generations", "2", "--local_num_prompts", "2", "--local_micro_batch_size",
                 "4", "--total_episodes", "16", "--max_new_tokens", "8", "--eval_num_prompts", "4",
                 "--eval_num_samples", "2", "--eval_every", "1", "--best_metric", "", "--generator", "hf"],
@@ -140,8 +141,8 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory):
-    """A reward model for drca: the test model with a fresh scalar head (drca's default, builtin:tiny-rm, would be
-    trained by rm.py first)."""
+    """A reward model for drca and ppo_rlhf: the test model with a fresh scalar head (their default, builtin:tiny-rm,
+    has the tiny model's tokenizer)."""
     from shared.distributed import load_tokenizer
     from shared.models import resolve_model_path
     from shared.scalar import load_scalar_model
@@ -154,7 +155,8 @@ def reward_model(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_every_script_trains_two_steps_in_bf16_on_gpu(name, tmp_path, request):
-    extra = ["--reward_model_path", str(request.getfixturevalue("reward_model"))] if name == "drca" else []
+    with_rm = name in ("drca", "ppo_rlhf")
+    extra = ["--reward_model_path", str(request.getfixturevalue("reward_model"))] if with_rm else []
     _run([sys.executable, f"algorithms/{name}.py", "--output_dir", str(tmp_path), "--model_name_or_path", MODEL,
           *SCRIPTS[name], *extra])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
