@@ -243,8 +243,8 @@ OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "pp
             "restem", "repulse")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
 NOT_MEASURED = {  # the runs that would measure a script no file of the block has
     "ppo_rlhf": "`python scripts/bench_headline.py --algorithms ppo_rlhf --seeds 1 2 3`",
-    "ppo_async": "`python algorithms/ppo_async.py --seed <k>` beside `python algorithms/ppo.py --seed <k>`, "
-                 "k = 1, 2, 3",
+    "ppo_async": "`python scripts/bench_headline.py --algorithms ppo ppo_async --seeds 1 2 3` (its synchronous pair "
+                 "beside it)",
 }
 VARIANT_OF = {"dapo": ("grpo_variants", "dynamic_sampling", "dapo.py was split from"),
               "grpo_async": ("async", "async1", "grpo_async.py now holds")}  # script: (benchmark, run, code note)

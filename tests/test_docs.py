@@ -211,7 +211,7 @@ def test_results_overview_keeps_the_headline_rows_and_names_what_is_not_measured
     assert all(line in over for line in head if line.startswith("["))
     assert [line.split("`")[1].split()[1] for line in over.split("\n") if line.startswith("| `python")] == [
         f"algorithms/{n}.py" for n in docs_tables.OVERVIEW]
-    assert "| `python algorithms/ppo_async.py` | not measured yet: `python algorithms/ppo_async.py" in over
+    assert "| `python algorithms/ppo_async.py` | not measured yet: `python scripts/bench_headline.py" in over
     with pytest.raises(ValueError, match="no file it knows how to read"):
         docs_tables.results_overview([*files, {"benchmark": "packing", "_path": "x.json"}])
 
