@@ -12,9 +12,11 @@ Default objective (maximised; beta = 0), DAPO's token mean and clip-higher, TIS 
 
 Delta from PPO (algorithms/ppo.py): the group-normalised reward replaces GAE on a learned critic (no value model,
 no per-token reward). Flags that switch a pure function (docs/grpo.md#variants): --advantage_estimator (RLOO,
-REINFORCE++-baseline), --advantage_scaling (Dr. GRPO: none), --loss_aggregation (GRPO's seq_mean, Dr. GRPO's
-constant), --epsilon_low/--epsilon_high, --importance_level sequence (GSPO), --policy_loss cispo (CISPO), --beta and
---kl_estimator (KL to a frozen reference), --mask_truncated_completions (DAPO), --tis and --tis_cap (the weight w).
+REINFORCE++-baseline, MaxRL), --advantage_scaling (Dr. GRPO: none), --loss_aggregation (GRPO's seq_mean, Dr. GRPO's
+constant), --epsilon_low/--epsilon_high, --importance_level sequence (GSPO), --policy_loss (CISPO, DPPO), --beta and
+--kl_estimator (KL to a frozen reference), --mask_truncated_completions (DAPO), --entropy_coef (an entropy bonus),
+--tis, --tis_cap and --tis_mask_low (the weight w: truncated or masked per token, per completion, or by the
+completion's geometric mean; docs/mismatch.md).
 Variants that change the loop have their own files: algorithms/dapo.py (dynamic sampling) and
 algorithms/grpo_async.py (the next batch is generated while this one trains).
 
@@ -50,6 +52,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.logprobs import check_packing, micro_batch_logprobs
+from shared.mismatch import mismatch_metrics
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.prompts import load_prompt_task
 from shared.rewards import compute_rewards
@@ -157,8 +160,8 @@ class Args:
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
-    """`grpo`: r - group mean, then --advantage_scaling; `reinforce_pp_baseline`: then batch-whitened; `rloo`: r - others' mean"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "maxrl"] = "grpo"
+    """`grpo`: r - group mean, then --advantage_scaling; `reinforce_pp_baseline`: batch-whitened; `rloo`; `maxrl`; docs/grpo.md"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
     """with `grpo`: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
@@ -169,18 +172,23 @@ class Args:
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     importance_level: Literal["token", "sequence"] = "token"
     """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
-    policy_loss: Literal["clip", "cispo"] = "clip"
-    """`clip`: PPO's clipped surrogate; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi, every token keeps its gradient"""
+    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"
+    """`clip`: PPO-clip; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi; `dppo_*`: -ratio A, masked past a divergence"""
     beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
-    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
-    """correction for sampler/trainer mismatch: `none`, per token (`token_*`) or per completion (`sequence_*`); docs/grpo.md"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
+        "token_truncate"
+    """sampler/trainer mismatch correction: `none`, per token, per completion or by its geometric mean; docs/mismatch.md"""
     tis_cap: Annotated[float, Gt(0)] = 2.0
-    """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
+    """C: cap of the truncated weight w = pi_train_old / pi_sampler, upper bound of the masks' kept range [lo, C]"""
+    tis_mask_low: Annotated[float, Ge(0)] = 0.0
+    """lo: lower bound of the masks' kept range (0: 1/C)"""
+    entropy_coef: Annotated[float, Ge(0)] = 0.0
+    """entropy bonus: entropy_coef * token entropy is subtracted from every token's loss (0: off)"""
     eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
@@ -215,12 +223,19 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
     reinforce_pp_baseline: c_i = r_i - mean_G r, then whitened over the batch's tokens (Hu et al. 2025; OpenRLHF):
           (c_i - mu) / max(sigma, eps), mu and sigma the mean and population std of c over every completion
           token, completion i counted token_counts[i] times (once each when None)
-    A group whose rewards are all equal gets exactly zero advantage under grpo and rloo (no NaN); under
+    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710: the gradient of the log of the
+          success probability rather than of the success probability itself); a group without a success gets 0
+    A group whose rewards are all equal gets exactly zero advantage under grpo, rloo and maxrl (no NaN); under
     reinforce_pp_baseline it gets -mu / sigma."""
     if estimator == "rloo":
         baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
         return rewards - baseline
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "maxrl":
+        non_binary = rewards[(rewards != 0) & (rewards != 1)]
+        if len(non_binary):
+            raise ValueError(f"advantage_estimator maxrl: needs rewards 0 or 1, got {non_binary[0].item():g}")
+        return centered / rewards.mean(dim=1, keepdim=True).clamp(min=eps)  # a mean of 0: every r is 0, A = 0
     if estimator == "reinforce_pp_baseline":
         n = torch.ones_like(rewards) if token_counts is None else token_counts.to(rewards.dtype)
         total = n.sum().clamp(min=1)
@@ -228,7 +243,7 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
         sigma = (((centered - mu) ** 2 * n).sum() / total).sqrt()  # population std (OpenRLHF: var clamped at 1e-8)
         return (centered - mu) / sigma.clamp(min=eps)
     if estimator != "grpo":
-        raise ValueError(f"advantage_estimator: expected grpo, rloo or reinforce_pp_baseline, got {estimator!r}")
+        raise ValueError(f"advantage_estimator: expected grpo, rloo, reinforce_pp_baseline or maxrl, got {estimator!r}")
     if scaling == "none":
         return centered
     if scaling == "group":
@@ -304,29 +319,58 @@ def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     return loss, is_clipped.float(), ratio
 
 
+def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                   eps_high: float, divergence: str, mask: torch.Tensor | None = None):
+    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
+    M = 0 on a token whose probability p = pi(y_t) has left the trust region around p_old = pi_old(y_t) in the
+    direction its advantage pushes (A > 0: up, bound eps_high; A < 0: down, bound eps_low), else 1:
+      tv: |p - p_old| > eps                                            (verl `dppo_tv`, prime-rl's default loss)
+      kl: p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
+    The mask is detached; kept tokens get the unclipped gradient -A grad rho."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
+    p, p_old = torch.exp(logp.detach()), torch.exp(logp_old)
+    if divergence == "tv":
+        out_up, out_down = p - p_old > eps_high, p - p_old < -eps_low
+    elif divergence == "kl":
+        kl = p_old * (logp_old - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > p_old), (kl > eps_low) & (p < p_old)
+    else:
+        raise ValueError(f"policy_loss: expected dppo_tv or dppo_kl, got dppo_{divergence}")
+    masked = torch.where(advantages > 0, out_up, (advantages < 0) & out_down)
+    return -ratio * advantages * (~masked), masked.float(), ratio
+
+
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
-                cap: float) -> torch.Tensor:
+                cap: float, low: float = 0.0) -> torch.Tensor:
     """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
 
-    token_truncate:    w_t = min(rho_t, C)                       rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
-    token_mask:        w_t = rho_t if 1/C <= rho_t <= C else 0
-    sequence_truncate: w_t = min(rho_seq, C) on every token        rho_seq = prod_t rho_t, one weight per completion
-    sequence_mask:     w_t = rho_seq if 1/C <= rho_seq <= C else 0 on every token
-    The sequence modes are TRL's `vllm_importance_sampling_mode` sequence_truncate / sequence_mask (its clip_min
-    = 1/C, clip_max = C) and verl's sequence-level rollout importance weight; log rho_seq is clamped to [-20, 20]
-    before the exp (verl's bound against overflow), which changes no weight for C < e^20. cap = inf gives the
-    uncorrected weights of the mode's level (for logging what the correction changed)."""
+    token_truncate:    w_t = min(rho_t, C)                      rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if lo <= rho_t <= C, else 0    (IcePop, arXiv 2510.18855)
+    sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
+    geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
+    lo = low, or 1/C when low = 0. token_* and sequence_* are TRL's `vllm_importance_sampling_mode` (clip_min = lo,
+    clip_max = C); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
+    drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
+    which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
     log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
+    lo = low or 1 / cap
     if mode == "none":
         return torch.ones_like(log_w)
+    if mode == "geometric_mask":
+        g = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+        return ((g >= lo) & (g <= cap)).float()
     if mode.startswith("sequence_"):
         log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
     w = torch.exp(log_w)
     if mode.endswith("_truncate"):
         return w.clamp(max=cap)
     if mode.endswith("_mask"):
-        return w * ((w <= cap) & (w >= 1 / cap)).float()
-    raise ValueError(f"tis: expected none, token_truncate, token_mask, sequence_truncate or sequence_mask, got {mode!r}")
+        return w * ((w <= cap) & (w >= lo)).float()
+    raise ValueError("tis: expected none, token_truncate, token_mask, sequence_truncate, sequence_mask or "
+                     f"geometric_mask, got {mode!r}")
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
@@ -367,6 +411,10 @@ def validate(args: Args) -> None:
     if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
         raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
                          "has its own normalisation)")
+    if args.advantage_estimator == "maxrl" and args.reward_model_path:
+        raise ValueError("advantage_estimator: maxrl needs rewards 0 or 1 (a grader), not a reward model's scores")
+    if args.policy_loss.startswith("dppo") and args.importance_level != "token":
+        raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
 
 
 def main(args: Args) -> str:
@@ -394,9 +442,9 @@ def main(args: Args) -> str:
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
                       args.project, resume=ckpt.tracker_state)
-    if args.top_p < 1.0:
+    if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
-                      "the TIS weights and val/sampler_logprob_diff show how much")
+                      "val/sampler_kl and the TIS ratios show how much")
     tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
                   f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
                   f"{args.batch_size} completions")
@@ -550,16 +598,23 @@ def main(args: Args) -> str:
                         logp, entropy = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
                                                              args.micro_batching, args.temperature, True)
                         logp_old = old_logp[idx] if reuse else logp.detach()
+                        if not reuse:
+                            old_logp[idx] = logp_old  # for the step's mismatch metrics
                         if args.policy_loss == "cispo":
                             pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
                                                                     m_mask, args.importance_level)
+                        elif args.policy_loss.startswith("dppo"):
+                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                   args.epsilon_high, args.policy_loss[5:], m_mask)
                         else:
                             pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                                       args.epsilon_high, m_mask, args.importance_level)
                         # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
                         # and precision differ from the trainer's), truncated or masked at tis_cap
-                        w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap)
+                        w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w
+                        if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
+                            per_token = per_token - args.entropy_coef * entropy
                         kl = torch.zeros_like(logp)
                         if ref_policy is not None:
                             kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator, m_mask)
@@ -574,15 +629,10 @@ def main(args: Args) -> str:
                         with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
-                            raw_w = torch.exp((logp_old - sampler_logp[idx]) * m_mask)  # per token, before the cap
-                            uncorrected = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, math.inf)
                             for k, v in {"loss/policy_avg": mm(pg), "policy/clipfrac_avg": mm(is_clipped),
                                          "policy/approxkl_avg": mm(0.5 * (logp - logp_old) ** 2),
                                          "objective/kl": (kl * m_mask).sum(1).mean(), "objective/entropy": mm(entropy),
-                                         "val/ratio": mm(ratio), "val/ratio_var": mm((ratio - mm(ratio)) ** 2),
-                                         "val/tis_weight": mm(w), "val/tis_ratio": mm(raw_w),
-                                         "val/tis_clipfrac": mm((w != uncorrected).float()),
-                                         "val/sampler_logprob_diff": mm((logp_old - sampler_logp[idx]).abs())}.items():
+                                         "val/ratio": mm(ratio), "val/ratio_var": mm((ratio - mm(ratio)) ** 2)}.items():
                                 stats[k].append(v.item())
 
         # 7. weight sync: push the updated policy into the generation engine
@@ -593,6 +643,11 @@ def main(args: Args) -> str:
         # 8. log (reduced over ranks once per step)
         lengths = [len(c.token_ids) for c in comps]
         local = {k: sum(v) / len(v) for k, v in stats.items()}
+        with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
+                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
+                                                      args.tis_mask_low),
+                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
         local.update({
             "objective/scores": sum(scores) / len(scores),
             "objective/scores_std": torch.tensor(scores).std().item(),

@@ -51,6 +51,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enab
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.logprobs import forward_logprobs
+from shared.mismatch import mismatch_metrics
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.prompts import load_prompt_task
 from shared.rewards import compute_rewards
@@ -172,10 +173,15 @@ class Args:
     """coefficient of the k3 KL loss to the reference (VinePPO: 1e-4, clamped to [0, 10]); 0 skips the reference model"""
     ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
-    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """correction for sampler/trainer mismatch: `none`, per token (`token_*`) or per completion (`sequence_*`); docs/grpo.md"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
+        "none"
+    """sampler/trainer mismatch correction: `none`, per token, per completion or by its geometric mean; docs/mismatch.md"""
     tis_cap: Annotated[float, Gt(0)] = 2.0
-    """cap C of the importance weight w = pi_train_old / pi_sampler (masks drop tokens/sequences outside [1/C, C])"""
+    """C: cap of the truncated weight w = pi_train_old / pi_sampler, upper bound of the masks' kept range [lo, C]"""
+    tis_mask_low: Annotated[float, Ge(0)] = 0.0
+    """lo: lower bound of the masks' kept range (0: 1/C)"""
+    entropy_coef: Annotated[float, Ge(0)] = 0.0
+    """entropy bonus: entropy_coef * token entropy is subtracted from every token's loss (0: off)"""
     eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
@@ -271,28 +277,35 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
-                cap: float) -> torch.Tensor:
+                cap: float, low: float = 0.0) -> torch.Tensor:
     """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
 
-    token_truncate:    w_t = min(rho_t, C)                       rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
-    token_mask:        w_t = rho_t if 1/C <= rho_t <= C else 0
-    sequence_truncate: w_t = min(rho_seq, C) on every token        rho_seq = prod_t rho_t, one weight per completion
-    sequence_mask:     w_t = rho_seq if 1/C <= rho_seq <= C else 0 on every token
-    The sequence modes are TRL's `vllm_importance_sampling_mode` sequence_truncate / sequence_mask (its clip_min
-    = 1/C, clip_max = C) and verl's sequence-level rollout importance weight; log rho_seq is clamped to [-20, 20]
-    before the exp (verl's bound against overflow), which changes no weight for C < e^20. cap = inf gives the
-    uncorrected weights of the mode's level (for logging what the correction changed)."""
+    token_truncate:    w_t = min(rho_t, C)                      rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if lo <= rho_t <= C, else 0    (IcePop, arXiv 2510.18855)
+    sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
+    geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
+    lo = low, or 1/C when low = 0. token_* and sequence_* are TRL's `vllm_importance_sampling_mode` (clip_min = lo,
+    clip_max = C); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
+    drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
+    which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
     log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
+    lo = low or 1 / cap
     if mode == "none":
         return torch.ones_like(log_w)
+    if mode == "geometric_mask":
+        g = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+        return ((g >= lo) & (g <= cap)).float()
     if mode.startswith("sequence_"):
         log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
     w = torch.exp(log_w)
     if mode.endswith("_truncate"):
         return w.clamp(max=cap)
     if mode.endswith("_mask"):
-        return w * ((w <= cap) & (w >= 1 / cap)).float()
-    raise ValueError(f"tis: expected none, token_truncate, token_mask, sequence_truncate or sequence_mask, got {mode!r}")
+        return w * ((w <= cap) & (w >= lo)).float()
+    raise ValueError("tis: expected none, token_truncate, token_mask, sequence_truncate, sequence_mask or "
+                     f"geometric_mask, got {mode!r}")
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
@@ -474,13 +487,17 @@ def main(args: Args) -> str:
                     for idx in data_utils.micro_batches(mb_idx.tolist(), [], args.gradient_accumulation_steps, "padded"):
                         m_mask = mask[idx]
                         # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
-                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
+                        logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature,
+                                                         args.entropy_coef > 0)
                         pg, is_clipped, ratio = clipped_surrogate(logp, old_logp[idx], advantages[idx],
                                                                   args.epsilon_low, args.epsilon_high, m_mask)
                         # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
                         # and precision differ from the trainer's), truncated or masked at tis_cap
-                        w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap)
-                        loss = (pg * w * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
+                        per_token = pg * w
+                        if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
+                            per_token = per_token - args.entropy_coef * entropy
+                        loss = (per_token * m_mask).sum() * info.world_size / max(global_tokens, 1)
                         kl_loss = torch.zeros((), device=info.device)
                         if ref_policy is not None:
                             # k3 per token, clamped to [0, 10] as in VinePPO
@@ -501,16 +518,11 @@ def main(args: Args) -> str:
                         with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
-                            raw_w = torch.exp((old_logp[idx] - sampler_logp[idx]) * m_mask)  # per token, before the cap
-                            uncorrected = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, math.inf)
                             for k, v in {"loss/policy_avg": mm(pg), "loss/value_avg": mm(vf),
                                          "loss/kl_avg": kl_loss.item(), "policy/clipfrac_avg": mm(is_clipped),
                                          "policy/approxkl_avg": mm(0.5 * (logp - old_logp[idx]) ** 2),
                                          "val/clipfrac_avg": mm(vclipped), "val/ratio": mean_ratio,
-                                         "val/ratio_var": mm((ratio - mean_ratio) ** 2), "val/skipped_frac": float(skip),
-                                         "val/tis_weight": mm(w), "val/tis_ratio": mm(raw_w),
-                                         "val/tis_clipfrac": mm((w != uncorrected).float()),
-                                         "val/sampler_logprob_diff": mm((old_logp[idx] - sampler_logp[idx]).abs())}.items():
+                                         "val/ratio_var": mm((ratio - mean_ratio) ** 2), "val/skipped_frac": float(skip)}.items():
                                 stats[k].append(v)
 
         # 7. weight sync: push the updated policy into the generation engine
@@ -522,6 +534,11 @@ def main(args: Args) -> str:
         lengths = mask.sum(1)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
         local = {k: sum(v) / len(v) for k, v in stats.items()}
+        with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
+                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
+                                                      args.tis_mask_low),
+                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
         local.update({
             "objective/scores": scores.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),

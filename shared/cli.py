@@ -107,7 +107,8 @@ def check_args(args) -> None:
     """Start-up checks of every script's flags, before anything is written: each fixed-choice (`Literal`) flag
     holds one of its choices (tyro checks them on the command line; this guards `Args(...)` built in code), each
     numeric flag is finite and within the range declared beside it (`Annotated[float, Interval(gt=0, le=1)]`: a
-    one-line error naming it and the range), `best_metric` of the form `name[:min|:max]`, a built-in dataset name
+    one-line error naming it and the range), `--tis` (a correction) only with `--top_p 1` and `--tis_mask_low`
+    below `--tis_cap`, `best_metric` of the form `name[:min|:max]`, a built-in dataset name
     (`builtin:sums-N`), and `output_dir` a directory that can be created (`--resume` is checked by
     shared/checkpoint.py's Checkpointer, also before anything is written). Runtime-computed fields (hidden from
     --help) are skipped."""
@@ -133,6 +134,12 @@ def check_args(args) -> None:
             hi = "inf" if high is None else f"{high}"
             interval = f"{'[' if low_in else '('}{lo}, {hi}{']' if high_in else ')'}"
             raise ValueError(f"{f.name}: must be in {interval}, got {value}")
+    tis = getattr(args, "tis", "none")  # the sampler/trainer mismatch correction of the RL scripts
+    if tis != "none" and getattr(args, "top_p", 1.0) < 1:
+        raise ValueError("top_p: the sampler's log-probs are then those of the renormalised nucleus, the trainer's of the "
+                         "whole vocabulary, and --tis would weigh by their ratio (use --top_p 1, or --tis none)")
+    if getattr(args, "tis_mask_low", 0.0) >= getattr(args, "tis_cap", float("inf")):
+        raise ValueError(f"tis_mask_low: must be below --tis_cap ({args.tis_mask_low} >= {args.tis_cap})")
     if getattr(args, "best_metric", None) is not None:
         from shared.checkpoint import BestModel
 

@@ -17,20 +17,18 @@ from shared.distributed import max_over_ranks, output_head
 def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                    with_entropy: bool = False):
     """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]; optionally the entropy
-    (no gradient). Only these N rows of logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
+    (differentiable: an entropy bonus backpropagates through it). Only these N rows of logits exist, upcast to
+    float32 here (the model's dtype is bf16 on GPU)."""
     logits = lm_head(hidden).float() / temperature  # [N, V]
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
     return logp, entropy
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                      temperature: float, with_entropy: bool = False, chunk_size: int = 512):
     """log pi(token_{t+1} | prefix) from logits / temperature at the positions t that predict a response token
-    (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there (no gradient).
+    (response_mask[:, t+1] = 1), [B, L-1], 0 at the other positions; optionally the entropy there.
     The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
     in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)

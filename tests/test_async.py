@@ -279,7 +279,7 @@ def test_training_beside_the_engine_thread_leaves_its_samples_unchanged(trainer,
     ("ppo_async", ["--vllm_enable_sleep"], "error: --vllm_enable_sleep: unknown flag; see --help"),
     ("grpo", ["--async_steps", "1"], "error: --async_steps: use algorithms/grpo_async.py or algorithms/ppo_async.py"),
     ("ppo", ["--async_steps", "1"], "error: --async_steps: use algorithms/grpo_async.py or algorithms/ppo_async.py"),
-    ("ppo_async", ["--tis", "yes"], "error: --tis: 'yes' is not one of none, token_truncate, token_mask, sequence_truncate, sequence_mask"),
+    ("ppo_async", ["--tis", "yes"], "error: --tis: 'yes' is not one of none, token_truncate, token_mask, sequence_truncate, sequence_mask, geometric_mask"),
 ])
 def test_bad_async_flags_exit_2_before_anything_is_written(script, argv, message, tmp_path, monkeypatch, capsys):
     import importlib
@@ -294,18 +294,6 @@ def test_bad_async_flags_exit_2_before_anything_is_written(script, argv, message
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
-
-
-def test_ppo_tis_weights_are_grpos():
-    """The same function in both files (algorithm-local copies): equal on random log-probs, every mode."""
-    from algorithms import grpo, ppo
-
-    g = torch.Generator().manual_seed(0)
-    old, sampler = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
-    mask = (torch.rand(4, 7, generator=g) > 0.3).float()
-    for mode in ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-        assert torch.equal(grpo.tis_weights(old, sampler, mask, mode, 2.0), ppo.tis_weights(old, sampler, mask, mode,
-                                                                                            2.0))
 
 
 # --- the queue -----------------------------------------------------------------------------------------------------

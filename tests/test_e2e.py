@@ -2,7 +2,7 @@
 
 Covers: sft.py; grpo.py with vLLM and with HF generation, the optional branches (KL to a reference,
 num_iterations > 1, several minibatches, truncation masking), a learning check, and each variant flag (GSPO, CISPO,
-RLOO, REINFORCE++-baseline); ppo.py and vineppo.py (dapo.py: tests/test_dapo.py); rm.py and
+RLOO, REINFORCE++-baseline, DPPO, MaxRL, the entropy bonus, the geometric mismatch mask); ppo.py and vineppo.py (dapo.py: tests/test_dapo.py); rm.py and
 its checkpoint as the reward of grpo.py, ppo.py and drca.py; dpo.py; and 2-process `accelerate launch` runs under
 ZeRO-2 and ZeRO-3 whose ranks must end with identical weights."""
 
@@ -122,6 +122,9 @@ VARIANTS = {
     "cispo": ["--policy_loss", "cispo", "--epsilon_high", "4"],
     "rloo": ["--advantage_estimator", "rloo"],
     "reinforce_pp_baseline": ["--advantage_estimator", "reinforce_pp_baseline", "--mask_truncated_completions"],
+    "dppo_tv": ["--policy_loss", "dppo_tv"],
+    "dppo_kl_maxrl_entropy_geo": ["--policy_loss", "dppo_kl", "--advantage_estimator", "maxrl", "--entropy_coef", "0.01",
+                                  "--tis", "geometric_mask", "--tis_cap", "1.001"],
 }
 
 
@@ -132,7 +135,8 @@ def test_grpo_variant_trains_end_to_end(tmp_path, name):
     run([sys.executable, "algorithms/grpo.py", "--output_dir", str(tmp_path), *TINY_RUN, *VARIANTS[name]])
     steps = [r for r in metrics(tmp_path) if "loss/policy_avg" in r]
     assert len(steps) == 2
-    for key in ("loss/policy_avg", "optim/grad_norm", "val/ratio", "val/advantages_mean", "policy/clipfrac_avg"):
+    for key in ("loss/policy_avg", "optim/grad_norm", "val/ratio", "val/advantages_mean", "policy/clipfrac_avg",
+                "objective/entropy", "val/sampler_kl", "val/tis_ratio_p99", "val/tis_seq_clipfrac"):
         assert all(math.isfinite(r[key]) for r in steps), key
     assert (tmp_path / "final" / "config.json").exists()
 
@@ -169,10 +173,15 @@ def test_ppo_rlhf_with_adaptive_kl_and_the_non_eos_penalty(tmp_path):
 
 @pytest.mark.parametrize("script", ["ppo", "vineppo"])
 def test_ppo_family_single_process(tmp_path, script):
-    run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(tmp_path), *PPO_SMALL])
+    """ppo.py with an entropy bonus and the token mask on [0.5, 5] (IcePop's form), vineppo.py with the geometric
+    mask: the flags every script that samples with vLLM shares (tests/test_mismatch.py has their numbers)."""
+    extra = (["--entropy_coef", "0.01", "--tis", "token_mask", "--tis_cap", "5", "--tis_mask_low", "0.5"]
+             if script == "ppo" else ["--tis", "geometric_mask", "--tis_cap", "1.001"])
+    run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(tmp_path), *PPO_SMALL, *extra])
     steps = [r for r in metrics(tmp_path) if "objective/scores" in r]
     assert len(steps) == 4
-    for key in ("policy/clipfrac_avg", "val/ratio", "objective/kl", "time/generate", "time/train", "time/sync"):
+    for key in ("policy/clipfrac_avg", "val/ratio", "objective/kl", "time/generate", "time/train", "time/sync",
+                "objective/entropy", "val/sampler_kl", "val/tis_ratio_p99", "val/tis_seq_clipfrac"):
         assert all(key in r for r in steps), key
     if script == "vineppo":
         for key in ("mc_values/mean", "val/unique_state_frac", "val/steps_per_response", "time/value_estimation"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from algorithms.grpo import (Args, aggregate_loss, cispo_surrogate, clipped_surrogate, completion_mask,
-                             compute_advantages, kl_penalty,
+                             compute_advantages, dppo_surrogate, kl_penalty,
                              log_importance_ratio, tis_weights, validate)
 from shared.logprobs import forward_logprobs
 
@@ -322,6 +322,25 @@ def test_tis_modes_on_hand_made_ratios():
     torch.testing.assert_close(w("sequence_mask", math.inf), torch.tensor([[0.75, 0.75, 0.75], [1.8, 1.8, 0]]))
 
 
+def test_geometric_mask_and_a_lower_bound_of_the_masks():
+    # the ratios of test_tis_modes_on_hand_made_ratios: row 0 = 1, 3, 0.25; row 1 = 1.5, 1.2 and a padding token
+    logp_old = torch.log(torch.tensor([[1.0, 3.0, 0.25], [1.5, 1.2, 7.0]]))
+    sampler, mask = torch.zeros(2, 3), torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    w = lambda mode, cap, low=0.0: tis_weights(logp_old, sampler, mask, mode, cap, low) * mask  # noqa: E731
+    # geometric means: row 0 (1 * 3 * 0.25)^(1/3) = 0.9086, row 1 (1.5 * 1.2)^(1/2) = 1.3416; kept: weight 1
+    torch.testing.assert_close(w("geometric_mask", 2.0), mask)
+    # C = 1.2, lo = 1/1.2 = 0.833: row 0 kept, row 1 rejected whole (no token keeps a weight of its own)
+    torch.testing.assert_close(w("geometric_mask", 1.2), torch.tensor([[1.0, 1, 1], [0, 0, 0]]))
+    # lo = 0.95 above row 0's 0.9086: rejected too
+    torch.testing.assert_close(w("geometric_mask", 1.5, 0.95), torch.tensor([[0.0, 0, 0], [1, 1, 0]]))
+    # IcePop's token mask on [0.5, 5]: 3 is kept now, 0.25 still dropped
+    torch.testing.assert_close(w("token_mask", 5.0, 0.5), torch.tensor([[1.0, 3.0, 0.0], [1.5, 1.2, 0]]))
+    # a sequence mask on [0.8, 2]: row 0's product 0.75 is below 0.8
+    torch.testing.assert_close(w("sequence_mask", 2.0, 0.8), torch.tensor([[0.0, 0, 0], [1.8, 1.8, 0]]))
+    # cap = inf, low = 0: the weights before the mask (what the logged correction fractions compare with)
+    torch.testing.assert_close(w("geometric_mask", math.inf), mask)
+
+
 def test_sequence_weights_do_not_overflow():
     """log rho_seq is clamped to [-20, 20] before the exp: a 1,000-token completion 0.1 nat off per token is masked
     (or truncated to C), never inf or NaN."""
@@ -335,6 +354,83 @@ def test_tis_weight_carries_no_gradient():
     logp_old = torch.randn(2, 3, requires_grad=True)
     w = tis_weights(logp_old, torch.zeros(2, 3), torch.ones(2, 3), "token_truncate", 2.0)
     assert not w.requires_grad
+
+
+# ---------------------------------------------------------------- MaxRL
+def test_maxrl_advantages_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    # (r - mean) / mean: mean 0.5 -> +-1; no success -> 0; one success in 4 -> 0.75 / 0.25 = 3 and -1; all -> 0
+    expected = torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0, 0, 0], [3.0, -1, -1, -1], [0.0, 0, 0, 0]])
+    torch.testing.assert_close(compute_advantages(r, "group", estimator="maxrl"), expected)
+    # its definition: 1/p times GRPO's unscaled advantage (Dr. GRPO's r - mean), p the group's success rate
+    torch.testing.assert_close(compute_advantages(r[[0, 2]], "group", estimator="maxrl"),
+                               compute_advantages(r[[0, 2]], "none") / r[[0, 2]].mean(1, keepdim=True))
+
+
+def test_maxrl_refuses_rewards_other_than_0_and_1():
+    with pytest.raises(ValueError, match=r"^advantage_estimator maxrl: needs rewards 0 or 1, got 0\.5$"):
+        compute_advantages(torch.tensor([[1.0, 0.5]]), "group", estimator="maxrl")
+
+
+# ---------------------------------------------------------------- DPPO
+def _dppo_case():
+    """Tokens with p_old, p and the advantage: (a) up 0.1 with A > 0, (b) up 0.4 with A > 0, (c) up 0.4 with A < 0,
+    (d) down 0.3 with A < 0, (e) down 0.15 with A < 0, (f) 0.01 -> 0.28 with A > 0, (g) 0.9 -> 0.99 with A > 0."""
+    p_old = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.5, 0.01, 0.9]])
+    p = torch.tensor([[0.6, 0.9, 0.9, 0.2, 0.35, 0.28, 0.99]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 1.0]])
+    return torch.log(p).requires_grad_(), torch.log(p_old), adv, p / p_old
+
+
+def test_dppo_tv_masks_a_probability_moved_past_epsilon_in_the_advantages_direction():
+    logp, logp_old, adv, ratio = _dppo_case()
+    loss, masked, _ = dppo_surrogate(logp, logp_old, adv, 0.2, 0.28, "tv")
+    # |p - p_old|: (a) 0.1 kept, (b) 0.4 > 0.28 masked, (c) moved up with A < 0: kept, (d) 0.3 > 0.2 masked,
+    # (e) 0.15 kept, (f) 0.27 kept, (g) 0.09 kept
+    torch.testing.assert_close(masked, torch.tensor([[0.0, 1, 0, 1, 0, 0, 0]]))
+    keep = 1 - masked
+    torch.testing.assert_close(loss, -ratio * adv * keep)
+    # kept tokens: the unclipped gradient -A rho (d rho / d log p = rho); masked: none
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    torch.testing.assert_close(grad, -adv * ratio * keep)
+
+
+def test_dppo_kl_masks_by_the_binary_kl_of_the_sampled_token():
+    logp, logp_old, adv, _ = _dppo_case()
+    bkl = lambda q, p: q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))  # noqa: E731
+    # (a) 0.0204, (b) 0.5108 > 0.28, (c) moved up with A < 0, (d) 0.2231 > 0.2, (e) 0.0472, (f) 0.2819 > 0.28: masked
+    # though TV (0.27) keeps it, (g) 0.1445: kept though it is the largest ratio change at high probability
+    assert [round(bkl(q, p), 4) for q, p in ((0.5, 0.6), (0.5, 0.9), (0.5, 0.2), (0.5, 0.35), (0.01, 0.28),
+                                             (0.9, 0.99))] == [0.0204, 0.5108, 0.2231, 0.0472, 0.2819, 0.1445]
+    _, masked, _ = dppo_surrogate(logp, logp_old, adv, 0.2, 0.28, "kl")
+    torch.testing.assert_close(masked, torch.tensor([[0.0, 1, 0, 1, 0, 1, 0]]))
+
+
+def test_dppo_on_policy_gradient_is_reinforce():
+    """rho = 1 on the first pass: nothing masked, the gradient is -A grad log pi, as clip's."""
+    logp = torch.log(torch.tensor([[0.3, 0.6]])).requires_grad_()
+    adv = torch.tensor([[0.5, -2.0]])
+    for div in ("tv", "kl"):
+        loss, masked, _ = dppo_surrogate(logp, logp.detach(), adv, 0.2, 0.28, div)
+        assert masked.sum() == 0
+        torch.testing.assert_close(torch.autograd.grad(loss.sum(), logp)[0], -adv)
+
+
+# ---------------------------------------------------------------- entropy (logged, and the --entropy_coef bonus)
+def test_token_entropy_is_hand_computed_and_differentiable():
+    from shared.logprobs import token_logprobs
+
+    head = torch.nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(3))
+    hidden = torch.log(torch.tensor([[1.0, 1.0, 2.0]])).requires_grad_()  # probs 0.25, 0.25, 0.5
+    _, entropy = token_logprobs(head, hidden, torch.tensor([2]), 1.0, True)
+    torch.testing.assert_close(entropy, torch.tensor([-(2 * 0.25 * math.log(0.25) + 0.5 * math.log(0.5))]))
+    (grad,) = torch.autograd.grad(entropy.sum(), hidden)
+    # dH/dz_i = -p_i (log p_i + H): the bonus raises the logits of the less likely tokens
+    h = entropy.item()
+    expected = torch.tensor([[-0.25 * (math.log(0.25) + h), -0.25 * (math.log(0.25) + h), -0.5 * (math.log(0.5) + h)]])
+    torch.testing.assert_close(grad, expected)
 
 
 # ---------------------------------------------------------------- masks
@@ -378,7 +474,13 @@ def test_on_policy_loss_gradient_is_reinforce(tiny_model):
                                           ({"epsilon_low": 1.5}, "epsilon_low"),
                                           ({"advantage_estimator": "rloo", "advantage_scaling": "batch"},
                                            "advantage_scaling"),
-                                          ({"tis": "yes"}, "tis"), ({"generator": "sglang"}, "generator")])
+                                          ({"tis": "yes"}, "tis"), ({"generator": "sglang"}, "generator"),
+                                          ({"advantage_estimator": "maxrl", "reward_model_path": "builtin:tiny-rm"},
+                                           "advantage_estimator"),
+                                          ({"policy_loss": "dppo_tv", "importance_level": "sequence"},
+                                           "importance_level"),
+                                          ({"top_p": 0.9}, "top_p"), ({"tis_mask_low": 2.0}, "tis_mask_low"),
+                                          ({"entropy_coef": -0.1}, "entropy_coef")])
 def test_invalid_config_is_rejected_naming_the_flag(change, flag):
     from shared.cli import check_args
 
@@ -405,9 +507,9 @@ def test_variant_flags_parse():
      "error: advantage_scaling: applies to --advantage_estimator grpo only (rloo has its own normalisation)\n"),
     (["--epsilon_low", "1.5"], "error: epsilon_low: must be in [0, 1], got 1.5\n"),
     (["--importance_level", "seq"], "error: --importance_level: 'seq' is not one of token, sequence\n"),
-    (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo\n"),
+    (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo, dppo_tv, dppo_kl\n"),
     (["--advantage_estimator", "reinforce"],
-     "error: --advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_pp_baseline\n"),
+     "error: --advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_pp_baseline, maxrl\n"),
     (["--mask_truncated_completions", "yes"], "error: unexpected argument 'yes'; see --help\n"),  # a switch: no value
 ])
 def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
@@ -425,7 +527,7 @@ def test_bad_variant_flags_exit_2_before_anything_is_written(argv, message, tmp_
 
 
 def test_entropy_bonus_is_not_a_hidden_default():
-    assert not any("entropy_coef" in f for f in Args.__dataclass_fields__)  # no hidden entropy bonus
+    assert Args().entropy_coef == 0.0  # an opt-in flag, off by default (GRPO has no entropy term)
 
 
 def test_clipped_surrogate_and_kl_masked_before_exp():

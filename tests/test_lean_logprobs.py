@@ -29,9 +29,8 @@ def reference_logprobs(model, input_ids, attention_mask, temperature=1.0):
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, :-1].float() / temperature
     logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-    with torch.no_grad():
-        p = torch.softmax(logits, -1)
-        entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+    p = torch.softmax(logits, -1)
+    entropy = torch.logsumexp(logits, -1) - (p * logits).sum(-1)
     return logp, entropy
 
 
@@ -74,7 +73,6 @@ def test_lean_logprobs_equal_the_full_logits_computation(tiny_model, batch, name
     torch.testing.assert_close(logp * mask, ref_logp * mask, **TOL)
     assert (logp[mask == 0] == 0).all()  # positions that predict no response token are never computed
     if ent is not None:
-        assert not ent.requires_grad
         torch.testing.assert_close(ent * mask, ref_ent * mask, **TOL)
 
     ref_g = _grads(model, (weights * ref_logp).sum())
@@ -82,6 +80,10 @@ def test_lean_logprobs_equal_the_full_logits_computation(tiny_model, batch, name
     assert len(g) == len(ref_g) == len(list(model.parameters()))
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, **TOL)
+    if ent is not None:  # the entropy is differentiable too: --entropy_coef's bonus backpropagates through it
+        ent, ref_ent = SCRIPTS[name](model, ids, attn, resp, T, chunk)[1], reference_logprobs(model, ids, attn, T)[1]
+        for a, b in zip(_grads(model, (weights * ent).sum()), _grads(model, (weights * ref_ent).sum())):
+            torch.testing.assert_close(a, b, **TOL)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
