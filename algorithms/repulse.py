@@ -193,11 +193,16 @@ class Args:
 
 # ALGO LOGIC: algorithm-local pure functions (docs/repulse.md; all tensors of one rank, samples prompt-major [J*N])
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
-                     chunk_size: int = 512) -> torch.Tensor:
+                     chunk_size: int = 512, entropy_out: list | None = None) -> torch.Tensor:
     """log pi(token_{t+1} | prefix) at temperature 1 where mask[:, t] = 1 (mask [B, L-1], aligned with the output: the
-    response mask resp[:, 1:]), [B, L-1], 0 elsewhere: shared/logprobs.py's lean forward pass."""
+    response mask resp[:, 1:]), [B, L-1], 0 elsewhere: shared/logprobs.py's lean forward pass. With entropy_out, the
+    policy's entropy at the same positions ([B, L-1], detached) is appended to it."""
     response_mask = torch.nn.functional.pad(mask, (1, 0))  # [B, L]: the token each kept position predicts
-    return lean_logprobs(model, input_ids, attention_mask, response_mask, 1.0, chunk_size=chunk_size)[0]
+    logp, entropy = lean_logprobs(model, input_ids, attention_mask, response_mask, 1.0, entropy_out is not None,
+                                  chunk_size=chunk_size)
+    if entropy_out is not None:
+        entropy_out.append(entropy.detach())
+    return logp
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -526,7 +531,7 @@ def main(args: Args) -> str:
 
         # 5. q step (CTL), its own optimizer, before the p step
         stats = {"ctl": 0.0, "rl": 0.0, "neg": 0.0}
-        norms_q, norms_p = [], []
+        norms_q, norms_p, entropies = [], [], []  # entropies: p_theta's, [B, L-1] per micro-batch of the p step
         with timer("train"):
             if sample_q:
                 w_sigma, w_pi = ctl_weights(lpq, lq_old, log_phi_q, mask_q, N)
@@ -541,7 +546,7 @@ def main(args: Args) -> str:
             # 6. p step: RL term on S_p (+ neg term on the same rows for p-proposal), then neg term on S_q
             for s in range(0, args.local_batch_size, mb):
                 sl = slice(s, s + mb)
-                logp = forward_logprobs(policy, ids_p[sl], attn_p[sl], mask_p[sl])
+                logp = forward_logprobs(policy, ids_p[sl], attn_p[sl], mask_p[sl], entropy_out=entropies)
                 loss = rl_loss(logp, mask_p[sl], adv[sl], args.local_batch_size)
                 stats["rl"] += loss.item()
                 if args.use_base_as_proposal:
@@ -573,6 +578,7 @@ def main(args: Args) -> str:
             "objective/returns": R.mean().item(),
             "objective/kl": ((lp_old - lref) * mask_p).sum(-1).mean().item(),
             "objective/frac_bad": bad_p,
+            "objective/entropy": (torch.cat(entropies) * mask_p).sum().item() / mask_p.sum().clamp(min=1).item(),
             "loss/policy_avg": stats["rl"], "loss/neg_avg": stats["neg"], "loss/proposal_avg": stats["ctl"],
             "proposal/scores": r_q.mean().item(), "proposal/frac_bad": bad_q, "proposal/ess_frac": ess,
             "val/advantages_std": adv.std().item(),

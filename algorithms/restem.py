@@ -383,26 +383,29 @@ def main(args: Args) -> str:
                 global_idx = kept_sampler.next_indices(args.batch_size)
                 local = [kept[i] for i in global_idx[info.rank * args.local_batch_size :
                                                      (info.rank + 1) * args.local_batch_size]]
-                loss_sum, kl_sum, grad_norm = 0.0, 0.0, None
+                loss_sum, kl_sum, ent_sum, grad_norm = 0.0, 0.0, 0.0, None
                 for m in range(args.gradient_accumulation_steps):
                     micro = local[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
                     input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i, _ in micro],
                                                                  [ids for _, ids in micro], tokenizer.pad_token_id,
                                                                  info.device)
                     mask = resp[:, 1:].float()  # position t predicts token t+1: the completion, EOS included
-                    logp = forward_logprobs(policy, input_ids, attn, resp, args.temperature)[0]
+                    logp, entropy = forward_logprobs(policy, input_ids, attn, resp, args.temperature, True)
                     loss = sequence_mean_nll(logp, mask, len(local))
                     with torch.no_grad():  # KL(policy || base) per sequence before this step's update (k1, VinePPO)
                         base_logp = forward_logprobs(base, input_ids, attn, resp, args.temperature)[0]
                         kl_sum += ((logp.detach() - base_logp) * mask).sum().item() / len(local)
+                        token_mean = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+                        ent_sum += token_mean / args.gradient_accumulation_steps  # averaged over micro-batches
                     guard.backward(policy, loss)
                     norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                     grad_norm = norm if norm is not None else grad_norm
                     loss_sum += loss.item()
             if s == 1 or s % 10 == 0:
-                stats = info.gather_objects([loss_sum, kl_sum])
+                stats = info.gather_objects([loss_sum, kl_sum, ent_sum])
                 row.update({"loss/nll": sum(x[0] for x in stats) / len(stats),
                             "objective/kl": sum(x[1] for x in stats) / len(stats),
+                            "objective/entropy": sum(x[2] for x in stats) / len(stats),
                             "lr": policy.lr_scheduler.get_last_lr()[0], "optim/grad_norm": grad_norm,
                             "restem/step_in_iteration": s, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
             tracker.progress(1, loss=loss_sum)

@@ -419,7 +419,8 @@ def test_repulse_toy_end_to_end(tmp_path):
     steps = [r for r in rows if "loss/proposal_avg" in r]
     assert len(steps) == 256 // 64  # p and q samples both count towards total_episodes
     assert steps[-1]["episode"] == 256
-    for key in ("exact/log_p_bad", "exact/log_q_bad", "proposal/ess_frac", "objective/kl", "optim/grad_norm_q"):
+    for key in ("exact/log_p_bad", "exact/log_q_bad", "proposal/ess_frac", "objective/kl", "optim/grad_norm_q",
+                "objective/entropy"):
         assert all(r.get(key) is not None for r in steps), key
     assert steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # p == p_0 at the first rollout
     assert rows[0]["exact/log_p_bad"] == pytest.approx(rows[0]["exact/log_q_bad"])

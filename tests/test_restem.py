@@ -2,6 +2,8 @@
 restarts from the base every iteration."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +126,9 @@ def test_every_iteration_restarts_from_the_base_with_a_fresh_optimizer(tmp_path,
     assert built[0][0] and built[1][0] and built[3][0]
     first_steps = [r for r in rows if r.get("restem/step_in_iteration") == 1]
     assert len(first_steps) == 2 and all(r["objective/kl"] == 0.0 for r in first_steps)
+    # the policy's token-mean entropy on the trained completions, logged with the loss (every RL script logs it)
+    vocab = json.loads(Path(resolve_model_path("builtin:tiny-sft"), "config.json").read_text())["vocab_size"]
+    assert all(0 < r["objective/entropy"] < math.log(vocab) for r in first_steps)
     starts = [r for r in rows if "restem/kept" in r]
     assert len(starts) == 2 and starts[0]["restem/candidate_dev_accuracy"] == starts[1]["restem/candidate_dev_accuracy"]
     assert starts[0]["restem/candidate_dev_accuracy"] == rows[0]["dev/accuracy"]  # the base, as at step 0
