@@ -1301,7 +1301,32 @@ def async_bench(d: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"async_bench": async_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+def mismatch_bench(d: dict) -> str:
+    """scripts/bench_mismatch.py: the mismatch corrections under one update of staleness, DPPO and MaxRL in sync,
+    each against its baseline, over seeds."""
+    v, k = d["variants"], d.get("final_minus_baseline", {})
+    span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
+    num = lambda x: "-" if x is None else f"{x['mean']:.2g}"  # noqa: E731
+    pct = lambda x: "-" if x is None else f"{100 * x['mean']:.2f}%"  # noqa: E731
+    lines = ["| variant | script and flags | start | final | final - its baseline's, per seed | KL(mu, pi_old) | "
+             "rho p99 | tokens corrected | completions corrected | minutes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in v.items():
+        diff = k.get(name)
+        cell = "-" if not diff else (" / ".join(f"{x:+.3f}" for x in diff.values())
+                                     + f" (vs {r['baseline']}; mean {sum(diff.values()) / len(diff):+.3f})")
+        lines.append(f"| {name} | `{r['command']}` | {span(r['start'])} | **{span(r['final'])}** | {cell} | "
+                     f"{num(r.get('val/sampler_kl_mean'))} | {num(r.get('val/tis_ratio_p99_mean'))} | "
+                     f"{pct(r.get('val/tis_clipfrac_mean'))} | {pct(r.get('val/tis_seq_clipfrac_mean'))} | "
+                     f"{r['minutes']['mean']:.1f} |")
+    seeds = sorted({s for r in v.values() for s in r["seeds"]})
+    lines += ["", f"`eval/accuracy` before training and after the default run's 102,400 trained samples, mean (min-max) "
+                  f"over seeds {', '.join(seeds)}, one start model; the mismatch columns: means over a run's steps, then "
+                  "over seeds (`val/sampler_kl`, `val/tis_ratio_p99`, `val/tis_clipfrac`, `val/tis_seq_clipfrac`); "
+                  "minutes: a run's wall time (the machine's load: `loadavg_at_end` per run in the file).", "",
+              _provenance(d, "python scripts/bench_mismatch.py")]
+    return "\n".join(lines)
+
+RENDERERS = {"async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "results_overview": results_overview, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,

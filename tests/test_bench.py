@@ -244,3 +244,32 @@ def test_git_commit_is_the_callers_when_set(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True).stdout.strip()
     assert bc.git_commit() == (head or None)
+
+
+def test_bench_mismatch_compares_each_variant_with_its_baseline_and_renders_it():
+    """Each variant's final accuracy minus its baseline's, seed by seed over the seeds both ran (by hand), and one
+    docs row per variant with its command, the difference and the mismatch diagnostics."""
+    import bench_mismatch
+    import docs_tables
+
+    spread = lambda xs: {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
+
+    def variant(name, finals):
+        script, flags, baseline = bench_mismatch.VARIANTS[name]
+        seeds = {s: {"final": {"eval/accuracy": f}} for s, f in finals.items()}
+        return {"script": script, "flags": flags, "baseline": baseline, "command": f"python algorithms/{script}.py "
+                f"{flags}".strip(), "start": spread([0.5]), "final": spread(list(finals.values())),
+                "val/sampler_kl_mean": spread([0.0012]), "val/tis_clipfrac_mean": spread([0.004]),
+                "minutes": spread([5.0]), "seeds": seeds}
+
+    results = {"async1": variant("async1", {"1": 0.80, "2": 0.70}),
+               "async1_geo_mask": variant("async1_geo_mask", {"1": 0.75, "2": 0.72, "3": 0.9}),
+               "maxrl": variant("maxrl", {"1": 0.9})}  # its baseline (sync) did not run: no difference
+    diffs = bench_mismatch.versus_baseline(results)
+    assert diffs.keys() == {"async1_geo_mask"}
+    assert diffs["async1_geo_mask"] == pytest.approx({"1": -0.05, "2": 0.02})
+    text = docs_tables.mismatch_bench({"variants": results, "final_minus_baseline": diffs, "command": "x"})
+    row = next(line for line in text.splitlines() if line.startswith("| async1_geo_mask |"))
+    assert "`python algorithms/grpo_async.py --tis geometric_mask --tis_cap 1.001`" in row
+    assert "-0.050 / +0.020 (vs async1; mean -0.015)" in row and "| 0.0012 |" in row and "| 0.40% |" in row
+    assert next(line for line in text.splitlines() if line.startswith("| maxrl |")).count("| - |") == 3

@@ -1,0 +1,129 @@
+"""Benchmark (not a test): the mismatch corrections, DPPO and MaxRL against the default runs, on the built-in task.
+Docs: docs/mismatch.md
+
+    python scripts/bench_mismatch.py                                   # every variant, seeds 1 2 3 (hours on 2 cores)
+    python scripts/bench_mismatch.py --variants sync async1 async1_tis_none --seeds 1
+    python scripts/bench_mismatch.py --stop_after_steps 100            # spread over sessions: rerun to continue
+
+Every run is a default run (`python algorithms/<script>.py --seed k`, 102,400 trained samples from builtin:tiny-sft)
+plus the variant's flags, in one fresh model cache, through scripts/bench_headline.py's run_one (a finished run is
+kept in <out>/<variant>/<script>/seed<k>.json and not rerun). Two groups, each against its own baseline:
+  - the corrections of the sampler/trainer mismatch under asynchronous generation (grpo_async.py, one update
+    stale: where the mismatch is real), each `--tis` mode against grpo_async.py's default (token_truncate) and
+    `--tis none`, with the thresholds the references give (docs/mismatch.md);
+  - DPPO and MaxRL in the synchronous loop (grpo.py), against grpo.py's default.
+Reported per variant: held-out accuracy at the start and the end and the gain, mean (min-max) over seeds; the
+mismatch diagnostics averaged over a run's steps (val/sampler_kl, val/tis_ratio_p99, val/tis_clipfrac,
+val/tis_seq_clipfrac); wall minutes. Writes docs/bench/mismatch/<device>_<time>.json (`--results`), rendered into
+docs/mismatch.md by scripts/docs_tables.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+import bench_headline as bh  # noqa: E402
+
+ROOT = bc.ROOT
+# variant -> (script, flags, its baseline)
+VARIANTS = {
+    "sync": ("grpo", "", None),
+    "async1": ("grpo_async", "", None),  # --tis token_truncate, C = 2
+    "async1_tis_none": ("grpo_async", "--tis none", "async1"),
+    "async1_icepop": ("grpo_async", "--tis token_mask --tis_mask_low 0.5 --tis_cap 5", "async1"),
+    "async1_seq_truncate": ("grpo_async", "--tis sequence_truncate", "async1"),
+    "async1_seq_mask": ("grpo_async", "--tis sequence_mask", "async1"),
+    "async1_geo_mask": ("grpo_async", "--tis geometric_mask --tis_cap 1.001", "async1"),
+    "dppo_tv": ("grpo", "--policy_loss dppo_tv", "sync"),
+    "dppo_kl": ("grpo", "--policy_loss dppo_kl", "sync"),
+    "maxrl": ("grpo", "--advantage_estimator maxrl", "sync"),
+}
+DIAGNOSTICS = ("val/sampler_kl", "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="which runs (VARIANTS in this file); each is compared with its baseline when that runs too")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--flags", default="", help="extra flags for every run, one string (e.g. a smaller "
+                                               "--total_episodes for a smoke run)")
+    p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "mismatch", help="work directory")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "mismatch", help="JSON summary directory")
+    return p.parse_args(argv)
+
+
+def run_variant(a, name: str, cache: Path) -> dict | None:
+    """The variant's runs over the seeds and their summary; None when a run stopped after --stop_after_steps."""
+    script, extra, baseline = VARIANTS[name]
+    sub = SimpleNamespace(out=a.out / name, flags=f"{extra} {a.flags}".strip(), stop_after_steps=a.stop_after_steps)
+    sub.out.mkdir(parents=True, exist_ok=True)
+    if not (sub.out / "cache").exists():
+        (sub.out / "cache").symlink_to(cache.resolve())
+    runs = {}
+    for seed in a.seeds:
+        r = bh.run_one(sub, script, seed)
+        if r is None:
+            return None
+        rows = bc.read_jsonl(sub.out / script / f"seed{seed}" / "metrics.jsonl")
+        for key in DIAGNOSTICS:  # mean over the run's steps
+            xs = [row[key] for row in rows if key in row]
+            r[f"{key}_mean"] = sum(xs) / len(xs) if xs else None
+        runs[str(seed)] = r
+    k = bh.METRICS["grpo"][0]
+    return {"script": script, "flags": sub.flags, "baseline": baseline,
+            "command": f"python algorithms/{script}.py {sub.flags}".strip(),
+            "start": bh.spread([r["start"][k] for r in runs.values()]),
+            "final": bh.spread([r["final"][k] for r in runs.values()]),
+            "gain": bh.spread([r["final"][k] - r["start"][k] for r in runs.values()]),
+            **{f"{key}_mean": bh.spread([r[f"{key}_mean"] for r in runs.values()]) for key in DIAGNOSTICS
+               if all(r.get(f"{key}_mean") is not None for r in runs.values())},
+            "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
+            "seeds": runs}
+
+
+def versus_baseline(results: dict) -> dict:
+    """{variant: {seed: its final held-out accuracy minus its baseline's}} over the seeds both ran."""
+    out = {}
+    for name, r in results.items():
+        base = results.get(r["baseline"] or "")
+        if base:
+            seeds = sorted(set(r["seeds"]) & set(base["seeds"]))
+            out[name] = {s: r["seeds"][s]["final"]["eval/accuracy"] - base["seeds"][s]["final"]["eval/accuracy"]
+                         for s in seeds}
+    return out
+
+
+def main(argv=None) -> dict | None:
+    a = parse_args(argv)
+    env = bc.environment()
+    print(f"[bench_mismatch] {env['device']}; variants {' '.join(a.variants)}; load {env['loadavg_at_start']}",
+          flush=True)
+    cache = a.out / "cache"  # one start model for every variant
+    cache.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in a.variants:
+        r = run_variant(a, name, cache)
+        if r is None:
+            print("[bench_mismatch] a run stopped after --stop_after_steps; rerun the same command to continue")
+            return None
+        results[name] = r
+        print(f"{name}: eval/accuracy {r['start']['mean']:.3f} -> {r['final']['mean']:.3f} "
+              f"({r['minutes']['mean']:.1f} min)", flush=True)
+    result = {"benchmark": "mismatch", "env": env, "command": bc.invocation(argv and [sys.argv[0], *argv]),
+              "note": "the sampler/trainer mismatch corrections under one update of staleness (grpo_async.py), "
+                      "DPPO and MaxRL in the synchronous loop (grpo.py), default runs on the built-in task",
+              "variants": results, "final_minus_baseline": versus_baseline(results)}
+    path = bc.write_result("mismatch", result, a.results, latest=False, cache=cache)
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
