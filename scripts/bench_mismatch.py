@@ -4,6 +4,7 @@ Docs: docs/mismatch.md
     python scripts/bench_mismatch.py                                   # every variant, seeds 1 2 3 (hours on 2 cores)
     python scripts/bench_mismatch.py --variants sync async1 async1_tis_none --seeds 1
     python scripts/bench_mismatch.py --stop_after_steps 100            # spread over sessions: rerun to continue
+    python scripts/bench_mismatch.py --real_model 6                   # SmolLM2: sync and async diagnostics only
 
 Every run is a default run (`python algorithms/<script>.py --seed k`, 102,400 trained samples from builtin:tiny-sft)
 plus the variant's flags, in one fresh model cache, through scripts/bench_headline.py's run_one (a finished run is
@@ -14,8 +15,14 @@ kept in <out>/<variant>/<script>/seed<k>.json and not rerun). Two groups, each a
   - DPPO and MaxRL in the synchronous loop (grpo.py), against grpo.py's default.
 Reported per variant: held-out accuracy at the start and the end and the gain, mean (min-max) over seeds; the
 mismatch diagnostics averaged over a run's steps (val/sampler_kl, val/tis_ratio_p99, val/tis_clipfrac,
-val/tis_seq_clipfrac); wall minutes. Writes docs/bench/mismatch/<device>_<time>.json (`--results`), rendered into
-docs/mismatch.md by scripts/docs_tables.py.
+val/tis_seq_clipfrac); wall minutes.
+
+`--real_model STEPS` runs instead grpo.py and grpo_async.py on builtin:smollm2-135m (the chat model shipped offline)
+with scripts/bench_real_model_grpo.py's task and settings for STEPS steps, and reports their mismatch diagnostics
+step by step, side by side: the mismatch of a real model's sampler in numbers, synchronous and one update stale.
+
+Writes docs/bench/mismatch/<device>_<time>.json (`--results`), rendered into docs/mismatch.md by
+scripts/docs_tables.py.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ VARIANTS = {
     "maxrl": ("grpo", "--advantage_estimator maxrl", "sync"),
 }
 DIAGNOSTICS = ("val/sampler_kl", "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac")
+REAL_MODEL_KEYS = ("val/sampler_kl", "val/sampler_logprob_diff", "val/tis_ratio_min", "val/tis_ratio_max",
+                   "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac", "async/staleness")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flags", default="", help="extra flags for every run, one string (e.g. a smaller "
                                                "--total_episodes for a smoke run)")
     p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
+    p.add_argument("--real_model", type=int, default=0, metavar="STEPS",
+                   help="instead: grpo.py and grpo_async.py on builtin:smollm2-135m for STEPS steps, diagnostics only")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "mismatch", help="work directory")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "mismatch", help="JSON summary directory")
     return p.parse_args(argv)
@@ -100,9 +111,46 @@ def versus_baseline(results: dict) -> dict:
     return out
 
 
+def real_model(a) -> dict:
+    """grpo.py and grpo_async.py on SmolLM2-135M-Instruct (bench_real_model_grpo.py's task and settings, seed 1,
+    a short evaluation), a.real_model steps each: {script: {"command", "steps": [{step, diagnostics}]}}."""
+    import shlex
+
+    import bench_real_model_grpo as brm
+
+    dataset = brm.write_data(a.out / "real_model" / "data")
+    settings = argparse.Namespace(learning_rate=1e-5, total_episodes=128 * a.real_model, eval_every=0,
+                                  generator="vllm", stop_after_steps=0)
+    out = {}
+    for script in ("grpo", "grpo_async"):
+        run_dir = a.out / "real_model" / script
+        argv = brm.grpo_args(settings, 1, dataset, run_dir)
+        argv[0] = f"algorithms/{script}.py"
+        for flag, value in (("--eval_num_prompts", "20"), ("--eval_num_samples", "1")):  # a short evaluation
+            argv[argv.index(flag) + 1] = value
+        argv.append("--no_save_model")
+        if not (run_dir / "metrics.jsonl").exists() or not any(
+                "time/total" in r for r in bc.read_jsonl(run_dir / "metrics.jsonl")):
+            print(f"[bench_mismatch] python {' '.join(shlex.quote(x) for x in argv)}", flush=True)
+            bc.run_child(argv, a.out / "real_model" / f"log_{script}")
+        rows = [r for r in bc.read_jsonl(run_dir / "metrics.jsonl") if "val/sampler_kl" in r]
+        out[script] = {"command": "python " + " ".join(shlex.quote(x) for x in argv),
+                       "steps": [{"step": r["step"], **{k: r[k] for k in REAL_MODEL_KEYS if k in r}} for r in rows]}
+    return out
+
+
 def main(argv=None) -> dict | None:
     a = parse_args(argv)
     env = bc.environment()
+    if a.real_model:
+        result = {"benchmark": "mismatch_real_model", "env": env,
+                  "command": bc.invocation(argv and [sys.argv[0], *argv]),
+                  "note": "the sampler/trainer mismatch of SmolLM2-135M-Instruct under vLLM on CPU, synchronous "
+                          "(grpo.py) and one update stale (grpo_async.py), diagnostics per step",
+                  "real_model": real_model(a)}
+        path = bc.write_result("mismatch", result, a.results, latest=False)
+        print(f"wrote {path}")
+        return result
     print(f"[bench_mismatch] {env['device']}; variants {' '.join(a.variants)}; load {env['loadavg_at_start']}",
           flush=True)
     cache = a.out / "cache"  # one start model for every variant

@@ -1304,10 +1304,25 @@ def async_bench(d: dict) -> str:
 def mismatch_bench(d: dict) -> str:
     """scripts/bench_mismatch.py: the mismatch corrections under one update of staleness, DPPO and MaxRL in sync,
     each against its baseline, over seeds."""
+    if "real_model" in d:  # --real_model: the diagnostics of a sync and an async run of SmolLM2, step by step
+        sync, stale = d["real_model"]["grpo"]["steps"], d["real_model"]["grpo_async"]["steps"]
+        g = lambda r, key: "-" if r is None or key not in r else f"{r[key]:.3g}"  # noqa: E731
+        lines = ["| step | KL(mu, pi_old): sync | async | rho p99: sync | async | rho min-max: sync | async | "
+                 "tokens truncated: sync | async |", "|---|---|---|---|---|---|---|---|---|"]
+        by_step = {r["step"]: r for r in stale}
+        for r in sync:
+            x = by_step.get(r["step"])
+            lines.append(f"| {r['step']} | {g(r, 'val/sampler_kl')} | {g(x, 'val/sampler_kl')} | "
+                         f"{g(r, 'val/tis_ratio_p99')} | {g(x, 'val/tis_ratio_p99')} | {g(r, 'val/tis_ratio_min')}-"
+                         f"{g(r, 'val/tis_ratio_max')} | {g(x, 'val/tis_ratio_min')}-{g(x, 'val/tis_ratio_max')} | "
+                         f"{pct(r.get('val/tis_clipfrac'))} | {pct(x and x.get('val/tis_clipfrac'))} |")
+        return "\n".join(lines + ["", f"sync: `{d['real_model']['grpo']['command']}`; async: the same with "
+                                       "algorithms/grpo_async.py (one update stale from step 2 on). " +
+                                   _provenance(d, "python scripts/bench_mismatch.py --real_model")])
     v, k = d["variants"], d.get("final_minus_baseline", {})
     span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
     num = lambda x: "-" if x is None else f"{x['mean']:.2g}"  # noqa: E731
-    pct = lambda x: "-" if x is None else f"{100 * x['mean']:.2f}%"  # noqa: E731
+    share = lambda x: "-" if x is None else f"{100 * x['mean']:.2f}%"  # noqa: E731
     lines = ["| variant | script and flags | start | final | final - its baseline's, per seed | KL(mu, pi_old) | "
              "rho p99 | tokens corrected | completions corrected | minutes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in v.items():
@@ -1316,7 +1331,7 @@ def mismatch_bench(d: dict) -> str:
                                      + f" (vs {r['baseline']}; mean {sum(diff.values()) / len(diff):+.3f})")
         lines.append(f"| {name} | `{r['command']}` | {span(r['start'])} | **{span(r['final'])}** | {cell} | "
                      f"{num(r.get('val/sampler_kl_mean'))} | {num(r.get('val/tis_ratio_p99_mean'))} | "
-                     f"{pct(r.get('val/tis_clipfrac_mean'))} | {pct(r.get('val/tis_seq_clipfrac_mean'))} | "
+                     f"{share(r.get('val/tis_clipfrac_mean'))} | {share(r.get('val/tis_seq_clipfrac_mean'))} | "
                      f"{r['minutes']['mean']:.1f} |")
     seeds = sorted({s for r in v.values() for s in r["seeds"]})
     lines += ["", f"`eval/accuracy` before training and after the default run's 102,400 trained samples, mean (min-max) "
