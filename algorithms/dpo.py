@@ -123,6 +123,8 @@ class Args:
     """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
     lora_target_modules: str = "all-linear"
     """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """how vLLM gets a LoRA policy: merged weights (`merged`) or the adapter alone, served by vLLM's LoRA (`adapter`); docs/lora.md"""
     save_model: bool = True
     """save the final policy as an HF checkpoint in output_dir/final"""
 
@@ -399,7 +401,7 @@ def main(args: Args) -> str:
                                    dtype=dtype, seed=local_seed, max_model_len=args.max_seq_length,
                                    world_size=info.world_size, zero_stage=info.zero_stage,
                                    gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                   enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
+                                   enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop, lora_sync=args.lora_sync)
     pad_id = tokenizer.pad_token_id
     timer = Timer()
 

@@ -460,6 +460,43 @@ def lora_memory(d: dict) -> str:
 
 
 
+def lora_sync(d: dict) -> str:
+    """scripts/bench_lora_sync.py: --lora_sync merged against adapter on builtin:smollm2-135m: the sync into vLLM, the
+    engine's memory, generation of a fixed batch, and where the adapter sync pays off."""
+    st, m, a = d["settings"], d["modes"]["merged"], d["modes"]["adapter"]
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    rate = {k: sum(r["generated_tokens"]) / sum(r["generate_s"]) for k, r in d["modes"].items()}
+    batch = f"{st['num_prompts']} prompts x {st['num_generations']}, {st['max_new_tokens']} new tokens"
+    lines = ["| | `merged` (default) | `adapter` |", "|---|---|---|",
+             f"| weight sync into vLLM, median of {st['syncs']} | {m['sync_median_s']:.3f} s | "
+             f"{a['sync_median_s']:.3f} s |",
+             f"| data per sync | {mib(m['bytes_per_sync'])} (every weight) | {mib(a['bytes_per_sync'])} (A and B, "
+             "peft format) |",
+             f"| generation of the batch ({batch}), median of {st['gen_repeats']} | {m['generate_median_s']:.2f} s "
+             f"| {a['generate_median_s']:.2f} s |",
+             f"| generated tokens per second | {rate['merged']:.1f} | {rate['adapter']:.1f} |",
+             f"| engine build | {m['engine_build_s']:.1f} s | {a['engine_build_s']:.1f} s |",
+             f"| process RSS growth over the engine's build | {m['engine_rss_growth_mb']:.0f} MB | "
+             f"{a['engine_rss_growth_mb']:.0f} MB |",
+             f"| vLLM's LoRA buffers (adapter slots of its LoRA layers) | - | {mib(a['vllm_lora_buffer_bytes'])} |",
+             f"| largest log-prob difference, engine vs trainer | {m['max_logprob_diff_vs_trainer']:.1e} | "
+             f"{a['max_logprob_diff_vs_trainer']:.1e} |"]
+    saved = m["sync_median_s"] - a["sync_median_s"]
+    extra = 1 / rate["adapter"] - 1 / rate["merged"]  # seconds more per generated token with the adapter
+    even = (f"the adapter sync saves {saved:.2f} s per sync and costs {1000 * extra:.0f} ms per generated token, so it "
+            f"is faster only for a step that generates fewer than {saved / extra:.0f} tokens between two syncs"
+            if extra > 0 else f"the adapter sync saves {saved:.2f} s per sync and generation is not slower")
+    load = d["env"]["loadavg_at_start"][0], d["loadavg_at_end"][0]
+    lines += ["", f"{d['model']}, {d['dtype']}, LoRA r = {st['lora_r']}, alpha {st['lora_alpha']}, all linear layers; "
+                  f"both engines in one process (peak RSS {d['peak_rss_mb']:.0f} MB), built one after the other in this "
+                  f"order, then taking turns. Greedy "
+                  f"completions of the batch's prompts equal between the modes: {d['greedy_equal_fraction']:.0%}. "
+                  f"On this machine {even} (at this batch's shape). `{d['command']}`, {d['env']['device']}, "
+                  f"{d['env']['time']}, {commit(d)}, 1-minute load average at the start {load[0]:.1f}, at the end "
+                  f"{load[1]:.1f} (times depend on it, memory does not)."]
+    return "\n".join(lines)
+
+
 GRPO_DEFAULT_BATCH = 512  # grpo.py's default batch in one process, 64 prompts x 8 completions (tests/test_docs.py);
 # a headline file from before bench_headline.py stored `samples` per evaluation has only the step
 
@@ -1353,7 +1390,7 @@ RENDERERS = {"async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo
              "memory_estimate": memory_estimate, "drca_localisation": drca_localisation,
              "repulse_toy_cost": repulse_toy_cost,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
-             "lora_learning": lora_learning, "lora_memory": lora_memory, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
+             "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 

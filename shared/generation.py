@@ -4,6 +4,7 @@
     out = gen.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_new_tokens=64, seed=step)
     out[i][k].token_ids / .logprobs / .finish_reason      # k-th sample of prompt i
     gen.sync_weights(full_named_parameters(engine, info))  # after each optimizer update
+    gen = make_generator("vllm", ..., lora_sync="adapter")  # a LoRA run: the engine serves the adapter (below)
 
 Prompts are arbitrary token prefixes, so VinePPO can roll out from partial responses; `max_new_tokens` may be
 one budget per prompt (a rollout from a partial response gets what is left of the length limit).
@@ -17,6 +18,17 @@ second full copy of the model), then the prefix cache is reset. Returned log-pro
 offloads the weights to CPU memory and drops the KV cache; level 2 also discards the weights, for the scripts whose
 next use of the engine is a full `sync_weights` after the update. The engine wakes itself on the next `generate` or
 `sync_weights`, after returning PyTorch's cached blocks to the driver.
+
+`vllm` with `lora_sync="adapter"` (a LoRA run's `--lora_sync adapter`; `model` is then the peft policy): the engine
+is built with vLLM's LoRA (`enable_lora`, one adapter, `max_lora_rank` the smallest value vLLM accepts that holds the
+rank) from the base weights, which it keeps. `sync_weights` writes the policy's adapter, A and B only, in peft format
+into a temporary directory the generator owns (shared/lora.py's `write_adapter`; gathered under ZeRO-3) and loads it
+into the engine with `load_inplace=True`, replacing the previous version under the same adapter id; every later
+`generate` names that adapter in its `LoRARequest` (without `load_inplace`: vLLM applies a request's adapter at every
+engine step, and with `load_inplace` it would read the files again each time). The merged weights it is given are not
+consumed (the iterator of `full_named_parameters` is lazy: nothing is merged or gathered). Before the first sync the
+engine serves the base, which is what a new policy is (its B adapters start at zero). Sleep level 2 becomes level 1
+there: the base weights are never sent again, so they must be kept.
 
 `hf`: `model.generate` on the live training model (always in sync; `synced_gpus` under ZeRO-3); log-probs
 from the processed scores, so they mean the same thing as vLLM's.
@@ -46,6 +58,9 @@ checks it.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable
@@ -152,7 +167,10 @@ def _finish(ids: list[int], logprobs: list[float], stop_ids, tokenizer, stop, ma
 class VLLMGenerator:
     def __init__(self, model_path: str, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int,
                  world_size: int = 1, gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
-                 enable_sleep_mode: bool = False, stop_token_ids: list[int] | None = None, stop=()):
+                 enable_sleep_mode: bool = False, stop_token_ids: list[int] | None = None, stop=(),
+                 lora_model: torch.nn.Module | None = None, zero3: bool = False):
+        """`lora_model`: a peft model whose adapter the engine serves through vLLM's LoRA (module docstring); None:
+        the engine serves the weights `sync_weights` loads. `zero3`: its parameters are ZeRO-3 shards."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine we can update
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
@@ -175,6 +193,13 @@ class VLLMGenerator:
         )
         if on_cpu:
             kwargs["enforce_eager"] = True
+        if lora_model is not None:
+            from shared.lora import is_peft, vllm_lora_rank
+
+            if not is_peft(lora_model):
+                raise ValueError("lora_sync: `adapter` needs a LoRA policy (--lora_r > 0)")
+            rank = getattr(lora_model, "module", lora_model).peft_config["default"].r
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(rank))
         if world_size > 1:  # one engine per rank, inside the already-running torch.distributed job
             kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         with muted():  # engine start: C++ warnings and weight-loading bars that bypass vLLM's logger
@@ -185,6 +210,11 @@ class VLLMGenerator:
         self.stop = tuple(stop)
         self.sleep_enabled = kwargs["enable_sleep_mode"]
         self.asleep = self.weights_discarded = False
+        self.lora_model, self.zero3 = lora_model, zero3
+        self.lora_request = None  # the adapter every generate names: None until the first adapter sync
+        if lora_model is not None:
+            self.adapter_dir = tempfile.mkdtemp(prefix="cleanrlhf_adapter_")
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
@@ -207,7 +237,8 @@ class VLLMGenerator:
         ]
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         with seeded(seed_for(seed, index_offset), device):  # no per-request seeds (module docstring)
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                     lora_request=self.lora_request)
         result = []
         for out, budget in zip(outs, budgets):
             group = []
@@ -221,12 +252,23 @@ class VLLMGenerator:
     @torch.no_grad()
     def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights in place (names as in the HF model), then drop stale prefix-cache entries. The tensors are
-        consumed one at a time as they are produced (the engine is in this process), never all held at once."""
+        consumed one at a time as they are produced (the engine is in this process), never all held at once. An
+        engine serving an adapter (`lora_model`) instead loads the model's current adapter and leaves `named_params`
+        unread (module docstring)."""
         self.wake_up()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_params)})
-        self.llm.collective_rpc(_refresh_tied_lm_head)
+        if self.lora_model is not None:
+            from vllm.lora.request import LoRARequest
+
+            from shared.lora import write_adapter
+
+            write_adapter(self.lora_model, self.adapter_dir, self.zero3)
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self.adapter_dir, load_inplace=True))
+            self.lora_request = LoRARequest("policy", 1, self.adapter_dir)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_params)})
+            self.llm.collective_rpc(_refresh_tied_lm_head)
+            self.weights_discarded = False
         self.llm.reset_prefix_cache()
-        self.weights_discarded = False
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory while the trainer works (a no-op without enable_sleep_mode, and on CPU).
@@ -234,6 +276,7 @@ class VLLMGenerator:
         where the engine's next use is `sync_weights` of every parameter, as after every update of the scripts; a
         `generate` before that is an error, not stale samples."""
         if self.sleep_enabled and not self.asleep:
+            level = 1 if self.lora_model is not None else level  # an adapter sync never sends the base weights again
             self.llm.sleep(level=level)
             self.asleep, self.weights_discarded = True, level == 2
 
@@ -416,13 +459,16 @@ def check_engine(generator, model: torch.nn.Module, prompts: list[list[int]], in
 
 def make_generator(kind: str, *, model_path: str, model: torch.nn.Module, tokenizer, dtype: torch.dtype, seed: int,
                    max_model_len: int, world_size: int, zero_stage: int, gpu_memory_utilization: float = 0.3,
-                   enable_prefix_caching: bool = True, enable_sleep_mode: bool = False, stop=()):
+                   enable_prefix_caching: bool = True, enable_sleep_mode: bool = False, stop=(),
+                   lora_sync: str = "merged"):
     """Build the generator named by `kind` ('vllm' or 'hf'). `model` is the unwrapped training model; both stop on
-    `stop_token_ids(model_path, tokenizer)` and on the `stop` strings."""
+    `stop_token_ids(model_path, tokenizer)` and on the `stop` strings. `lora_sync="adapter"` (vllm, `model` a peft
+    model): the engine serves `model`'s adapter through vLLM's LoRA (module docstring); `merged`: its weights."""
     stop_ids = stop_token_ids(model_path, tokenizer)
     if kind == "vllm":
         return VLLMGenerator(model_path, tokenizer, dtype, seed, max_model_len, world_size, gpu_memory_utilization,
-                             enable_prefix_caching, enable_sleep_mode, stop_token_ids=stop_ids, stop=stop)
+                             enable_prefix_caching, enable_sleep_mode, stop_token_ids=stop_ids, stop=stop,
+                             lora_model=model if lora_sync == "adapter" else None, zero3=zero_stage == 3)
     if kind == "hf":
         return HFGenerator(model, tokenizer, synced_gpus=zero_stage == 3, stop_token_ids=stop_ids, stop=stop)
     raise ValueError(f"generator: expected 'vllm' or 'hf', got {kind!r}")

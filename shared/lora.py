@@ -1,4 +1,5 @@
-"""LoRA through peft: adapters on a frozen base model, merged weights for the generation engine and the exports.
+"""LoRA through peft: adapters on a frozen base model; the merged weights or the adapter for the generation engine,
+both for the exports.
 
     check_lora(args, model_path)              # start-up: --lora_* flags and target names, before anything is written
     model = add_lora(model, args)             # a peft model whose only trainable weights are the adapters
@@ -14,16 +15,23 @@ Everything else goes through the usual plumbing, which recognises a peft model:
   - resumable checkpoints store the trainable weights (the adapters, and a reward model's / critic's head) and
     their optimizer state only: the frozen base is read again from `--model_name_or_path` on resume.
 
-Why merged weights rather than vLLM's LoRA adapter path: the engine then runs the plain base architecture (no LoRA
-kernels, no `enable_lora` / `max_lora_rank` engine settings, the same code path as full fine-tuning, the same log-
-probs as the trainer to fp32 rounding); the cost is one W + BA per targeted layer per sync, which is small next to
-a rollout (scripts/bench_lora_memory.py measures it). vLLM's adapter path would send only A and B, a gain for multi-GPU
-models where weight traffic matters, not measured here.
+The vLLM engine gets the policy in one of two ways (`--lora_sync`, the scripts' `make_generator(..., lora_sync=)`):
+  - `merged` (default): the merged weights, loaded in place with `reload_weights` like full fine-tuning's. The engine
+    runs the plain base architecture (no LoRA kernels, no `enable_lora` engine settings), its log-probs equal the
+    trainer's to fp32 rounding; each sync computes W + BA for every targeted layer and rewrites every weight.
+  - `adapter`: the engine is built with vLLM's LoRA (`enable_lora`, `max_lora_rank` = `vllm_lora_rank(--lora_r)`)
+    and each sync writes only A and B (`write_adapter`: peft format, in a directory the generator owns) and has the
+    engine load them (shared/generation.py); the base weights stay as loaded. Measured on builtin:smollm2-135m on
+    CPU (scripts/bench_lora_sync.py, docs/lora.md): the adapter sync is over 40x faster, but generation through
+    vLLM's CPU LoRA kernels is several times slower, which outweighs it unless a step generates only a few tokens,
+    so `merged` is the default. Both serve the trained policy (tests/test_lora.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 
 import torch
 
@@ -55,18 +63,30 @@ def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
     """Start-up checks of the LoRA flags (one-line errors naming the flag, before anything is written): with
     --lora_r > 0, peft must be installed and every name of --lora_target_modules must match a linear layer of the
     model, built from its config on the meta device (no weights read); under ZeRO-3 a causal LM's output layer may
-    not carry an adapter (`all-linear` leaves it out)."""
+    not carry an adapter (`all-linear` leaves it out). With --lora_sync adapter: --lora_r > 0, --generator vllm, a
+    rank vLLM's LoRA serves, and adapters it can serve on this model (`check_vllm_lora`)."""
+    adapter_sync = getattr(args, "lora_sync", "merged") == "adapter"
+    if adapter_sync and not getattr(args, "lora_r", 0):
+        raise ValueError("lora_sync: `adapter` sends LoRA adapters to vLLM and needs --lora_r > 0 (there are none)")
+    if adapter_sync and getattr(args, "generator", "vllm") != "vllm":
+        raise ValueError("lora_sync: `adapter` is for --generator vllm (the hf backend generates with the trained "
+                         "model itself, nothing is synced)")
     if not getattr(args, "lora_r", 0):
         return
+    if adapter_sync and args.lora_r > max(vllm_lora_ranks()):
+        raise ValueError(f"lora_r: vLLM's LoRA serves ranks up to {max(vllm_lora_ranks())}, got {args.lora_r} "
+                         "(or --lora_sync merged)")
     try:
-        import peft  # noqa: F401
+        importlib.import_module("peft")
     except ImportError:
         raise ValueError("lora_r: LoRA needs the peft package (pip install -r requirements.txt)") from None
     targets = target_modules(args.lora_target_modules)
     if not targets:
         raise ValueError("lora_target_modules: expected `all-linear` or comma-separated module names, got "
                          f"{args.lora_target_modules!r}")
-    if targets == "all-linear":
+    if targets == "all-linear":  # every linear layer but the output layer
+        if adapter_sync:
+            check_vllm_lora(model_path, None)
         return
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -88,6 +108,41 @@ def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
         # adapter runs as a module, whose weight ZeRO-3 releases before the recomputed chunk's backward reads it
         raise ValueError(f"lora_target_modules: an adapter on the output layer ({head_name}) is not supported under "
                          "ZeRO-3; leave it out, or launch with scripts/accelerate/zero2.yaml")
+    if adapter_sync:
+        check_vllm_lora(model_path, head_name if head_name in targets else None)
+
+
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The values of `max_lora_rank` the installed vLLM accepts (1, 8, 16, 32, ..., 512 in vLLM 0.32)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return tuple(sorted(get_args(MaxLoRARanks)))
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The engine's `max_lora_rank` for adapters of rank r: the smallest value vLLM accepts that holds r."""
+    return next(v for v in vllm_lora_ranks() if v >= r)
+
+
+def check_vllm_lora(model_path: str, head: str | None) -> None:
+    """--lora_sync adapter: vLLM's class for the model's architecture must serve LoRA adapters, and `head` (the
+    output layer's name when it carries an adapter) must be one of its LoRA embedding modules (Llama's lm_head is,
+    Qwen2's is not). An architecture vLLM does not register itself is left to the engine, which says why at start."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    archs = [a for a in AutoConfig.from_pretrained(model_path).architectures or [] if a in ModelRegistry.models]
+    if not archs:
+        return
+    cls = ModelRegistry.models[archs[0]].load_model_cls()
+    if not supports_lora(cls):
+        raise ValueError(f"lora_sync: vLLM's {archs[0]} does not serve LoRA adapters; use --lora_sync merged")
+    if head is not None and head not in getattr(cls, "embedding_modules", {}):
+        raise ValueError(f"lora_target_modules: vLLM's LoRA cannot serve an adapter on the output layer ({head}) of "
+                         f"{archs[0]} (--lora_sync adapter); leave it out, or use --lora_sync merged")
 
 
 def add_lora(model, args, seq_cls: bool = False):
@@ -166,6 +221,21 @@ def adapter_state_dict(model, zero3: bool = False) -> dict[str, torch.Tensor]:
             with _gathered([p], zero3):
                 out[name] = p.detach().cpu().clone()
     return out
+
+
+def write_adapter(model, directory: str, zero3: bool = False) -> None:
+    """The adapter of peft model `model` in peft format in `directory`: adapter_config.json and
+    adapter_model.safetensors, under the names `save_pretrained` writes (what vLLM's LoRA and
+    `PeftModel.from_pretrained` load), without the copy of the base's output layer that peft adds when the output
+    layer carries an adapter. Collective under ZeRO-3 (every rank gathers the adapters)."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    module = getattr(model, "module", model)
+    tensors = get_peft_model_state_dict(module, state_dict=adapter_state_dict(module, zero3),
+                                        save_embedding_layers=False)
+    module.peft_config["default"].save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "adapter_model.safetensors"))
 
 
 class adapters_disabled:  # noqa: N801 - used like a model

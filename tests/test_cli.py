@@ -111,19 +111,20 @@ def test_scripts_and_shared_cite_no_labels_defined_outside_the_repository():
 # free text stay `str` and are checked at start-up: reward_fn (or module:function), resume (or a checkpoint
 # directory), best_metric (name[:min|:max]), drca's unit_pattern (or a regex).
 GENERATOR = {"generator": ("vllm", "hf")}
+LORA_SYNC = {"lora_sync": ("merged", "adapter")}  # the RL scripts with LoRA and a vLLM engine synced in training
 TIS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask")  # --tis, every script
 CHOICES = {
     "sft": {"generator": ("hf", "vllm"), "loss_reduction": ("seq_mean", "token_mean")},
     "rm": {},
-    "dpo": {**GENERATOR, "loss_type": ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"),
+    "dpo": {**GENERATOR, **LORA_SYNC, "loss_type": ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"),
             "pair_source": ("offline", "self_generated")},
-    "grpo": {**GENERATOR, "advantage_estimator": ("grpo", "rloo", "reinforce_pp_baseline", "maxrl"),
+    "grpo": {**GENERATOR, **LORA_SYNC, "advantage_estimator": ("grpo", "rloo", "reinforce_pp_baseline", "maxrl"),
              "advantage_scaling": ("group", "batch", "none"),
              "loss_aggregation": ("seq_mean", "token_mean", "global_token", "constant"),
              "importance_level": ("token", "sequence"), "policy_loss": ("clip", "cispo", "dppo_tv", "dppo_kl"),
              "kl_estimator": ("k1", "k2", "k3"), "tis": TIS, "micro_batching": ("padded", "sorted", "packed")},
-    "ppo": {**GENERATOR, "tis": TIS},
-    "vineppo": {**GENERATOR, "step_splitter": ("auto", "lines", "gsm8k", "math"), "tis": TIS},
+    "ppo": {**GENERATOR, **LORA_SYNC, "tis": TIS},
+    "vineppo": {**GENERATOR, **LORA_SYNC, "step_splitter": ("auto", "lines", "gsm8k", "math"), "tis": TIS},
     "restem": {**GENERATOR, "early_stop": ("restem_paper_original", "choose_best")},
     "repulse": {"generator": ("hf", "vllm"), "loss_type": ("neg_training", "reinforce"),
                 "reward_transform": ("none", "minus_alpha_exp_beta_r")},

@@ -1,6 +1,7 @@
 """LoRA (shared/lora.py, peft): only the adapters train, the generation engine and the exports receive the merged
-weights W + (alpha / r) B A, the reference is the base with the adapters disabled, checkpoints resume exactly, and
-LoRA GRPO learns on the built-in task (slow).
+weights W + (alpha / r) B A (with --lora_sync adapter the engine gets the adapter alone and serves it with vLLM's
+LoRA), the reference is the base with the adapters disabled, checkpoints resume exactly, and LoRA GRPO learns on the
+built-in task (slow).
 
 Exact resume with LoRA (sft, grpo) is in tests/test_reliability.py (cases sft_lora, grpo_lora of
 tests/resume_runs.py)."""
@@ -359,3 +360,123 @@ def test_lora_grpo_with_vllm_two_processes(tmp_path, stage):
     assert last["check/world_size"] == 2.0 and (tmp_path / "final" / "adapter" / "adapter_config.json").exists()
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("policy/approxkl_avg", 0) > 0 for r in steps)  # the adapters trained
+
+
+# --- --lora_sync adapter: the engine serves the adapter through vLLM's LoRA (shared/generation.py) ------------------
+def test_adapter_sync_serves_the_trained_adapter_as_the_merged_sync_does(sft_path):
+    """An engine built with `lora_sync="adapter"` and synced the scripts' way after a training update: its sampled
+    log-probs equal the trainer's (fp32 tolerance 1e-4 nats, as the merged sync's test above) and are far from the
+    base model's (a sync that did nothing would serve the base); its greedy completions equal those of an engine given
+    the merged weights, and the end-of-run check (the trainer's greedy completions) passes. A second update and sync
+    replaces the adapter: the engine then serves the new policy, not the previous one."""
+    from shared.generation import check_engine, make_generator
+    from shared.tiny import build_tokenizer
+    from tests.test_generation import max_diff
+
+    tok = build_tokenizer()
+    policy = lora_policy(sft_path)
+    kw = dict(model_path=sft_path, model=policy, tokenizer=tok, dtype=torch.float32, seed=0, max_model_len=64,
+              world_size=1, zero_stage=0)
+    adapter = make_generator("vllm", **kw, lora_sync="adapter")
+    merged = make_generator("vllm", **kw)
+    prompts = [data.encode_prompt(tok, p, False) for p in PROMPTS]
+    for version in (1, 2):
+        previous = copy.deepcopy(policy)
+        train_steps(policy, tok, 1)  # one AdamW update of the adapters
+        for engine in (adapter, merged):
+            engine.sync_weights(full_named_parameters(policy, INFO))
+        sampled = adapter.generate(prompts, n=2, temperature=0.7, top_p=1.0, max_new_tokens=12, seed=3)
+        assert max_diff(policy, prompts, sampled) < 1e-4, version
+        assert max_diff(previous, prompts, sampled) > 0.1, version  # not the base, nor the previous adapter
+        assert greedy(adapter, tok) == greedy(merged, tok), version
+    assert check_engine(adapter, policy, prompts, INFO, max_new_tokens=12) == {"check/engine_greedy_match": 1.0}
+    # what the engine loaded is the adapter in peft format: peft itself loads it onto the base and gets the policy
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(os.listdir(adapter.adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
+    ids = torch.tensor(prompts[:1])
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_path), adapter.adapter_dir)
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5)
+
+
+def test_an_adapter_engine_never_discards_its_base_weights():
+    """Sleep level 2 discards the engine's weights, for scripts whose next sync sends them all again; an adapter sync
+    sends A and B only, so an engine serving an adapter sleeps at level 1 (GPU only: checked here on a stand-in)."""
+    from shared.generation import VLLMGenerator
+
+    levels = []
+    engine = VLLMGenerator.__new__(VLLMGenerator)  # the state sleep() reads, without starting vLLM
+    engine.llm = SimpleNamespace(sleep=lambda level: levels.append(level))
+    engine.sleep_enabled, engine.asleep, engine.lora_model = True, False, object()
+    engine.sleep(level=2)
+    assert levels == [1] and engine.asleep and not engine.weights_discarded
+
+
+@pytest.fixture(scope="module")
+def qwen2_path(tmp_path_factory):
+    """A tiny Qwen2 checkpoint's config and the built-in tokenizer (no weights: the start-up checks read the config
+    only). vLLM's Qwen2 serves LoRA on its linear layers but not on the output layer."""
+    from transformers import Qwen2Config
+
+    from shared.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen2")
+    tok = build_tokenizer()
+    Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_sync", "adapter"], "lora_sync: `adapter` sends LoRA adapters to vLLM and needs --lora_r > 0"),
+    (["--lora_r", "4", "--lora_sync", "adapter", "--generator", "hf"], "lora_sync: `adapter` is for --generator vllm"),
+    (["--lora_r", "1024", "--lora_sync", "adapter"], "lora_r: vLLM's LoRA serves ranks up to 512, got 1024"),
+    (["--lora_r", "4", "--lora_sync", "adapter", "--lora_target_modules", "q_proj,lm_head", "--model_name_or_path",
+      "QWEN2"], "lora_target_modules: vLLM's LoRA cannot serve an adapter on the output layer (lm_head) of "
+                "Qwen2ForCausalLM"),
+])
+def test_adapter_sync_flags_are_one_line_errors_before_anything_is_written(flags, message, qwen2_path, tmp_path,
+                                                                          monkeypatch, capsys):
+    from shared.cli import run_cli
+
+    from algorithms import grpo
+
+    monkeypatch.chdir(tmp_path)
+    argv = [qwen2_path if f == "QWEN2" else f for f in flags]
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--output_dir", "run", *argv])
+    with pytest.raises(SystemExit) as e:
+        run_cli(grpo.main, grpo.Args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_adapter_sync_accepts_what_vllm_serves(sft_path, qwen2_path):
+    """Off by default in every script with the flag; Llama's output layer may carry an adapter (vLLM serves it), and
+    the merged sync takes any target."""
+    from algorithms import dapo, dpo, grpo, grpo_async, ppo, ppo_async, ppo_rlhf, vineppo
+
+    for mod in (grpo, dapo, grpo_async, ppo, ppo_async, ppo_rlhf, vineppo, dpo):
+        assert mod.Args().lora_sync == "merged"
+    adapter = {**vars(LORA), "lora_sync": "adapter", "generator": "vllm"}
+    check_lora(SimpleNamespace(**adapter), sft_path)
+    check_lora(SimpleNamespace(**{**adapter, "lora_target_modules": "q_proj,lm_head"}), sft_path)
+    check_lora(SimpleNamespace(**{**adapter, "lora_target_modules": "q_proj,v_proj"}), qwen2_path)
+    check_lora(SimpleNamespace(**{**adapter, "lora_sync": "merged", "lora_target_modules": "q_proj,lm_head"}),
+               qwen2_path)
+
+
+@pytest.mark.slow
+def test_grpo_with_adapter_sync_serves_the_trained_policy(tmp_path):
+    """Two steps of grpo.py with `--lora_sync adapter` on the built-in tiny model: the engine, given only the adapter
+    after each update, ends with the trained model's greedy completions (check/engine_greedy_match)."""
+    rows = run_script("grpo", tmp_path / "grpo", "--model_name_or_path", "builtin:tiny", "--dev_num_prompts", "8",
+                      "--total_episodes", "32", "--local_num_prompts", "4", "--num_generations", "4",
+                      "--local_micro_batch_size", "8", "--eval_num_prompts", "8", "--eval_num_samples", "2",
+                      "--eval_every", "0", "--lora_r", "8", "--lora_sync", "adapter", "--learning_rate", "1e-3")
+    steps = [r for r in rows if "time/sync" in r]
+    assert len(steps) == 2 and rows[-1]["check/engine_greedy_match"] == 1.0
+    assert (tmp_path / "grpo" / "final" / "adapter" / "adapter_config.json").exists()
