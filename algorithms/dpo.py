@@ -296,9 +296,6 @@ def validate(args: Args) -> None:
     if args.label_smoothing and args.loss_type in ("sigmoid", "hinge", "ipo"):
         raise ValueError(f"label_smoothing: not used by loss_type={args.loss_type}; use --loss_type cdpo "
                          "(conservative DPO), robust or dpop")
-    if args.logit_temperature <= 0:
-        raise ValueError(f"logit_temperature: must be > 0, got {args.logit_temperature}")
-
 
 
 def unique_prompts(pairs: data_utils.PreferenceData, answer_key: str) -> data_utils.PromptData:
