@@ -2,7 +2,7 @@
 Instruct; fp32 on CPU, bf16 on a GPU): what one weight sync into the vLLM engine costs, what the engine holds, and how
 fast it generates.
 
-    python scripts/bench_lora_sync.py                 # rank 16, all linear layers (~10 min on 2 cores shared with a job)
+    python scripts/bench_lora_sync.py                           # rank 16, all linear layers (~1.5 min, 2 cores)
     python scripts/bench_lora_sync.py --lora_r 64 --syncs 10
 
 One process, one LoRA policy built as the scripts build it (`shared.lora.add_lora`, all linear layers, small random
