@@ -108,6 +108,11 @@ def check_lora(args, model_path: str, seq_cls: bool = False) -> None:
         # adapter runs as a module, whose weight ZeRO-3 releases before the recomputed chunk's backward reads it
         raise ValueError(f"lora_target_modules: an adapter on the output layer ({head_name}) is not supported under "
                          "ZeRO-3; leave it out, or launch with scripts/accelerate/zero2.yaml")
+    if not seq_cls and head_name in targets and getattr(config, "tie_word_embeddings", False):
+        # tied: the merged model (the engine's weights and the exports) holds one matrix for the input embeddings and
+        # the output layer, so W + BA of the head cannot be represented there (the engine would serve the embeddings)
+        raise ValueError(f"lora_target_modules: an adapter on the output layer ({head_name}) of a model with tied "
+                         f"embeddings ({model_path}) cannot be merged into it; leave it out")
     if adapter_sync:
         check_vllm_lora(model_path, head_name if head_name in targets else None)
 
