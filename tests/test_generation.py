@@ -306,7 +306,7 @@ class _StubLLM:
     def reset_prefix_cache(self):
         pass
 
-    def generate(self, prompts, params, use_tqdm=False):
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         self.calls.append("generate")
         return []
 
@@ -315,6 +315,7 @@ def _stub_engine(sleep_enabled=True):
     gen = VLLMGenerator.__new__(VLLMGenerator)
     gen.llm, gen.sleep_enabled, gen.asleep, gen.weights_discarded = _StubLLM(), sleep_enabled, False, False
     gen.stop_token_ids, gen.stop, gen.tokenizer = [2], (), None
+    gen.lora_model, gen.lora_request, gen.zero3 = None, None, False  # an engine serving merged weights
     return gen
 
 
