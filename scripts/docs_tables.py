@@ -1344,15 +1344,19 @@ def mismatch_bench(d: dict) -> str:
     if "real_model" in d:  # --real_model: the diagnostics of a sync and an async run of SmolLM2, step by step
         sync, stale = d["real_model"]["grpo"]["steps"], d["real_model"]["grpo_async"]["steps"]
         g = lambda r, key: "-" if r is None or key not in r else f"{r[key]:.3g}"  # noqa: E731
-        lines = ["| step | KL(mu, pi_old): sync | async | rho p99: sync | async | rho min-max: sync | async | "
-                 "tokens truncated: sync | async |", "|---|---|---|---|---|---|---|---|---|"]
+        g5 = lambda r, key: "-" if r is None or key not in r else f"{r[key]:.5g}"  # noqa: E731
+        share = lambda r, key: "-" if r is None or key not in r else f"{100 * r[key]:.2g}%"  # noqa: E731
+        lines = ["| step | KL(mu, pi_old): sync | async | mean abs log rho: sync | async | rho p99: sync | async | "
+                 "rho min-max: sync | async | tokens truncated: sync | async |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         by_step = {r["step"]: r for r in stale}
         for r in sync:
             x = by_step.get(r["step"])
             lines.append(f"| {r['step']} | {g(r, 'val/sampler_kl')} | {g(x, 'val/sampler_kl')} | "
-                         f"{g(r, 'val/tis_ratio_p99')} | {g(x, 'val/tis_ratio_p99')} | {g(r, 'val/tis_ratio_min')}-"
-                         f"{g(r, 'val/tis_ratio_max')} | {g(x, 'val/tis_ratio_min')}-{g(x, 'val/tis_ratio_max')} | "
-                         f"{pct(r.get('val/tis_clipfrac'))} | {pct(x and x.get('val/tis_clipfrac'))} |")
+                         f"{g(r, 'val/sampler_logprob_diff')} | {g(x, 'val/sampler_logprob_diff')} | "
+                         f"{g5(r, 'val/tis_ratio_p99')} | {g5(x, 'val/tis_ratio_p99')} | {g5(r, 'val/tis_ratio_min')}-"
+                         f"{g5(r, 'val/tis_ratio_max')} | {g5(x, 'val/tis_ratio_min')}-{g5(x, 'val/tis_ratio_max')} | "
+                         f"{share(r, 'val/tis_clipfrac')} | {share(x, 'val/tis_clipfrac')} |")
         return "\n".join(lines + ["", f"sync: `{d['real_model']['grpo']['command']}`; async: the same with "
                                        "algorithms/grpo_async.py (one update stale from step 2 on). " +
                                    _provenance(d, "python scripts/bench_mismatch.py --real_model")])
@@ -1395,6 +1399,10 @@ RENDERERS = {"async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo
 MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
+# an absolute path into a checkout's runs/ folder, as a benchmark recorded its command: shown from the repository root
+MACHINE_PATH = re.compile(r"(?<![\w./-])/(?:[\w.+-]+/)+?runs/")
+
+
 def render_file(path: Path) -> tuple[str, str]:
     """(current text, text with every generated block re-rendered)."""
     text = path.read_text()
@@ -1411,7 +1419,8 @@ def render_file(path: Path) -> tuple[str, str]:
             if not data_path.exists():
                 raise SystemExit(f"error: {path}: table {name} reads {source}, which does not exist")
             data.append({**json.loads(data_path.read_text()), "_path": source})
-        return m.group(1) + RENDERERS[name](data if name in MULTI else data[0]) + "\n" + m.group(5)
+        table = RENDERERS[name](data if name in MULTI else data[0])
+        return m.group(1) + MACHINE_PATH.sub("runs/", table) + "\n" + m.group(5)
 
     return text, BLOCK.sub(sub, text)
 

@@ -273,3 +273,22 @@ def test_bench_mismatch_compares_each_variant_with_its_baseline_and_renders_it()
     assert "`python algorithms/grpo_async.py --tis geometric_mask --tis_cap 1.001`" in row
     assert "-0.050 / +0.020 (vs async1; mean -0.015)" in row and "| 0.0012 |" in row and "| 0.40% |" in row
     assert next(line for line in text.splitlines() if line.startswith("| maxrl |")).count("| - |") == 3
+
+
+def test_bench_mismatch_real_model_renders_both_runs_step_by_step():
+    """--real_model: one row per step with the sync and the async diagnostics side by side (the async run's first
+    step is not stale yet: its numbers equal the sync run's); absolute run paths in the recorded command are shown
+    from the repository root, the same on every machine."""
+    import docs_tables
+
+    sync = [{"step": 1, "val/sampler_kl": 2.29e-9, "val/sampler_logprob_diff": 1.84e-5, "val/tis_ratio_p99": 1.0,
+             "val/tis_ratio_min": 0.99993, "val/tis_ratio_max": 1.0001, "val/tis_clipfrac": 0.0}]
+    stale = [{**sync[0]}, {"step": 2, "val/sampler_kl": 8.32e-4, "val/tis_clipfrac": 3.56e-4}]
+    d = {"command": "python scripts/bench_mismatch.py --real_model 1 --out /check/work/main/runs/bench/m",
+         "env": {"device": "CPU", "time": "2026-11-27", "git_commit": "abc1234"},
+         "real_model": {"grpo": {"command": "python algorithms/grpo.py --dataset /home/u/repo/runs/d.jsonl",
+                                 "steps": sync}, "grpo_async": {"command": "x", "steps": stale}}}
+    text = docs_tables.MACHINE_PATH.sub("runs/", docs_tables.mismatch_bench(d))
+    assert "| 1 | 2.29e-09 | 2.29e-09 | 1.84e-05 | 1.84e-05 | 1 | 1 | 0.99993-1.0001 | 0.99993-1.0001 | 0% | 0% |" in text
+    assert "--dataset runs/d.jsonl" in text and "--out runs/bench/m" in text and "/work" not in text
+    assert docs_tables.MACHINE_PATH.sub("runs/", "see docs/runs/x and ./runs/y") == "see docs/runs/x and ./runs/y"
