@@ -4,8 +4,9 @@
     python scripts/record_test_suite.py -- -k resume tests/  # a subset: the args after -- go to pytest (recorded)
 
 Writes the command, its exit status, the counts, each failing test with the first line of its message, pytest's
-total time, the 10 slowest tests, the machine (load at start and end) and the uncommitted changes of the tracked
-tree; then `python scripts/docs_tables.py` renders it. Exits with the test command's status.
+total time, the 10 slowest tests, the seconds of each test file (setup included; `--dist loadfile` runs a file on
+one worker), the machine (load at start and end) and the uncommitted changes of the tracked tree; then
+`python scripts/docs_tables.py` renders it. Exits with the test command's status.
 """
 
 from __future__ import annotations
@@ -60,9 +61,13 @@ def parse_junit(xml_text: str, slowest: int = 10) -> dict:
         else:
             counts["passed"] += 1
     times.sort(key=lambda x: -x[0])
+    by_file: dict[str, float] = {}  # with --dist loadfile a file runs on one worker: the files bound the wall time
+    for s, t in times:
+        by_file[t.split("::")[0]] = by_file.get(t.split("::")[0], 0.0) + s
     return {"counts": counts, "failing": failing,
             "total_time_s": sum(float(s.get("time") or 0) for s in suites),
-            "slowest": [{"test": t, "time_s": s} for s, t in times[:slowest]]}
+            "slowest": [{"test": t, "time_s": s} for s, t in times[:slowest]],
+            "by_file": {f: round(s, 3) for f, s in sorted(by_file.items(), key=lambda x: -x[1])}}
 
 
 def uncommitted_changes() -> list[str]:

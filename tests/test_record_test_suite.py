@@ -48,6 +48,8 @@ def test_junit_parser_counts_failures_and_orders_the_slowest():
     assert r["slowest"] == [{"test": "tests/test_a.py::TestK::test_slow[2]", "time_s": 61.0},
                             {"test": "tests/test_c.py::test_known", "time_s": 7.0},
                             {"test": "tests/test_b.py::test_bad", "time_s": 3.5}]
+    assert r["by_file"] == {"tests/test_a.py": 61.25, "tests/test_c.py": 7.0, "tests/test_b.py": 4.0}
+    assert list(r["by_file"]) == ["tests/test_a.py", "tests/test_c.py", "tests/test_b.py"]  # slowest file first
 
 
 def _result(**over) -> dict:
