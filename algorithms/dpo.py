@@ -46,16 +46,15 @@ import torch
 import torch.nn.functional as F
 import tyro
 from annotated_types import Ge, Gt, Interval
-from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_hf
 from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, max_over_ranks, output_head, prepare, prepare_frozen,
-                                seed_everything)
+                                load_causal_lm, load_tokenizer, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import evaluate_accuracy
 from shared.generation import completion_decoder, make_generator
+from shared.logprobs import forward_logprobs
 from shared.lora import adapters_disabled, add_lora, check_lora
 from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
 from shared.models import resolve_model_path
@@ -216,38 +215,13 @@ class Args:
 
 
 # ALGO LOGIC: sequence log-probs, the preference losses, self-generated pairs
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    """log pi(target | prefix) at N positions from their final hidden states [N, H], [N]. Only these N rows of
-    logits exist, upcast to float32 here (the model's dtype is bf16 on GPU)."""
-    logits = lm_head(hidden).float() / temperature  # [N, V]
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
 def sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """s(y) = sum over response tokens of log pi(y_t | x, y_<t) from logits / temperature, and |y|; both [B].
-    The LM head runs on the response positions only, chunk_size at a time, and each chunk's logits are recomputed
-    in the backward pass (docs/performance.md#memory-of-the-log-probs)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    # the model's own forward (a DeepSpeed engine's hooks run), computing the logits of the last position only
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, logits_to_keep=1)
-    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
-    hidden = out.hidden_states[-1][:, :-1][keep]  # [N, H]: final (normed) hidden states of the kept positions
-    targets = input_ids[:, 1:][keep]  # [N]
-    lm_head = output_head(model)  # the output layer (ZeRO-3, frozen head: gathered per call)
-    # as many chunks on every rank (at least one, so that N = 0 still backpropagates): each call of a ZeRO-3
-    # partitioned lm_head gathers its weight, a collective
-    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))
-    chunks = []
-    for k in range(num_chunks):
-        s = slice(k * chunk_size, (k + 1) * chunk_size)  # past N: an empty chunk
-        chunks.append(checkpoint(token_logprobs, lm_head, hidden[s], targets[s], temperature,
-                                 use_reentrant=False, preserve_rng_state=False))  # recomputed in backward
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32)
-    logp[keep] = torch.cat(chunks)
-    mask = keep.to(logp.dtype)
+    The per-token log-probs are shared/logprobs.py's, the LM head run on the response positions only
+    (docs/performance.md#memory-of-the-log-probs)."""
+    logp, _ = forward_logprobs(model, input_ids, attention_mask, response_mask, temperature, chunk_size=chunk_size)
+    mask = response_mask[:, 1:].bool().to(logp.dtype)  # position t predicts token t+1
     return (logp * mask).sum(1), mask.sum(1)
 
 
