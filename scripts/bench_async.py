@@ -156,7 +156,7 @@ def learning(a) -> dict | None:
             "staleness_mean": bh.spread([r["staleness_mean"] for r in runs.values()]),
             **{k: bh.spread([r[k] for r in runs.values()]) for k in ("tis_clipfrac_mean", "sampler_logprob_diff_mean")
                if all(r.get(k) is not None for r in runs.values())},
-            "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
+            "minutes": bh.spread([bh.wall_minutes(r) for r in runs.values()]),
             "seeds": runs,
         }
     return {**results, **gain_differences(results)}

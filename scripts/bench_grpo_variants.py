@@ -92,7 +92,7 @@ def main() -> None:
             "final": {k: bh.spread([r["final"][k] for r in runs.values()]) for k in keys},
             "at_equal_generated": bh.spread([r["at_equal_generated"]["eval/accuracy"] for r in runs.values()]),
             "generated_samples": bh.spread([r["generated_samples"] for r in runs.values()]),
-            "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
+            "minutes": bh.spread([bh.wall_minutes(r) for r in runs.values()]),
             "seeds": runs,
         }
     out = {"benchmark": "grpo_variants", "env": env, "command": bc.invocation(),

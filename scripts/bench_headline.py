@@ -81,11 +81,26 @@ def summarize_run(rows: list[dict], keys: list[str], name: str = "", args: dict 
     }
 
 
+def earlier_invocations_s(rows: list[dict]) -> float:
+    """Seconds a resumed run spent in its earlier invocations: its metrics' `time` (seconds from the tracker's start)
+    restarts at each resume, so each drop closes an invocation whose last `time` counts. 0 for a straight run."""
+    times = [r["time"] for r in rows if "time" in r]
+    return sum(t for t, nxt in zip(times, times[1:]) if nxt < t)
+
+
+def wall_minutes(r: dict) -> float:
+    """A run's wall minutes over all its invocations (a run spread over sessions with --stop_after_steps)."""
+    return (r["wall_s_this_invocation"] + r.get("wall_s_earlier_invocations", 0.0)) / 60
+
+
 def run_one(a, name: str, seed: int) -> dict | None:
     cache = a.out / name / f"seed{seed}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())
     run_dir = a.out / name / f"seed{seed}"
+    if cache.exists():
+        result = json.loads(cache.read_text())
+        if "wall_s_earlier_invocations" not in result and (run_dir / "metrics.jsonl").exists():  # kept before it
+            result["wall_s_earlier_invocations"] = earlier_invocations_s(bc.read_jsonl(run_dir / "metrics.jsonl"))
+        return result
     argv = [f"algorithms/{name}.py", "--seed", str(seed), "--output_dir", str(run_dir), *shlex.split(a.flags)]
     if a.stop_after_steps:
         argv += ["--stop_after_steps", str(a.stop_after_steps)]
@@ -99,11 +114,12 @@ def run_one(a, name: str, seed: int) -> dict | None:
               **summarize_run(bc.read_jsonl(run_dir / "metrics.jsonl"), METRICS[name], name,
                               json.loads((run_dir / "args.json").read_text())),
               "peak_rss_mb": child["peak_rss_mb"], "wall_s_this_invocation": child["wall_s"],
+              "wall_s_earlier_invocations": earlier_invocations_s(bc.read_jsonl(run_dir / "metrics.jsonl")),
               "loadavg_at_end": list(os.getloadavg())}  # other jobs on the machine stretch the wall time
     cache.write_text(json.dumps(result, indent=1))
     k = METRICS[name][0]
     print(f"[bench] {name} seed {seed}: {k} {result['start'][k]:.3f} -> {result['final'][k]:.3f} "
-          f"({result['wall_s_this_invocation'] / 60:.1f} min)", flush=True)
+          f"({wall_minutes(result):.1f} min)", flush=True)
     return result
 
 
@@ -133,7 +149,7 @@ def main() -> None:
             if all(r["at_best"] for r in runs.values()) else None,
             # wall time of the whole process: start-up, evaluations and saving included (and, for the first RL
             # seed in a fresh cache, building the warm start it loads)
-            "minutes": spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
+            "minutes": spread([wall_minutes(r) for r in runs.values()]),
             "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
             "seeds": runs,
         }

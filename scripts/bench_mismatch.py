@@ -15,7 +15,7 @@ kept in <out>/<variant>/<script>/seed<k>.json and not rerun). Two groups, each a
   - DPPO and MaxRL in the synchronous loop (grpo.py), against grpo.py's default.
 Reported per variant: held-out accuracy at the start and the end and the gain, mean (min-max) over seeds; the
 mismatch diagnostics averaged over a run's steps (val/sampler_kl, val/tis_ratio_p99, val/tis_clipfrac,
-val/tis_seq_clipfrac); wall minutes.
+val/tis_seq_clipfrac); wall minutes (every invocation of a run resumed across sessions counted).
 
 `--real_model STEPS` runs instead grpo.py and grpo_async.py on builtin:smollm2-135m (the chat model shipped offline)
 with scripts/bench_real_model_grpo.py's task and settings for STEPS steps, and reports their mismatch diagnostics
@@ -95,7 +95,7 @@ def run_variant(a, name: str, cache: Path) -> dict | None:
             "gain": bh.spread([r["final"][k] - r["start"][k] for r in runs.values()]),
             **{f"{key}_mean": bh.spread([r[f"{key}_mean"] for r in runs.values()]) for key in DIAGNOSTICS
                if all(r.get(f"{key}_mean") is not None for r in runs.values())},
-            "minutes": bh.spread([r["wall_s_this_invocation"] / 60 for r in runs.values()]),
+            "minutes": bh.spread([bh.wall_minutes(r) for r in runs.values()]),
             "seeds": runs}
 
 

@@ -166,6 +166,11 @@ HEADLINE_WHAT = {"sft": "held-out grader accuracy (1 sample per prompt)",
                               "one update before (`--tis token_truncate`)"}
 
 
+def _wall_minutes(run: dict) -> float:
+    """A stored run's wall minutes over all its invocations (scripts/bench_headline.py wall_minutes)."""
+    return (run["wall_s_this_invocation"] + run.get("wall_s_earlier_invocations", 0.0)) / 60
+
+
 def _spread3(x: dict) -> str:
     return f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
 
@@ -213,7 +218,7 @@ def headline_runs(d: dict, name: str) -> str:
         vals = " | ".join(f"{x['start'][k]:.3f} -> {x['final'][k]:.3f}" for k in keys)
         at_best = f"{x['at_best'][keys[0]]:.3f}" if x.get("at_best") else "-"
         lines.append(f"| {seed} | {vals} | {x['best_step'] if x['best_step'] is not None else '-'} | {at_best} | "
-                     f"{x['wall_s_this_invocation'] / 60:.1f} |")
+                     f"{_wall_minutes(x):.1f} |")
     means = " | ".join(f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])}" for k in keys)
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
@@ -419,7 +424,7 @@ def lora_learning(files: list[dict]) -> str:
         met += ratio >= goal
         lines.append(f"| {s} | {f['start'][k]:.3f} -> {f['final'][k]:.3f} | {lo['start'][k]:.3f} -> "
                      f"{lo['final'][k]:.3f} | {ratio:.2f} | {'met' if ratio >= goal else 'missed'} | "
-                     f"{f['wall_s_this_invocation'] / 60:.1f} / {lo['wall_s_this_invocation'] / 60:.1f} |")
+                     f"{_wall_minutes(f):.1f} / {_wall_minutes(lo):.1f} |")
     pooled = sum(gain(lora["seeds"][s]) for s in seeds) / sum(gain(full["seeds"][s]) for s in seeds)
     lines.append(f"| mean (min-max) | {full['start'][k]['mean']:.3f} -> {_spread3(full['final'][k])} | "
                  f"{lora['start'][k]['mean']:.3f} -> {_spread3(lora['final'][k])} | {pooled:.2f} (mean gains) | "
@@ -525,7 +530,7 @@ def restem_vs_grpo(files: list[dict]) -> str:
         ends["restem"].append(r["final"][k])
         rows.append(f"| {s} | {g['start'][k]:.3f} -> {at[k]:.3f} (step {at['step']}) | {gg:+.3f} | "
                     + " -> ".join(f"{pt[k]:.3f}" for pt in r["curve"])
-                    + f" | {rg:+.3f} | {rg - gg:+.3f} | {r['wall_s_this_invocation'] / 60:.1f} |")
+                    + f" | {rg:+.3f} | {rg - gg:+.3f} | {_wall_minutes(r):.1f} |")
     m = lambda xs: sum(xs) / len(xs)  # noqa: E731
     sp = lambda xs: f"{m(xs):+.3f} ({min(xs):+.3f} to {max(xs):+.3f})"  # noqa: E731
     diffs = [b - a for a, b in zip(gains["grpo"], gains["restem"])]

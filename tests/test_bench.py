@@ -188,6 +188,21 @@ def test_memory_estimate_by_hand():
     assert with_engine["total_gb"] * 1e9 == pytest.approx(e["total_gb"] * 1e9 + 2 * P + kv)
 
 
+def test_wall_minutes_count_every_invocation_of_a_resumed_run():
+    """A run stopped at step 2 (its tracker at 157 s) and resumed (the tracker restarts) counts the first invocation's
+    157 s beside the last invocation's wall time; a straight run counts only its own."""
+    bh = load("bench_headline")
+    resumed = [{"step": 0, "time": 21.6}, {"step": 1, "time": 90.0}, {"step": 2, "time": 157.0},
+               {"step": 3, "time": 60.5}, {"step": 4, "time": 64.0}]
+    assert bh.earlier_invocations_s(resumed) == 157.0
+    assert bh.earlier_invocations_s(resumed[:3]) == 0.0
+    assert bh.earlier_invocations_s([{"step": 0}, *resumed[:3], {"step": 3, "time": 10.0}, {"step": 4, "time": 5.0},
+                                     {"step": 5, "time": 9.0}]) == 167.0  # stopped twice
+    r = {"wall_s_this_invocation": 120.0, "wall_s_earlier_invocations": 157.0}
+    assert bh.wall_minutes(r) == pytest.approx(277.0 / 60)
+    assert bh.wall_minutes({"wall_s_this_invocation": 120.0}) == 2.0  # stored before the field existed
+
+
 def test_headline_curve_records_the_training_samples_before_each_evaluation():
     """bench_headline.py: grpo's evaluation at step s follows s batches; restem's follow whole iterations (its step 0
     row is the base, no samples yet), which is what docs/restem.md compares at."""
