@@ -121,7 +121,7 @@ def repulse_run(runs):
 def drca_run(runs, rm_run):
     out = runs / "drca"
     script("drca", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
-           str(rm_run / "final"), "--scorer", "rm", "--generator", "hf")
+           str(rm_run / "final"), "--scorer", "rm", "--generator", "hf", "--localisation_num_pairs", "4")
     return out
 
 
@@ -198,9 +198,13 @@ def test_repulse_two_steps(repulse_run):
 
 
 def test_drca_two_steps(drca_run):
+    """Two steps with the reward model as the scorer; the slip localisation is measured at both evaluations (on 4
+    held-out pairs: each pair's credits cost a reward-model pass per counterfactual)."""
     rows = metrics(drca_run)
     steps = trained_steps(rows, "loss/value_avg")
     assert len(steps) == 2 and all(r["drca/sum_identity_err"] < 1e-4 for r in steps)
+    evals = [r for r in rows if "eval/localisation" in r]
+    assert len(evals) == 2 and all(0.0 <= r["eval/localisation"] <= 1.0 for r in evals)
 
 
 def test_every_saved_policy_reloads_in_transformers_and_vllm(sft_run, grpo_run, ppo_run, vineppo_run, dpo_run,
