@@ -15,7 +15,8 @@ kept in <out>/<variant>/<script>/seed<k>.json and not rerun). Two groups, each a
   - DPPO and MaxRL in the synchronous loop (grpo.py), against grpo.py's default.
 Reported per variant: held-out accuracy at the start and the end and the gain, mean (min-max) over seeds; the
 mismatch diagnostics averaged over a run's steps (val/sampler_kl, val/tis_ratio_p99, val/tis_clipfrac,
-val/tis_seq_clipfrac); wall minutes (every invocation of a run resumed across sessions counted).
+val/tis_seq_clipfrac) and the gradient norm (optim/grad_norm: how much signal a mask leaves); wall minutes (every
+invocation of a run resumed across sessions counted).
 
 `--real_model STEPS` runs instead grpo.py and grpo_async.py on builtin:smollm2-135m (the chat model shipped offline)
 with scripts/bench_real_model_grpo.py's task and settings for STEPS steps, and reports their mismatch diagnostics
@@ -50,7 +51,7 @@ VARIANTS = {
     "dppo_kl": ("grpo", "--policy_loss dppo_kl", "sync"),
     "maxrl": ("grpo", "--advantage_estimator maxrl", "sync"),
 }
-DIAGNOSTICS = ("val/sampler_kl", "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac")
+DIAGNOSTICS = ("val/sampler_kl", "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac", "optim/grad_norm")
 REAL_MODEL_KEYS = ("val/sampler_kl", "val/sampler_logprob_diff", "val/tis_ratio_min", "val/tis_ratio_max",
                    "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac", "async/staleness")
 

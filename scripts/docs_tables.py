@@ -1370,7 +1370,8 @@ def mismatch_bench(d: dict) -> str:
     num = lambda x: "-" if x is None else f"{x['mean']:.2g}"  # noqa: E731
     share = lambda x: "-" if x is None else f"{100 * x['mean']:.2f}%"  # noqa: E731
     lines = ["| variant | script and flags | start | final | final - its baseline's, per seed | KL(mu, pi_old) | "
-             "rho p99 | tokens corrected | completions corrected | minutes |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "rho p99 | tokens corrected | completions corrected | grad norm | minutes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in v.items():
         diff = k.get(name)
         cell = "-" if not diff else (" / ".join(f"{x:+.3f}" for x in diff.values())
@@ -1378,11 +1379,12 @@ def mismatch_bench(d: dict) -> str:
         lines.append(f"| {name} | `{r['command']}` | {span(r['start'])} | **{span(r['final'])}** | {cell} | "
                      f"{num(r.get('val/sampler_kl_mean'))} | {num(r.get('val/tis_ratio_p99_mean'))} | "
                      f"{share(r.get('val/tis_clipfrac_mean'))} | {share(r.get('val/tis_seq_clipfrac_mean'))} | "
-                     f"{r['minutes']['mean']:.1f} |")
+                     f"{num(r.get('optim/grad_norm_mean'))} | {r['minutes']['mean']:.1f} |")
     seeds = sorted({s for r in v.values() for s in r["seeds"]})
     lines += ["", f"`eval/accuracy` before training and after the default run's 102,400 trained samples, mean (min-max) "
                   f"over seeds {', '.join(seeds)}, one start model; the mismatch columns: means over a run's steps, then "
-                  "over seeds (`val/sampler_kl`, `val/tis_ratio_p99`, `val/tis_clipfrac`, `val/tis_seq_clipfrac`); "
+                  "over seeds (`val/sampler_kl`, `val/tis_ratio_p99`, `val/tis_clipfrac`, `val/tis_seq_clipfrac`, "
+                  "`optim/grad_norm`); "
                   "minutes: a run's wall time (the machine's load: `loadavg_at_end` per run in the file).", "",
               _provenance(d, "python scripts/bench_mismatch.py")]
     return "\n".join(lines)
