@@ -5,6 +5,7 @@ Docs: docs/mismatch.md
     python scripts/bench_mismatch.py --variants sync async1 async1_tis_none --seeds 1
     python scripts/bench_mismatch.py --stop_after_steps 100            # spread over sessions: rerun to continue
     python scripts/bench_mismatch.py --real_model 6                   # SmolLM2: sync and async diagnostics only
+    python scripts/bench_mismatch.py --variants dppo_kl maxrl --reuse docs/bench/mismatch/<file>.json  # add rows
 
 Every run is a default run (`python algorithms/<script>.py --seed k`, 102,400 trained samples from builtin:tiny-sft)
 plus the variant's flags, in one fresh model cache, through scripts/bench_headline.py's run_one (a finished run is
@@ -18,6 +19,10 @@ mismatch diagnostics averaged over a run's steps (val/sampler_kl, val/tis_ratio_
 val/tis_seq_clipfrac) and the gradient norm (optim/grad_norm: how much signal a mask leaves); wall minutes (every
 invocation of a run resumed across sessions counted).
 
+`--reuse FILE` takes the variants a stored summary holds from it instead of running them (each marked with the
+file, commit and time it was measured in), and refuses a file measured on another start model (the built-in model's
+weights hash): rows added to a table in a later session, when the earlier runs' work directories are gone.
+
 `--real_model STEPS` runs instead grpo.py and grpo_async.py on builtin:smollm2-135m (the chat model shipped offline)
 with scripts/bench_real_model_grpo.py's task and settings for STEPS steps, and reports their mismatch diagnostics
 step by step, side by side: the mismatch of a real model's sampler in numbers, synchronous and one update stale.
@@ -29,6 +34,7 @@ scripts/docs_tables.py.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -66,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
     p.add_argument("--real_model", type=int, default=0, metavar="STEPS",
                    help="instead: grpo.py and grpo_async.py on builtin:smollm2-135m for STEPS steps, diagnostics only")
+    p.add_argument("--reuse", type=Path, help="a stored summary (JSON) whose variants are copied, not run")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "mismatch", help="work directory")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "mismatch", help="JSON summary directory")
     return p.parse_args(argv)
@@ -112,6 +119,38 @@ def versus_baseline(results: dict) -> dict:
     return out
 
 
+def reused_variants(path: Path | None, names: list[str]) -> dict:
+    """The variants of the stored summary `path` not in `names` (those run now), each marked with where it was
+    measured: {variant: its summary + "measured_in"}; exit with a one-line error on a file that is not one."""
+    if path is None:
+        return {}
+    try:
+        d = json.loads(path.read_text())
+        variants, env = d["variants"], d["env"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: --reuse {path}: not a bench_mismatch summary ({type(e).__name__}: {e})", file=sys.stderr)
+        raise SystemExit(2)
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        print(f"error: --reuse {path}: unknown variant {unknown[0]!r} (VARIANTS in this file)", file=sys.stderr)
+        raise SystemExit(2)
+    where = {"file": path.name, "git_commit": env.get("git_commit"), "time": env.get("time"),
+             "builtin_models": env.get("builtin_models")}
+    return {name: {**r, "measured_in": r.get("measured_in", where)} for name, r in variants.items()
+            if name not in names}
+
+
+def check_same_start_model(reused: dict, built: dict) -> None:
+    """Exit with a one-line error when a reused variant was measured on another built-in start model."""
+    for name, r in reused.items():
+        theirs = (r["measured_in"].get("builtin_models") or {}).get("builtin:tiny-sft", {}).get("weights_sha256")
+        ours = built.get("builtin:tiny-sft", {}).get("weights_sha256")
+        if theirs != ours:
+            print(f"error: --reuse: variant {name} was measured on builtin:tiny-sft {str(theirs)[:12]}, these runs on "
+                  f"{str(ours)[:12]}: not one start model", file=sys.stderr)
+            raise SystemExit(2)
+
+
 def real_model(a) -> dict:
     """grpo.py and grpo_async.py on SmolLM2-135M-Instruct (bench_real_model_grpo.py's task and settings, seed 1,
     a short evaluation), a.real_model steps each: {script: {"command", "steps": [{step, diagnostics}]}}."""
@@ -156,6 +195,7 @@ def main(argv=None) -> dict | None:
           flush=True)
     cache = a.out / "cache"  # one start model for every variant
     cache.mkdir(parents=True, exist_ok=True)
+    reused = reused_variants(a.reuse, a.variants)
     results = {}
     for name in a.variants:
         r = run_variant(a, name, cache)
@@ -165,6 +205,8 @@ def main(argv=None) -> dict | None:
         results[name] = r
         print(f"{name}: eval/accuracy {r['start']['mean']:.3f} -> {r['final']['mean']:.3f} "
               f"({r['minutes']['mean']:.1f} min)", flush=True)
+    check_same_start_model(reused, bc.builtin_models(cache))
+    results = {name: results.get(name) or reused[name] for name in VARIANTS if name in results or name in reused}
     result = {"benchmark": "mismatch", "env": env, "command": bc.invocation(argv and [sys.argv[0], *argv]),
               "note": "the sampler/trainer mismatch corrections under one update of staleness (grpo_async.py), "
                       "DPPO and MaxRL in the synchronous loop (grpo.py), default runs on the built-in task",

@@ -1385,8 +1385,16 @@ def mismatch_bench(d: dict) -> str:
                   f"over seeds {', '.join(seeds)}, one start model; the mismatch columns: means over a run's steps, then "
                   "over seeds (`val/sampler_kl`, `val/tis_ratio_p99`, `val/tis_clipfrac`, `val/tis_seq_clipfrac`, "
                   "`optim/grad_norm`); "
-                  "minutes: a run's wall time (the machine's load: `loadavg_at_end` per run in the file).", "",
-              _provenance(d, "python scripts/bench_mismatch.py")]
+                  "minutes: a run's wall time (the machine's load: `loadavg_at_end` per run in the file).", ""]
+    earlier = {}  # rows copied from an earlier summary (--reuse), grouped by where they were measured
+    for name, r in v.items():
+        if "measured_in" in r:
+            m = r["measured_in"]
+            earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(name)
+    said = "".join(f"{', '.join(names)}: measured in {file} (commit {sha}, {when}) on the same start model, copied "
+                   "with `--reuse`; " for (file, sha, when), names in earlier.items())
+    lines.append((f"{said}the other rows and the file: " if earlier else "")
+                 + _provenance(d, "python scripts/bench_mismatch.py"))
     return "\n".join(lines)
 
 RENDERERS = {"async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,

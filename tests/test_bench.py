@@ -1,6 +1,7 @@
 """The benchmark scripts' pure helpers and CLIs (no timing, nothing launched; the scripts themselves are benchmarks)."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -288,6 +289,47 @@ def test_bench_mismatch_compares_each_variant_with_its_baseline_and_renders_it()
     assert "`python algorithms/grpo_async.py --tis geometric_mask --tis_cap 1.001`" in row
     assert "-0.050 / +0.020 (vs async1; mean -0.015)" in row and "| 0.0012 |" in row and "| 0.40% |" in row
     assert next(line for line in text.splitlines() if line.startswith("| maxrl |")).count("| - |") == 3
+
+
+def test_bench_mismatch_reuse_copies_stored_rows_from_the_same_start_model_only(tmp_path, capsys):
+    """--reuse FILE: the stored variants not run now are copied with where they were measured (kept through a second
+    copy), the caption names it; another start model, or a file that is not a summary, is a one-line error, exit 2."""
+    import bench_mismatch
+    import docs_tables
+
+    spread = lambda xs: {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
+    row = lambda f: {"baseline": None, "command": "python algorithms/grpo.py", "start": spread([0.5]),  # noqa: E731
+                     "final": spread([f]), "minutes": spread([12.0]), "seeds": {"1": {"final": {"eval/accuracy": f}}}}
+    models = {"builtin:tiny-sft": {"weights_sha256": "895ca454" + "0" * 56, "expected": True}}
+    stored = tmp_path / "cpu_1.json"
+    stored.write_text(json.dumps({"env": {"git_commit": "1fb3a00", "time": "2026-11-28 04:40:47",
+                                          "builtin_models": models}, "variants": {"sync": row(0.8), "maxrl": row(0.1)}}))
+    reused = bench_mismatch.reused_variants(stored, ["maxrl"])
+    assert list(reused) == ["sync"] and reused["sync"]["measured_in"]["file"] == "cpu_1.json"
+    assert bench_mismatch.reused_variants(None, ["maxrl"]) == {}
+    bench_mismatch.check_same_start_model(reused, models)
+    again = tmp_path / "cpu_2.json"  # a summary that itself copied sync: sync keeps its first origin
+    again.write_text(json.dumps({"env": {"git_commit": "2222222", "time": "t"}, "variants": reused}))
+    assert bench_mismatch.reused_variants(again, [])["sync"]["measured_in"]["git_commit"] == "1fb3a00"
+
+    maxrl = {**row(0.9), "baseline": "sync"}
+    results = {"sync": reused["sync"], "maxrl": maxrl}
+    d = {"variants": results, "final_minus_baseline": bench_mismatch.versus_baseline(results), "command": "x",
+         "env": {"device": "CPU", "time": "2026-11-29", "git_commit": "abc1234"}}
+    text = docs_tables.mismatch_bench(d)
+    assert "+0.100 (vs sync; mean +0.100)" in text
+    assert ("sync: measured in cpu_1.json (commit 1fb3a00, 2026-11-28 04:40:47) on the same start model, copied with "
+            "`--reuse`; the other rows and the file: `x`, CPU, 2026-11-29, commit abc1234.") in text
+
+    with pytest.raises(SystemExit) as e:
+        bench_mismatch.check_same_start_model(reused, {"builtin:tiny-sft": {"weights_sha256": "ffff" * 16}})
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --reuse: variant sync was measured on")
+    (tmp_path / "bad.json").write_text("{}")
+    for path in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as e:
+            bench_mismatch.reused_variants(path, [])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: --reuse {path}:") and err.count("\n") == 1
 
 
 def test_bench_mismatch_real_model_renders_both_runs_step_by_step():
