@@ -3,6 +3,8 @@
     python scripts/bench_headline.py                                # grpo sft dpo rm, seeds 1 2 3 (~30 min, 2 cores)
     python scripts/bench_headline.py --algorithms grpo --seeds 1   # one run
     python scripts/bench_headline.py --stop_after_steps 50         # spread over sessions: rerun to continue
+    python scripts/bench_headline.py --algorithms ppo --seeds 1 2 3 --reuse docs/bench/headline/<file>.json
+        # the seeds that file stores are copied, the others run: finished runs carried from session to session
     python scripts/bench_headline.py --algorithms grpo --flags "--lora_r 16 --learning_rate 1e-3" \
         --out runs/bench/lora_learning --results docs/bench/lora_learning   # a variant: the default run + flags
     python scripts/bench_headline.py --algorithms restem --flags "--total_episodes 12800 --local_num_prompts 800" \
@@ -19,7 +21,9 @@ Reported per run, from its metrics.jsonl: the held-out metric at step 0 and at t
 accuracy for sft/grpo/dpo/restem, pairwise accuracy for rm; dpo also `eval/rewards/accuracies`; for grpo and restem
 the training samples drawn before each evaluation, from the run's args.json), the step that the dev
 slice selected for output_dir/best and the held-out value at that step, the process's wall time, peak RSS.
-Rerunning the same command after all runs finished only re-aggregates their stored results. Over seeds: mean,
+Rerunning the same command after all runs finished only re-aggregates their stored results. `--reuse FILE` copies
+the seeds a stored summary holds for the algorithms asked for (each marked with the file, commit and time it was
+measured in; refused when that file's built-in start models differ from the ones built now). Over seeds: mean,
 min, max. Writes docs/bench/headline/<device>_<time>.json, rendered into README.md and docs/*.md by
 scripts/docs_tables.py.
 """
@@ -123,6 +127,52 @@ def run_one(a, name: str, seed: int) -> dict | None:
     return result
 
 
+def summarize(name: str, runs: dict, flags: str) -> dict:
+    """One algorithm's runs {seed: run} over seeds: start, end and dev-selected values, minutes, peak RSS."""
+    keys = METRICS[name]
+    return {
+        "command": f"python algorithms/{name}.py {flags}".strip(), "metrics": keys,
+        "start": {k: spread([r["start"][k] for r in runs.values()]) for k in keys},
+        "final": {k: spread([r["final"][k] for r in runs.values()]) for k in keys},
+        "at_best": {k: spread([r["at_best"][k] for r in runs.values()]) for k in keys}
+        if all(r["at_best"] for r in runs.values()) else None,
+        # wall time of the whole process: start-up, evaluations and saving included (and, for the first RL
+        # seed in a fresh cache, building the warm start it loads)
+        "minutes": spread([wall_minutes(r) for r in runs.values()]),
+        "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
+        "seeds": runs,
+    }
+
+
+def reused_runs(path: Path | None, algorithms: list[str], flags: str) -> tuple[dict, dict]:
+    """The runs of the stored summary `path` for `algorithms`, {name: {seed: run + "measured_in"}}, and the built-in
+    models that file was measured on; a one-line error (exit 2) for a file that is not one, or ran other flags."""
+    if path is None:
+        return {}, {}
+    try:
+        d = json.loads(path.read_text())
+        results, env = d["results"], d["env"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: --reuse {path}: not a bench_headline summary ({type(e).__name__}: {e})", file=sys.stderr)
+        raise SystemExit(2)
+    if d.get("flags", "") != flags:
+        print(f"error: --reuse {path}: its runs had --flags {d.get('flags', '')!r}, these {flags!r}", file=sys.stderr)
+        raise SystemExit(2)
+    where = {"file": path.name, "git_commit": env.get("git_commit"), "time": env.get("time")}
+    runs = {name: {seed: {**r, "measured_in": r.get("measured_in", where)}
+                   for seed, r in results[name]["seeds"].items()} for name in algorithms if name in results}
+    return runs, env.get("builtin_models") or {}
+
+
+def check_same_start_models(theirs: dict, ours: dict) -> None:
+    """Exit with a one-line error when a built-in model both files record was built differently (another start)."""
+    for name in sorted(set(theirs) & set(ours)):
+        if theirs[name]["weights_sha256"] != ours[name]["weights_sha256"]:
+            print(f"error: --reuse: the reused runs started from {name} {theirs[name]['weights_sha256'][:12]}, these "
+                  f"from {ours[name]['weights_sha256'][:12]}", file=sys.stderr)
+            raise SystemExit(2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", nargs="+", default=["sft", "grpo", "dpo", "rm"], choices=sorted(METRICS))
@@ -131,28 +181,19 @@ def main() -> None:
     p.add_argument("--stop_after_steps", type=int, default=0, help="stop (resumable) after this many steps a run")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "headline")
     p.add_argument("--flags", default="", help="extra flags for every run (a variant of the default run), one string")
+    p.add_argument("--reuse", type=Path, help="a stored summary (JSON) whose runs of these algorithms are copied")
     a = p.parse_args()
+    reused, their_models = reused_runs(a.reuse, a.algorithms, a.flags)
     results = {}
     for name in a.algorithms:
         runs = {}
         for seed in a.seeds:
-            r = run_one(a, name, seed)
+            r = reused.get(name, {}).get(str(seed)) or run_one(a, name, seed)
             if r is None:
                 return
             runs[str(seed)] = r
-        keys = METRICS[name]
-        results[name] = {
-            "command": f"python algorithms/{name}.py {a.flags}".strip(), "metrics": keys,
-            "start": {k: spread([r["start"][k] for r in runs.values()]) for k in keys},
-            "final": {k: spread([r["final"][k] for r in runs.values()]) for k in keys},
-            "at_best": {k: spread([r["at_best"][k] for r in runs.values()]) for k in keys}
-            if all(r["at_best"] for r in runs.values()) else None,
-            # wall time of the whole process: start-up, evaluations and saving included (and, for the first RL
-            # seed in a fresh cache, building the warm start it loads)
-            "minutes": spread([wall_minutes(r) for r in runs.values()]),
-            "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
-            "seeds": runs,
-        }
+        results[name] = summarize(name, runs, a.flags)
+    check_same_start_models(their_models, bc.builtin_models(a.out / "cache"))
     out = {"benchmark": "headline", "env": bc.environment(), "command": bc.invocation(),
            "flags": a.flags,
            "note": "default flags on the built-in task" + (f", plus {a.flags}" if a.flags else "")

@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
         "saved_per_optimizer_step_s": med["adamw_for_loop"] - med["adamw_fused"] + med["deepspeed_all_reduce_world_1"],
     }
     path = bc.write_result("optimizer", result, a.out, latest=False)
-    print(f"medians: " + ", ".join(f"{n} {m:.3f} s" for n, m in med.items()) + f"\nwrote {path}", flush=True)
+    print("medians: " + ", ".join(f"{n} {m:.3f} s" for n, m in med.items()) + f"\nwrote {path}", flush=True)
     return result
 
 

@@ -223,7 +223,7 @@ def headline_runs(d: dict, name: str) -> str:
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
     lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['time']}, {commit(d)}." + _reused_note([r["seeds"]])]
     return "\n".join(lines)
 
 
@@ -266,11 +266,26 @@ def _headline_cells(r: dict, what: str) -> list[str]:
 
 
 def _headline_note(ref: int, d: dict, runs: list[dict]) -> str:
-    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, commit."""
+    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, commit, and
+    the runs it copied from an earlier file (--reuse)."""
     seeds = sorted({s for r in runs for s in r["seeds"]})
     load = max(x["loadavg_at_end"][0] for r in runs for x in r["seeds"].values())
     return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}, "
-            f"{d['env']['time']}, {commit(d)}.")
+            f"{d['env']['time']}, {commit(d)}." + _reused_note([r["seeds"] for r in runs]))
+
+
+def _reused_note(seed_maps: list[dict]) -> str:
+    """' Copied with `--reuse`: <script> seed <k> (measured in <file>, commit <sha>, <time>); ...' for the runs a
+    bench_headline.py file took from an earlier one, '' when it ran them all."""
+    earlier = {}
+    for seeds in seed_maps:
+        for seed, x in seeds.items():
+            if "measured_in" in x:
+                m = x["measured_in"]
+                script = x["command"].split()[1].removeprefix("algorithms/")
+                earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(f"{script} seed {seed}")
+    return "".join(f" Copied with `--reuse`: {', '.join(runs)} (measured in {file}, commit {sha}, {when}, on the same "
+                   "start models)." for (file, sha, when), runs in earlier.items())
 
 
 def _tiny_sft(d: dict) -> str | None:

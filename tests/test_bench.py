@@ -204,6 +204,60 @@ def test_wall_minutes_count_every_invocation_of_a_resumed_run():
     assert bh.wall_minutes({"wall_s_this_invocation": 120.0}) == 2.0  # stored before the field existed
 
 
+def test_headline_reuse_copies_stored_seeds_and_the_footnote_names_them(tmp_path, capsys, monkeypatch):
+    """bench_headline.py --reuse FILE: the seeds the file stores are copied (marked with where they were measured),
+    only the others run, the summary covers both and the footnotes name the copied runs; a file of other --flags or
+    other start models, or not a summary, is a one-line error (exit 2)."""
+    bh = load("bench_headline")
+    import docs_tables
+
+    def run(seed, start, final):
+        return {"seed": seed, "command": f"python algorithms/ppo_rlhf.py --seed {seed}",
+                "start": {"eval/reward": start, "eval/accuracy": 0.5}, "final": {"eval/reward": final,
+                                                                                   "eval/accuracy": 0.6},
+                "at_best": None, "best_step": None, "peak_rss_mb": 2048.0, "wall_s_this_invocation": 600.0,
+                "loadavg_at_end": [2.0, 2.0, 2.0]}
+
+    models = {"builtin:tiny-sft": {"weights_sha256": "895ca454" + "0" * 56, "expected": True}}
+    stored = tmp_path / "cpu_1.json"
+    stored.write_text(json.dumps({"env": {"git_commit": "1fb3a00", "time": "2026-11-28 07:00:00",
+                                          "builtin_models": models}, "flags": "",
+                                  "results": {"ppo_rlhf": bh.summarize("ppo_rlhf", {"1": run(1, 0.1, 0.5)}, "")}}))
+    ran = []
+    monkeypatch.setattr(bh, "run_one", lambda a, name, seed: ran.append((name, seed)) or run(seed, 0.1, 0.7))
+    monkeypatch.setattr(bh.bc, "builtin_models", lambda cache: models)
+    written = {}
+    monkeypatch.setattr(bh.bc, "write_result", lambda name, out, *a, **k: written.update(out) or tmp_path / "o.json")
+    monkeypatch.setattr(sys, "argv", ["bench_headline.py", "--algorithms", "ppo_rlhf", "--seeds", "1", "2",
+                                      "--reuse", str(stored), "--out", str(tmp_path / "w")])
+    bh.main()
+    assert ran == [("ppo_rlhf", 2)]
+    r = written["results"]["ppo_rlhf"]
+    assert r["final"]["eval/reward"] == pytest.approx({"mean": 0.6, "min": 0.5, "max": 0.7, "n": 2})
+    assert r["seeds"]["1"]["measured_in"] == {"file": "cpu_1.json", "git_commit": "1fb3a00",
+                                              "time": "2026-11-28 07:00:00"}
+    assert "measured_in" not in r["seeds"]["2"]
+    written["env"].update(git_commit="abc1234")
+    note = docs_tables._headline_note(1, written, [r])
+    assert note.endswith(" Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, commit 1fb3a00, "
+                         "2026-11-28 07:00:00, on the same start models).")
+    assert "Copied" not in docs_tables._headline_note(1, written, [{"seeds": {"2": r["seeds"]["2"]}}])
+
+    other = {"builtin:tiny-sft": {"weights_sha256": "ffff" * 16}}
+    with pytest.raises(SystemExit) as e:
+        bh.check_same_start_models(models, other)
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --reuse: the reused runs started from")
+    bh.check_same_start_models(models, {})  # nothing built now: nothing to compare
+    with pytest.raises(SystemExit) as e:
+        bh.reused_runs(stored, ["ppo_rlhf"], "--lora_r 16")
+    assert e.value.code == 2 and "its runs had --flags ''" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(SystemExit) as e:
+        bh.reused_runs(tmp_path / "bad.json", ["ppo_rlhf"], "")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --reuse ") and err.count("\n") == 1
+
+
 def test_headline_curve_records_the_training_samples_before_each_evaluation():
     """bench_headline.py: grpo's evaluation at step s follows s batches; restem's follow whole iterations (its step 0
     row is the base, no samples yet), which is what docs/restem.md compares at."""
@@ -302,8 +356,8 @@ def test_bench_mismatch_reuse_copies_stored_rows_from_the_same_start_model_only(
                      "final": spread([f]), "minutes": spread([12.0]), "seeds": {"1": {"final": {"eval/accuracy": f}}}}
     models = {"builtin:tiny-sft": {"weights_sha256": "895ca454" + "0" * 56, "expected": True}}
     stored = tmp_path / "cpu_1.json"
-    stored.write_text(json.dumps({"env": {"git_commit": "1fb3a00", "time": "2026-11-28 04:40:47",
-                                          "builtin_models": models}, "variants": {"sync": row(0.8), "maxrl": row(0.1)}}))
+    env = {"git_commit": "1fb3a00", "time": "2026-11-28 04:40:47", "builtin_models": models}
+    stored.write_text(json.dumps({"env": env, "variants": {"sync": row(0.8), "maxrl": row(0.1)}}))
     reused = bench_mismatch.reused_variants(stored, ["maxrl"])
     assert list(reused) == ["sync"] and reused["sync"]["measured_in"]["file"] == "cpu_1.json"
     assert bench_mismatch.reused_variants(None, ["maxrl"]) == {}
