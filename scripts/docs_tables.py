@@ -172,6 +172,9 @@ def _wall_minutes(run: dict) -> float:
 
 
 def _spread3(x: dict) -> str:
+    """mean (min-max) over seeds; a single run says so."""
+    if x.get("n") == 1:
+        return f"{x['mean']:.3f} (1 seed)"
     return f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
 
 

@@ -242,6 +242,8 @@ def test_headline_reuse_copies_stored_seeds_and_the_footnote_names_them(tmp_path
     assert note.endswith(" Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, commit 1fb3a00, "
                          "2026-11-28 07:00:00, on the same start models).")
     assert "Copied" not in docs_tables._headline_note(1, written, [{"seeds": {"2": r["seeds"]["2"]}}])
+    assert docs_tables._spread3(bh.spread([0.5])) == "0.500 (1 seed)"  # a partial result says it is one run
+    assert docs_tables._spread3(bh.spread([0.5, 0.7])) == "0.600 (0.500-0.700)"
 
     other = {"builtin:tiny-sft": {"weights_sha256": "ffff" * 16}}
     with pytest.raises(SystemExit) as e:
