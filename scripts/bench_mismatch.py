@@ -53,8 +53,9 @@ VARIANTS = {
     "async1_seq_truncate": ("grpo_async", "--tis sequence_truncate", "async1"),
     "async1_seq_mask": ("grpo_async", "--tis sequence_mask", "async1"),
     "async1_geo_mask": ("grpo_async", "--tis geometric_mask --tis_cap 1.001", "async1"),
-    "dppo_tv": ("grpo", "--policy_loss dppo_tv", "sync"),
-    "dppo_kl": ("grpo", "--policy_loss dppo_kl", "sync"),
+    "dppo_tv": ("grpo", "--policy_loss dppo_tv", "sync"),  # bounds 0.2 / 0.28: prime-rl's default TV mask
+    # verl's DPPO recipe bounds the binary KL at 0.05 both ways (grpo.py's 0.2 / 0.28 are ratio-clip bounds)
+    "dppo_kl": ("grpo", "--policy_loss dppo_kl --epsilon_low 0.05 --epsilon_high 0.05", "sync"),
     "maxrl": ("grpo", "--advantage_estimator maxrl", "sync"),
 }
 DIAGNOSTICS = ("val/sampler_kl", "val/tis_ratio_p99", "val/tis_clipfrac", "val/tis_seq_clipfrac", "optim/grad_norm")
