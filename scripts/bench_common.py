@@ -105,6 +105,25 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
 
 
+def reuse_error(path, message: str) -> None:
+    """A benchmark's --reuse FILE refused: one line on stderr (naming the file, when given), exit status 2."""
+    print(f"error: --reuse {path}: {message}" if path else f"error: --reuse: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def read_reused(path: Path, key: str, bench: str) -> tuple[dict, dict]:
+    """A stored summary given to --reuse: (its `key` entry, where it was measured: file name, commit, time and
+    built-in models); a one-line error (exit 2) when it is not a summary of `bench` (e.g. bench_headline)."""
+    try:
+        d = json.loads(Path(path).read_text())
+        entry, env = d[key], d["env"]
+        where = {"file": Path(path).name, "git_commit": env.get("git_commit"), "time": env.get("time"),
+                 "builtin_models": env.get("builtin_models") or {}, "flags": d.get("flags", "")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        reuse_error(path, f"not a {bench} summary ({type(e).__name__}: {e})")
+    return entry, where
+
+
 # --- environment ------------------------------------------------------------------------------------------------
 def _version(dist: str) -> str | None:
     import importlib.metadata as md

@@ -149,28 +149,21 @@ def reused_runs(path: Path | None, algorithms: list[str], flags: str) -> tuple[d
     models that file was measured on; a one-line error (exit 2) for a file that is not one, or ran other flags."""
     if path is None:
         return {}, {}
-    try:
-        d = json.loads(path.read_text())
-        results, env = d["results"], d["env"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"error: --reuse {path}: not a bench_headline summary ({type(e).__name__}: {e})", file=sys.stderr)
-        raise SystemExit(2)
-    if d.get("flags", "") != flags:
-        print(f"error: --reuse {path}: its runs had --flags {d.get('flags', '')!r}, these {flags!r}", file=sys.stderr)
-        raise SystemExit(2)
-    where = {"file": path.name, "git_commit": env.get("git_commit"), "time": env.get("time")}
-    runs = {name: {seed: {**r, "measured_in": r.get("measured_in", where)}
+    results, where = bc.read_reused(path, "results", "bench_headline")
+    if where["flags"] != flags:
+        bc.reuse_error(path, f"its runs had --flags {where['flags']!r}, these {flags!r}")
+    mark = {k: where[k] for k in ("file", "git_commit", "time")}
+    runs = {name: {seed: {**r, "measured_in": r.get("measured_in", mark)}
                    for seed, r in results[name]["seeds"].items()} for name in algorithms if name in results}
-    return runs, env.get("builtin_models") or {}
+    return runs, where["builtin_models"]
 
 
 def check_same_start_models(theirs: dict, ours: dict) -> None:
     """Exit with a one-line error when a built-in model both files record was built differently (another start)."""
     for name in sorted(set(theirs) & set(ours)):
         if theirs[name]["weights_sha256"] != ours[name]["weights_sha256"]:
-            print(f"error: --reuse: the reused runs started from {name} {theirs[name]['weights_sha256'][:12]}, these "
-                  f"from {ours[name]['weights_sha256'][:12]}", file=sys.stderr)
-            raise SystemExit(2)
+            bc.reuse_error("", f"the reused runs started from {name} {theirs[name]['weights_sha256'][:12]}, these "
+                               f"from {ours[name]['weights_sha256'][:12]}")
 
 
 def main() -> None:

@@ -34,7 +34,6 @@ scripts/docs_tables.py.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -125,18 +124,11 @@ def reused_variants(path: Path | None, names: list[str]) -> dict:
     measured: {variant: its summary + "measured_in"}; exit with a one-line error on a file that is not one."""
     if path is None:
         return {}
-    try:
-        d = json.loads(path.read_text())
-        variants, env = d["variants"], d["env"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"error: --reuse {path}: not a bench_mismatch summary ({type(e).__name__}: {e})", file=sys.stderr)
-        raise SystemExit(2)
+    variants, where = bc.read_reused(path, "variants", "bench_mismatch")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
-        print(f"error: --reuse {path}: unknown variant {unknown[0]!r} (VARIANTS in this file)", file=sys.stderr)
-        raise SystemExit(2)
-    where = {"file": path.name, "git_commit": env.get("git_commit"), "time": env.get("time"),
-             "builtin_models": env.get("builtin_models")}
+        bc.reuse_error(path, f"unknown variant {unknown[0]!r} (VARIANTS in this file)")
+    where = {k: where[k] for k in ("file", "git_commit", "time", "builtin_models")}
     return {name: {**r, "measured_in": r.get("measured_in", where)} for name, r in variants.items()
             if name not in names}
 
@@ -147,9 +139,8 @@ def check_same_start_model(reused: dict, built: dict) -> None:
         theirs = (r["measured_in"].get("builtin_models") or {}).get("builtin:tiny-sft", {}).get("weights_sha256")
         ours = built.get("builtin:tiny-sft", {}).get("weights_sha256")
         if theirs != ours:
-            print(f"error: --reuse: variant {name} was measured on builtin:tiny-sft {str(theirs)[:12]}, these runs on "
-                  f"{str(ours)[:12]}: not one start model", file=sys.stderr)
-            raise SystemExit(2)
+            bc.reuse_error("", f"variant {name} was measured on builtin:tiny-sft {str(theirs)[:12]}, these runs on "
+                               f"{str(ours)[:12]}: not one start model")
 
 
 def real_model(a) -> dict:
