@@ -348,10 +348,12 @@ def results_overview(files: list[dict]) -> str:
             per = {a: [s["algorithms"][a] for s in d["per_seed"]] for a in ("ppo", "vineppo")}
             train = {a: sum(x["total_train_seconds"] for x in xs) for a, xs in per.items()}
             grad = st["rollout_steps"] * st["gradient_steps_per_rollout_step"]
-            whats = {"ppo": f"held-out grader accuracy ({st['eval']}) on `{task}`{steps}, not the built-in task, from "
-                            f"an SFT start trained on it; {st['rollout_steps']} rollout steps ({grad} gradient steps)",
-                     "vineppo": f"as PPO's row: the same task, start and {grad} gradient steps (equal gradient steps "
-                                f"against PPO), K = {st['vineppo_k']} rollouts per state; training time "
+            final = {a: sum(x["final_accuracy"] for x in xs) / len(xs) for a, xs in per.items()}
+            where = (f"held-out grader accuracy ({st['eval']}) on `{task}`{steps}, not the built-in task, from an SFT "
+                     f"start trained on it; {st['rollout_steps']} rollout steps ({grad} gradient steps)")
+            whats = {"ppo": where,
+                     "vineppo": f"{where}, K = {st['vineppo_k']} rollouts per state; ppo.py with the same task, start "
+                                f"and gradient steps: {final['ppo']:.3f}; training time "
                                 f"{train['vineppo'] / train['ppo']:.1f}x PPO's"}
             flags = {"ppo": "", "vineppo": f" --num_mc_rollouts {st['vineppo_k']}"}
             for a, xs in per.items():
