@@ -287,8 +287,10 @@ def _reused_note(seed_maps: list[dict]) -> str:
                 m = x["measured_in"]
                 script = x["command"].split()[1].removeprefix("algorithms/")
                 earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(f"{script} seed {seed}")
-    return "".join(f" Copied with `--reuse`: {', '.join(runs)} (measured in {file}, commit {sha}, {when}, on the same "
-                   "start models)." for (file, sha, when), runs in earlier.items())
+    if not earlier:
+        return ""
+    return " Copied with `--reuse`: " + "; ".join(f"{', '.join(runs)} (measured in {file}, commit {sha}, {when}, on the "
+                                                  "same start models)" for (file, sha, when), runs in earlier.items()) + "."
 
 
 def _tiny_sft(d: dict) -> str | None:

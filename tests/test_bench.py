@@ -242,6 +242,11 @@ def test_headline_reuse_copies_stored_seeds_and_the_footnote_names_them(tmp_path
     assert note.endswith(" Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, commit 1fb3a00, "
                          "2026-11-28 07:00:00, on the same start models).")
     assert "Copied" not in docs_tables._headline_note(1, written, [{"seeds": {"2": r["seeds"]["2"]}}])
+    later = {**r["seeds"]["2"], "measured_in": {"file": "cpu_2.json", "git_commit": "2fb3a00", "time": "T2"}}
+    assert docs_tables._reused_note([{"1": r["seeds"]["1"], "2": later}]) == (  # two earlier files: one sentence
+        " Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, commit 1fb3a00, 2026-11-28 07:00:00, on "
+        "the same start models); ppo_rlhf.py seed 2 (measured in cpu_2.json, commit 2fb3a00, T2, on the same start "
+        "models).")
     assert docs_tables._spread3(bh.spread([0.5])) == "0.500 (1 seed)"  # a partial result says it is one run
     assert docs_tables._spread3(bh.spread([0.5, 0.7])) == "0.600 (0.500-0.700)"
 
