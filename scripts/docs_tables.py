@@ -249,11 +249,6 @@ def _minus(x: float, f: str = ".2f") -> str:
 # --- README's results table: one row per training script, each from its stored file -------------------------------
 OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
             "restem", "repulse")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
-NOT_MEASURED = {  # the runs that would measure a script no file of the block has
-    "ppo_rlhf": "`python scripts/bench_headline.py --algorithms ppo_rlhf --seeds 1 2 3`",
-    "ppo_async": "`python scripts/bench_headline.py --algorithms ppo ppo_async --seeds 1 2 3` (its synchronous pair "
-                 "beside it)",
-}
 VARIANT_OF = {"dapo": ("grpo_variants", "dynamic_sampling", "dapo.py was split from"),
               "grpo_async": ("async", "async1", "grpo_async.py now holds")}  # script: (benchmark, run, code note)
 REPULSE_CONFIG = "repulse_a10"  # repulse_toy.py --paper's run at repulse.py's default alpha (tests/test_docs.py)
@@ -395,7 +390,7 @@ def results_overview(files: list[dict]) -> str:
     for name in OVERVIEW:
         page = f"[{name}.md](docs/{name}.md)"
         if name not in rows:
-            todo = NOT_MEASURED.get(name, "no run stored")
+            todo = f"`python scripts/bench_headline.py --algorithms {name} --seeds 1 2 3`"
             lines.append(f"| `python algorithms/{name}.py` | not measured yet: {todo} | - | - | - | - | - | {page} |")
             continue
         cells, d, _ = rows[name]
