@@ -262,8 +262,10 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
     sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
     sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
     geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
-    lo = low, or 1/C when low = 0. token_* and sequence_* are TRL's `vllm_importance_sampling_mode` (clip_min = lo,
-    clip_max = C); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    lo = low, or 1/C when low = 0 (a mask's kept range; the truncate modes have no lower bound). token_* and
+    sequence_* are TRL's `vllm_importance_sampling_mode` with clip_max = C: its *_mask modes with clip_min = lo, its
+    *_truncate modes with clip_min unset (TRL's clip_min would raise a weight below it to clip_min; nothing here
+    does); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
     ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
     drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
     which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""

@@ -321,22 +321,24 @@ def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     return loss, is_clipped.float(), ratio
 
 
-def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                   eps_high: float, divergence: str, mask: torch.Tensor | None = None):
+def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                   eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
     """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
-    M = 0 on a token whose probability p = pi(y_t) has left the trust region around p_old = pi_old(y_t) in the
-    direction its advantage pushes (A > 0: up, bound eps_high; A < 0: down, bound eps_low), else 1:
-      tv: |p - p_old| > eps                                            (verl `dppo_tv`, prime-rl's default loss)
-      kl: p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
-    The mask is detached; kept tokens get the unclipped gradient -A grad rho."""
+    M = 0 on a token whose probability p = pi(y_t) has left the trust region around the behaviour policy's
+    p_s = pi_sampler(y_t) (the generator's log-probs, as the paper's Sec. 5.2, verl's recipe, prime-rl and TRL's
+    DPPOTrainer anchor it) in the direction its advantage pushes (A > 0: up, bound eps_high; A < 0: down, eps_low):
+      tv: |p - p_s| > eps                                              (verl `dppo_tv`)
+      kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
+    rho = pi / pi_old as in the other surrogates (the --tis weight carries pi_old / pi_sampler). The mask is
+    detached; kept tokens get the unclipped gradient -A grad rho."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     ratio = torch.exp(log_ratio)
-    p, p_old = torch.exp(logp.detach()), torch.exp(logp_old)
+    p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
     if divergence == "tv":
-        out_up, out_down = p - p_old > eps_high, p - p_old < -eps_low
+        out_up, out_down = p - p_s > eps_high, p - p_s < -eps_low
     elif divergence == "kl":
-        kl = p_old * (logp_old - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
-        out_up, out_down = (kl > eps_high) & (p > p_old), (kl > eps_low) & (p < p_old)
+        kl = p_s * (logp_sampler - logp.detach()) + (1 - p_s) * torch.log((1 - p_s + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > p_s), (kl > eps_low) & (p < p_s)
     else:
         raise ValueError(f"policy_loss: expected dppo_tv or dppo_kl, got dppo_{divergence}")
     masked = torch.where(advantages > 0, out_up, (advantages < 0) & out_down)
@@ -352,8 +354,10 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
     sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
     sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
     geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
-    lo = low, or 1/C when low = 0. token_* and sequence_* are TRL's `vllm_importance_sampling_mode` (clip_min = lo,
-    clip_max = C); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    lo = low, or 1/C when low = 0 (a mask's kept range; the truncate modes have no lower bound). token_* and
+    sequence_* are TRL's `vllm_importance_sampling_mode` with clip_max = C: its *_mask modes with clip_min = lo, its
+    *_truncate modes with clip_min unset (TRL's clip_min would raise a weight below it to clip_min; nothing here
+    does); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
     ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
     drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
     which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
@@ -606,8 +610,9 @@ def main(args: Args) -> str:
                             pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
                                                                     m_mask, args.importance_level)
                         elif args.policy_loss.startswith("dppo"):
-                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                   args.epsilon_high, args.policy_loss[5:], m_mask)
+                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, sampler_logp[idx], adv_tok[idx],
+                                                                   args.epsilon_low, args.epsilon_high,
+                                                                   args.policy_loss[5:], m_mask)
                         else:
                             pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                                       args.epsilon_high, m_mask, args.importance_level)

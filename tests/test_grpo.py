@@ -384,7 +384,7 @@ def _dppo_case():
 
 def test_dppo_tv_masks_a_probability_moved_past_epsilon_in_the_advantages_direction():
     logp, logp_old, adv, ratio = _dppo_case()
-    loss, masked, _ = dppo_surrogate(logp, logp_old, adv, 0.2, 0.28, "tv")
+    loss, masked, _ = dppo_surrogate(logp, logp_old, logp_old, adv, 0.2, 0.28, "tv")  # sampler == pi_old
     # |p - p_old|: (a) 0.1 kept, (b) 0.4 > 0.28 masked, (c) moved up with A < 0: kept, (d) 0.3 > 0.2 masked,
     # (e) 0.15 kept, (f) 0.27 kept, (g) 0.09 kept
     torch.testing.assert_close(masked, torch.tensor([[0.0, 1, 0, 1, 0, 0, 0]]))
@@ -402,8 +402,22 @@ def test_dppo_kl_masks_by_the_binary_kl_of_the_sampled_token():
     # though TV (0.27) keeps it, (g) 0.1445: kept though it is the largest ratio change at high probability
     assert [round(bkl(q, p), 4) for q, p in ((0.5, 0.6), (0.5, 0.9), (0.5, 0.2), (0.5, 0.35), (0.01, 0.28),
                                              (0.9, 0.99))] == [0.0204, 0.5108, 0.2231, 0.0472, 0.2819, 0.1445]
-    _, masked, _ = dppo_surrogate(logp, logp_old, adv, 0.2, 0.28, "kl")
+    _, masked, _ = dppo_surrogate(logp, logp_old, logp_old, adv, 0.2, 0.28, "kl")
     torch.testing.assert_close(masked, torch.tensor([[0.0, 1, 0, 1, 0, 1, 0]]))
+
+
+@pytest.mark.parametrize("div", ["tv", "kl"])
+def test_dppo_trust_region_is_measured_from_the_sampler_not_the_trainers_old_policy(div):
+    """The paper (Sec. 5.2), verl's recipe, prime-rl and TRL anchor the trust region at the behaviour policy: on a
+    batch generated one update before (grpo_async.py) the trainer's pi_old equals pi on the first pass (ratio 1),
+    yet a token whose probability is 0.4 above the sampler's is outside the region and masked; the same token with
+    the sampler at pi_old would be kept."""
+    logp, logp_old, adv, _ = _dppo_case()
+    logp_now = logp.detach().clone().requires_grad_()  # pi_old = pi: the first pass over the batch
+    _, masked, ratio = dppo_surrogate(logp_now, logp_now.detach(), logp_old, adv, 0.2, 0.28, div)
+    assert torch.all(ratio == 1) and masked[0, 1] == 1 and masked[0, 3] == 1  # (b) and (d) of _dppo_case
+    _, kept, _ = dppo_surrogate(logp_now, logp_now.detach(), logp_now.detach(), adv, 0.2, 0.28, div)
+    assert kept.sum() == 0
 
 
 def test_dppo_on_policy_gradient_is_reinforce():
@@ -411,7 +425,7 @@ def test_dppo_on_policy_gradient_is_reinforce():
     logp = torch.log(torch.tensor([[0.3, 0.6]])).requires_grad_()
     adv = torch.tensor([[0.5, -2.0]])
     for div in ("tv", "kl"):
-        loss, masked, _ = dppo_surrogate(logp, logp.detach(), adv, 0.2, 0.28, div)
+        loss, masked, _ = dppo_surrogate(logp, logp.detach(), logp.detach(), adv, 0.2, 0.28, div)
         assert masked.sum() == 0
         torch.testing.assert_close(torch.autograd.grad(loss.sum(), logp)[0], -adv)
 

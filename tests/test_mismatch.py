@@ -56,6 +56,34 @@ def test_mismatch_metrics_hand_computed():
     assert (m["val/tis_clipfrac"], m["val/tis_seq_clipfrac"]) == pytest.approx((0.2, 0.5))
 
 
+def test_the_sequence_clip_fraction_counts_only_completions_with_trained_tokens():
+    """Rows without a trained token (overlong-filtered, dynamic-sampling fillers) are not completions the correction
+    could change: 1 of the 2 trained rows truncated is 0.5, whatever the number of empty rows beside them."""
+    from algorithms.grpo import tis_weights
+
+    logp_old, sampler, mask = _batch()
+    logp_old, sampler = torch.cat([logp_old, logp_old]), torch.cat([sampler, sampler])
+    mask = torch.cat([mask, torch.zeros(2, 3)])  # two rows with no trained token
+    w = tis_weights(logp_old, sampler, mask, "token_truncate", 2.0)
+    m = mismatch_metrics(logp_old, sampler, mask, w, tis_weights(logp_old, sampler, mask, "token_truncate", math.inf))
+    assert m["val/tis_seq_clipfrac"] == pytest.approx(0.5)
+    assert m["val/tis_clipfrac"] == pytest.approx(0.2)
+
+
+def test_the_ratio_percentile_takes_more_than_2_to_the_24_tokens():
+    """torch.quantile raises on more than 2^24 elements; a long-CoT step has that many tokens on one rank."""
+    n = 2**24 + 10
+    log_old = torch.zeros(1, n)
+    log_old[0, -100:] = math.log(3.0)  # 100 ratios of 3, the rest 1: the 99th percentile is 1
+    m = mismatch_metrics(log_old, torch.zeros(1, n), torch.ones(1, n), torch.ones(1, n), torch.ones(1, n))
+    assert m["val/tis_ratio_p99"] == pytest.approx(1.0) and m["val/tis_ratio_max"] == pytest.approx(3.0)
+    from shared.mismatch import quantile
+
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
+    for q in (0.0, 0.5, 0.99, 1.0):  # the same linear interpolation as torch.quantile where both apply
+        assert quantile(x, q) == pytest.approx(torch.quantile(x, q).item(), abs=1e-6)
+
+
 def test_mismatch_metrics_of_a_geometric_mask_and_of_agreement():
     from algorithms.grpo import tis_weights
 
@@ -73,7 +101,9 @@ def test_mismatch_metrics_of_a_geometric_mask_and_of_agreement():
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("change, message", [
     ({"top_p": 0.9, "tis": "token_truncate"}, "^top_p: the sampler's log-probs are then those of the renormalised"),
-    ({"tis_mask_low": 2.0, "tis_cap": 2.0}, r"^tis_mask_low: must be below --tis_cap \(2.0 >= 2.0\)$")])
+    ({"tis_mask_low": 2.0, "tis_cap": 2.0}, r"^tis_mask_low: must be below --tis_cap \(2.0 >= 2.0\)$"),
+    ({"tis": "token_mask", "tis_cap": 0.5}, r"^tis_cap: a mask keeps ratios in \[1/C, C\], empty for C = 0.5 <= 1"),
+    ({"tis": "geometric_mask", "tis_cap": 1.0}, r"^tis_cap: a mask keeps ratios in \[1/C, C\], empty for C = 1.0")])
 def test_a_correction_refuses_a_truncated_sampler_and_an_empty_range(script, change, message):
     """top_p < 1: vLLM's log-probs are those of the renormalised nucleus (logprobs_mode processed_logprobs), the
     trainer's of the whole vocabulary; their ratio is not the mismatch, so a correction by it is refused (one line at
