@@ -48,7 +48,7 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, safe_load, save_hf
 from shared.cli import run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
                                 load_causal_lm, load_tokenizer, prepare, prepare_frozen, seed_everything)
@@ -386,7 +386,10 @@ def main(args: Args) -> str:
         setup = {"data/train_pairs": len(train), "data/skipped_identical": train.num_identical,
                  "data/skipped_too_long": train.num_too_long}
     elif saved_pairs is not None and saved_pairs.exists():
-        train, setup = torch.load(saved_pairs, weights_only=False)
+        saved = safe_load(saved_pairs)  # plain lists and numbers: a crafted file is refused, not run
+        train = data_utils.PreferenceData(saved["rows"], saved["prompt_ids"], saved["chosen_ids"],
+                                          saved["rejected_ids"])
+        setup = saved["setup"]
         tracker.write(f"{len(train)} self-generated pairs from {saved_pairs}")
     else:
         with timer("generate_pairs"):
@@ -434,7 +437,8 @@ def main(args: Args) -> str:
                       f"{setup['pairs/frac_prompts_with_pairs']:.2f} of prompts have a pair)")
     if args.pair_source == "self_generated" and info.is_main and (ckpt.path is None or not pairs_file.exists()):
         pairs_file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save((train, setup), pairs_file.with_suffix(".tmp"))
+        torch.save({"rows": train.rows, "prompt_ids": train.prompt_ids, "chosen_ids": train.chosen_ids,
+                    "rejected_ids": train.rejected_ids, "setup": setup}, pairs_file.with_suffix(".tmp"))
         pairs_file.with_suffix(".tmp").rename(pairs_file)
     sampler = data_utils.PromptSampler(len(train), args.seed)
     tracker.write(f"{args.num_steps} steps of {args.batch_size} pairs ({args.total_episodes / len(train):.2f} epochs); "

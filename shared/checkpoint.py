@@ -14,6 +14,11 @@ and vLLM. A LoRA run (shared/lora.py) exports the merged model there too, plus i
                                     state: data sampler position, NaN-guard count, best metric, algorithm
                                     state (KL coefficient, loss windows, ...)
 
+Loading is safe: every file of a checkpoint is read with torch's `weights_only` unpickler (tensors, numbers,
+strings, lists, tuples, dicts, and the few plain DeepSpeed classes its engine states hold) before anything is
+loaded, DeepSpeed's own `load_checkpoint` included; a file that would import anything else (a pickle that runs
+code) stops the run with a one-line error naming it, having run nothing.
+
 A checkpoint is written to `step_<N>.tmp` by every rank and renamed into place by rank 0 only when complete,
 so an interrupted save never leaves a half-written checkpoint; only the last `keep_checkpoints` are kept.
 Resuming restores all of it and truncates metrics.jsonl / samples.jsonl to what they held at the checkpoint,
@@ -32,6 +37,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import pickle
 import random
 import re
 import shutil
@@ -99,8 +105,53 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _safe_globals() -> list:
+    """The classes besides tensors and Python's plain types that a checkpoint may hold: DeepSpeed's ZeRO optimizer
+    states store its stage (an enum), its loss scaler and the fragment addresses of flat parameters (plain
+    attributes, no code)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def safe_load(path: str | Path, what: str = "resume", mmap: bool = False):
+    """torch.load with the weights_only unpickler (tensors, numbers, strings, lists, tuples, dicts, _safe_globals);
+    a file that would import anything else is refused, unread, with a one-line ValueError naming it. `mmap`: map
+    the tensors' storage instead of reading it (a check of a large file)."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
+    except pickle.UnpicklingError:
+        try:
+            names = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path)) or "an unknown object"
+        except Exception:  # noqa: BLE001 - not a torch file at all: the refusal below says so
+            names = "an object torch cannot read safely"
+        raise ValueError(f"{what}: {path} is refused: it would import {names} (a checkpoint holds tensors, numbers, "
+                         "strings and lists; loading anything else could run code)") from None
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def check_checkpoint_files(path: Path) -> None:
+    """Refuse a checkpoint directory any of whose pickled files (ours and DeepSpeed's) holds more than data, before
+    any of them is loaded (DeepSpeed's load_checkpoint unpickles with weights_only=False)."""
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            head = fh.read(4)
+        if head == b"PK\x03\x04" or head[:1] == b"\x80":  # a torch zip file or a pickle (protocol 2+)
+            safe_load(f, mmap=True)
+
+
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                     gauss), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -108,7 +159,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -159,7 +211,8 @@ class Checkpointer:
         self.path = self._resolve(args.resume)
         self.state: dict = {}
         if self.path is not None:
-            self.state = torch.load(self.path / "state.pt", weights_only=False)
+            check_checkpoint_files(self.path)
+            self.state = safe_load(self.path / "state.pt")
             self._check_compatible(self.state)
 
     # ------------------------------------------------------------------ resolving --resume
@@ -224,7 +277,7 @@ class Checkpointer:
         for key, obj in objects.items():
             if obj is not None and key in extra:
                 obj.load_state_dict(extra.pop(key))
-        rank_state = torch.load(self.path / f"rank{self.info.rank}.pt", weights_only=False)
+        rank_state = safe_load(self.path / f"rank{self.info.rank}.pt")
         _set_rng_state(rank_state["rng"])
         if self.info.is_main:
             print(f"[cleanrlhf] resumed from {self.path} (step {self.start_step})", flush=True)

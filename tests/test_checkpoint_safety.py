@@ -1,0 +1,110 @@
+"""Resuming never unpickles code: every file of a checkpoint (ours and DeepSpeed's engine states) and dpo.py's saved
+pairs are read with torch's weights_only unpickler, and a file that would import anything else stops the run with a
+one-line error before anything is loaded or written (shared/checkpoint.py, `safe_load`, `check_checkpoint_files`)."""
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shared.checkpoint import Checkpointer, check_checkpoint_files, safe_load
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--generator", "hf", "--dev_num_prompts", "8", "--total_episodes", "16", "--local_num_prompts", "4",
+       "--num_generations", "4", "--local_micro_batch_size", "8", "--eval_every", "0", "--eval_num_prompts", "8",
+       "--save_every", "1", "--no_save_model"]
+
+
+class Payload:
+    """What a crafted checkpoint holds: unpickling it runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real one-step grpo.py checkpoint (HF generation: no engine start), written by the code under test."""
+    out = tmp_path_factory.mktemp("run")
+    proc = subprocess.run([sys.executable, "algorithms/grpo.py", "--output_dir", str(out), *RUN], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (step,) = sorted((out / "checkpoints").glob("step_*"))
+    return step
+
+
+def _crafted(src: Path, tmp_path: Path, name: str, how: str) -> tuple[Path, Path]:
+    """A copy of the checkpoint whose file `name` is replaced by a crafted torch file or a bare pickle."""
+    dst = tmp_path / "ckpt" / src.name
+    shutil.copytree(src, dst)
+    marker = tmp_path / "ran"
+    target = dst / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if how == "torch":
+        torch.save({"step": 1, "payload": Payload(marker)}, target)
+    else:
+        target.write_bytes(pickle.dumps(Payload(marker)))
+    return dst, marker
+
+
+def test_every_file_of_a_real_checkpoint_loads_safely(checkpoint):
+    files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*.pt"))
+    assert {"state.pt", "rank0.pt", "policy/mp_rank_00_model_states.pt"} <= set(files), files
+    check_checkpoint_files(checkpoint)
+    state = safe_load(checkpoint / "state.pt")
+    assert state["step"] == 1 and state["args"]["total_episodes"] == 16
+
+
+@pytest.mark.parametrize("name", ["state.pt", "rank0.pt", "policy/mp_rank_00_model_states.pt",
+                                  "policy/zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+@pytest.mark.parametrize("how", ["torch", "pickle"])
+def test_a_crafted_pickle_in_any_file_is_refused_and_runs_nothing(checkpoint, tmp_path, name, how):
+    path, marker = _crafted(checkpoint, tmp_path, name, how)
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"), save_every=1, keep_checkpoints=1, stop_after_steps=0,
+                           resume=str(path))
+    with pytest.raises(ValueError) as e:
+        Checkpointer(args, SimpleNamespace(rank=0, world_size=1, is_main=True))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"resume: {path / name} is refused: it would import")
+    assert "system" in message or how == "pickle"
+    assert not marker.exists()
+
+
+def test_the_script_refuses_a_crafted_checkpoint_with_one_line_and_writes_nothing(checkpoint, tmp_path):
+    path, marker = _crafted(checkpoint, tmp_path, "state.pt", "torch")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "algorithms/grpo.py", "--output_dir", str(out), *RUN, "--resume",
+                           str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: resume: {path / 'state.pt'} is refused")
+    assert not marker.exists() and not out.exists()
+
+
+def test_deepspeeds_zero_optimizer_classes_are_allowed_and_nothing_else():
+    """What ZeRO-2/3 optimizer states hold besides tensors (measured on a 2-process ZeRO-2 checkpoint): the stage
+    enum, the loss scaler and fragment addresses. They load; a class outside the list does not."""
+    import tempfile
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with tempfile.TemporaryDirectory() as d:
+        ok = Path(d) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0),
+                                             "param_slice_mappings": [{"w": fragment_address(numel=4, start=0)}]},
+                    "ds_version": "0.19.8"}, ok)
+        check_checkpoint_files(Path(d))
+        assert safe_load(ok)["optimizer_state_dict"]["zero_stage"] == ZeroStageEnum.gradients
+        torch.save({"x": SimpleNamespace(a=1)}, Path(d) / "other.pt")
+        with pytest.raises(ValueError, match=r"other\.pt is refused: it would import types\.SimpleNamespace"):
+            check_checkpoint_files(Path(d))
