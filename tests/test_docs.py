@@ -322,10 +322,10 @@ STALE = re.compile(r"\bissue #?\d+|spec §|Status: issue|\bv[1-9] (build|start m
 HISTORY = re.compile(
     r"\bnow\b|\bre-?measured\b|\bmeasured again\b|\bre-?ran\b|\bearlier (build|start model|measurement|runs?|settings|"
     r"variants|ones|experiment)\b|\bfirst measurement\b|\bdefaults of then\b|\bno longer\b|\bused to\b|"
-    r"\bbefore the (fix|change)\b|\bthis session\b|\bso far\b|\bnot (been )?run yet\b|\bhas not run\b|\bnone stored yet\b|"
+    r"\bbefore the (fix|change)\b|\bthis session\b|\bnot (been )?run yet\b|\bhas not run\b|\bnone stored yet\b|"
     r"\bsupersede[ds]?\b|\bbecame the default\b|\bbefore results were kept\b|\b(was|were) split from\b|\(was \d|"
     r"\bwhen this was written\b|\bat the time\b|\bpreviously\b|\bformerly\b|\bolder versions\b|\bthen and now\b|"
-    r"\bsince the (fix|change)\b|\bfrom before\b|\bpredates?\b|\bnothing changed\b|\bis unchanged\b",
+    r"\bsince the (fix|change)\b|\bfrom before\b|\bpredates?\b|\bnothing changed\b",
     re.I)
 
 
