@@ -358,3 +358,17 @@ def test_prose_keeps_no_history_a_reader_cannot_follow():
         prose = _prose(p.read_text())
         found += [f"{p.relative_to(ROOT)}: ...{prose[max(0, m.start() - 60):m.end() + 20]}..." for m in HISTORY.finditer(prose)]
     assert not found, "\n".join(found)
+
+
+SKELETON = ["Overview", "Usage", "Flags", "Logged metrics", "Implementation details", "Results", "Reliability"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__"))
+def test_every_algorithm_page_has_the_same_skeleton(name):
+    """docs/<script>.md for every algorithms/<script>.py, with CleanRL's sections as its H2 headings, in this order
+    (subsections under them are free), in at most 300 lines."""
+    page = ROOT / "docs" / f"{name}.md"
+    assert page.exists(), f"algorithms/{name}.py has no docs/{name}.md"
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a shell comment is no heading
+    assert re.findall(r"^## (.+?)\s*$", text, flags=re.M) == SKELETON
+    assert len(page.read_text().splitlines()) <= 300
