@@ -11,8 +11,8 @@ pushed down (the tail problem). RePULSe trains a proposal LM q_xi to sample from
 
 and adds to the policy's RL loss alpha times a "-SFT" term that pushes log p_theta down on the q samples,
 self-normalised-importance-weighted towards sigma_theta. Three models: p_theta (trained,
---base_actor_learning_rate), q_xi (a copy of the initial model trained with Contrastive Twist Learning and
-the proposal-centric twist log psi_t = log q(s_t|.) - sg log p(s_t|.), --actor_learning_rate), and a
+--learning_rate), q_xi (a copy of the initial model trained with Contrastive Twist Learning and
+the proposal-centric twist log psi_t = log q(s_t|.) - sg log p(s_t|.), --proposal_learning_rate), and a
 frozen p_0 for the KL penalty (loaded only when --beta > 0). Per step (docs/repulse.md, "The math, as implemented"):
     S_p ~ p, S_q ~ q (same prompts, N each); R = r' - c_KL sum_t (log p - log p_0); b = RLOO baseline
     1) q step: CTL loss on S_q (own Adam, grad clip)
@@ -20,8 +20,8 @@ frozen p_0 for the KL penalty (loaded only when --beta > 0). Per step (docs/repu
 Losses use per-token MEANS and average over all J*N samples, as the reference, so its alpha transfers
 (alpha_eff = alpha / N). Delta from REINFORCE/RLOO (the p step with alpha = 0, grpo.py's sampling
 plumbing): the proposal, its CTL step and the weighted negative term. Modes (docs/repulse.md):
-    --loss_type reinforce --alpha 0                                      REINFORCE (RLOO)
-    --loss_type reinforce --reward_transform minus_alpha_exp_beta_r      r' = r - alpha exp(beta r)
+    --objective reinforce --alpha 0                                      REINFORCE (RLOO)
+    --objective reinforce --reward_transform minus_alpha_exp_beta_r      r' = r - alpha exp(beta r)
     --use_base_as_proposal                                               p_theta as the proposal (ablation)
     (defaults)                                                           RePULSe
 --total_episodes counts every completion sampled for training (p and q), the paper's x-axis, so RePULSe
@@ -32,7 +32,7 @@ a classifier-like reward (lowest, in [-4, -3.3], when a "bad" character appears;
 indicator reward); the exact log P(bad) of p_theta is computed by enumerating the ~100-token vocabulary after
 every step. Launch:
     python algorithms/repulse.py                                    # CPU toy, RePULSe, about 75 s
-    python algorithms/repulse.py --loss_type reinforce --alpha 0    # the REINFORCE baseline on the toy
+    python algorithms/repulse.py --objective reinforce --alpha 0    # the REINFORCE baseline on the toy
     python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
     python scripts/repulse_toy.py --paper --hours 3                 # the paper's toy settings, resumable (hours)
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
@@ -133,10 +133,10 @@ class Args:
     # algorithm args
     total_episodes: Annotated[int, Ge(1)] = 30_000
     """completions sampled for training, from p and q together (RePULSe: 2N per prompt per step)"""
-    base_actor_learning_rate: Annotated[float, Gt(0)] = 1e-4
-    """Adam learning rate of p_theta (constant)"""
-    actor_learning_rate: Annotated[float, Gt(0)] = 3e-4
-    """Adam learning rate of the proposal q_xi (constant; 0 keeps q frozen at the initial model)"""
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
+    """Adam learning rate of the policy p_theta (constant; the reference code's `base_actor_learning_rate`)"""
+    proposal_learning_rate: Annotated[float, Gt(0)] = 3e-4
+    """Adam learning rate of the proposal q_xi (constant; the reference code's `actor_learning_rate`)"""
     max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """gradient clipping norm, applied to each model separately"""
     num_generations: Annotated[int, Ge(1)] = 250
@@ -149,7 +149,7 @@ class Args:
     """completion length limit T (the toy's exact P(bad) needs T <= 2)"""
     stop: tuple[str, ...] = ()
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
-    loss_type: Literal["neg_training", "reinforce"] = "neg_training"
+    objective: Literal["neg_training", "reinforce"] = "neg_training"
     """`neg_training`: RL term + alpha * weighted -SFT term (RePULSe, p-proposal); `reinforce`: RL term only"""
     alpha: Annotated[float, Ge(0)] = 10.0
     """alpha: weight of the negative term (code units: the term is a mean over J*N samples, alpha_eff = alpha/N)"""
@@ -302,15 +302,15 @@ def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: RLOO and the SNIS weights need at least 2 samples per prompt")
-    if args.use_base_as_proposal and args.loss_type != "neg_training":
-        raise ValueError("use_base_as_proposal: only meaningful with --loss_type neg_training")
+    if args.use_base_as_proposal and args.objective != "neg_training":
+        raise ValueError("use_base_as_proposal: only meaningful with --objective neg_training")
 
 
 def main(args: Args) -> str:
     # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
     validate(args)
     info = init_distributed()
-    sample_q = args.loss_type == "neg_training" and not args.use_base_as_proposal  # separate proposal samples
+    sample_q = args.objective == "neg_training" and not args.use_base_as_proposal  # separate proposal samples
     args.world_size = info.world_size
     args.local_batch_size = args.local_num_prompts * args.num_generations
     args.batch_size = args.local_batch_size * info.world_size
@@ -374,8 +374,8 @@ def main(args: Args) -> str:
                                  fused=True)
         return prepare(model, optim, None, info, args.local_micro_batch_size, grad_accum, args.max_grad_norm, dtype)[0]
 
-    policy = trainable(args.base_actor_learning_rate, grad_accum_p)
-    proposal = trainable(args.actor_learning_rate, grad_accum_q) if sample_q else None
+    policy = trainable(args.learning_rate, grad_accum_p)
+    proposal = trainable(args.proposal_learning_rate, grad_accum_q) if sample_q else None
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.beta > 0 else None
     reward_model = None
     if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
@@ -522,7 +522,7 @@ def main(args: Args) -> str:
         adv = (R.view(-1, N) - rloo_baseline(R.view(-1, N))).view(-1)
         # 4. SNIS weights of the negative term towards sigma ∝ p exp(beta r) (log phi never transformed)
         log_phi_q = args.target_dist_beta * r_q
-        if args.loss_type == "neg_training":
+        if args.objective == "neg_training":
             lp_sum = neg_weight_logp_sum(lpq, mask_q, args.code_compat_unmasked_neg_weights)
             w_neg = snis_weights(lp_sum.view(-1, N), log_phi_q.view(-1, N),
                                  (lq_old * mask_q).sum(-1).view(-1, N)).view(-1)
@@ -572,7 +572,7 @@ def main(args: Args) -> str:
 
         # 8. log (reduced over ranks once per step)
         bad_p, bad_q = (r_p < args.eta).float().mean().item(), (r_q < args.eta).float().mean().item()
-        ess = (1.0 / (w_neg.view(-1, N) ** 2).sum(-1)).mean().item() / N if args.loss_type == "neg_training" else 0.0
+        ess = (1.0 / (w_neg.view(-1, N) ** 2).sum(-1)).mean().item() / N if args.objective == "neg_training" else 0.0
         local = {
             "objective/scores": r_p.mean().item(),
             "objective/returns": R.mean().item(),

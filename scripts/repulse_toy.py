@@ -43,8 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
-    "reinforce": ["--loss_type", "reinforce", "--alpha", "0"],
-    "reward_transform": ["--loss_type", "reinforce", "--reward_transform", "minus_alpha_exp_beta_r", "--alpha", "1",
+    "reinforce": ["--objective", "reinforce", "--alpha", "0"],
+    "reward_transform": ["--objective", "reinforce", "--reward_transform", "minus_alpha_exp_beta_r", "--alpha", "1",
                          "--target_dist_beta", "-1"],  # r - e^{-r}, as the paper's toy
     "repulse": [],  # the script's defaults: beta -10, alpha as set there, q and p learning rates
     "p_proposal": ["--use_base_as_proposal"],
@@ -53,7 +53,7 @@ SWEPT = ("repulse", "p_proposal")  # --paper: run at every alpha of --alphas
 COMMON = ["--total_episodes", "15000", "--eval_every", "0", "--sample_every", "0", "--no_save_model", "--reward_fn",
           "toy"]
 PAPER = ["--total_episodes", "250000", "--num_generations", "500", "--local_micro_batch_size", "500", "--beta", "0",
-         "--target_dist_beta", "-10", "--base_actor_learning_rate", "1e-4", "--actor_learning_rate", "3e-4",
+         "--target_dist_beta", "-10", "--learning_rate", "1e-4", "--proposal_learning_rate", "3e-4",
          "--reward_fn", "toy_classifier", "--eval_every", "0", "--sample_every", "0", "--no_save_model",
          "--save_every", "25", "--best_metric", ""]
 LABELS = {"reinforce": "REINFORCE (RLOO)", "reward_transform": "REINFORCE, r - exp(-r)", "repulse": "RePULSe",

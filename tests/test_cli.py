@@ -24,8 +24,8 @@ NO_GENERATION = {"rm"}  # trains on fixed pairs and never samples: no `generator
 # evaluate.py trains nothing: the data, model and generation vocabulary only (no optimizer, checkpoints or tracker)
 EVAL_ONLY = {"evaluate"}
 EVAL_VOCABULARY = {"model_name_or_path", "dataset", "output_dir", "seed", "verbose", "generator"}
-# two trained models, two learning rates, named as in the RePULSe reference code (p_theta: base actor, q_xi: actor)
-RENAMED = {"repulse": {"learning_rate": "base_actor_learning_rate"}}
+# flags a script names otherwise (none: repulse.py's policy learning rate is --learning_rate as everywhere)
+RENAMED: dict[str, dict[str, str]] = {}
 
 
 def documented_fields(script: str) -> dict[str, str]:
@@ -126,7 +126,7 @@ CHOICES = {
     "ppo": {**GENERATOR, **LORA_SYNC, "tis": TIS},
     "vineppo": {**GENERATOR, **LORA_SYNC, "step_splitter": ("auto", "lines", "gsm8k", "math"), "tis": TIS},
     "restem": {**GENERATOR, "early_stop": ("restem_paper_original", "choose_best")},
-    "repulse": {"generator": ("hf", "vllm"), "loss_type": ("neg_training", "reinforce"),
+    "repulse": {"generator": ("hf", "vllm"), "objective": ("neg_training", "reinforce"),
                 "reward_transform": ("none", "minus_alpha_exp_beta_r")},
     "drca": {**GENERATOR, "unit_extraction": ("regex", "entropy"), "entropy_boundary": ("before", "after"),
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
@@ -289,7 +289,7 @@ EXPECTED_RANGES = {
     "top_p": (0, False, 1, True), "generation_top_p": (0, False, 1, True), "epsilon_low": (0, True, 1, True),
     "seed": (0, True, 2**31 - 1, True), "save_every": (0, True, INF, False), "eval_every": (0, True, INF, False),
     "learning_rate": (0, False, INF, False), "critic_learning_rate": (0, False, INF, False),
-    "base_actor_learning_rate": (0, False, INF, False), "local_micro_batch_size": (1, True, INF, False),
+    "proposal_learning_rate": (0, False, INF, False), "local_micro_batch_size": (1, True, INF, False),
     "total_episodes": (1, True, INF, False), "temperature": (0, False, INF, False),
     "eval_temperature": (0, True, INF, False), "gamma": (0, True, 1, True), "lam": (0, True, 1, True),
     "warmup_ratio": (0, True, 1, False), "lora_dropout": (0, True, 1, False), "label_smoothing": (0, True, 0.5, False),
@@ -342,7 +342,7 @@ def test_a_numeric_flag_without_a_range_is_only_checked_to_be_finite():
 
 
 # the cases the review listed, by hand: (flag, bad value) for every script that has the flag
-BAD_VALUES = [("learning_rate", "0"), ("learning_rate", "-1e-5"), ("base_actor_learning_rate", "0"),
+BAD_VALUES = [("learning_rate", "0"), ("learning_rate", "-1e-5"), ("proposal_learning_rate", "0"),
               ("critic_learning_rate", "-0.1"), ("top_p", "0"), ("top_p", "1.5"), ("generation_top_p", "0"),
               ("temperature", "0"), ("temperature", "-1"), ("local_micro_batch_size", "0"),
               ("local_micro_batch_size", "-4"), ("local_num_prompts", "0"), ("total_episodes", "0"),

@@ -112,8 +112,8 @@ def repulse_run(runs):
     out = runs / "repulse"
     script("repulse", out, *BASE, "--max_new_tokens", "8", "--dataset", "builtin", "--num_generations", "2",
            "--local_num_prompts", "2", "--local_micro_batch_size", "4", "--total_episodes", "16", "--eval_num_prompts",
-           "4", "--eval_num_samples", "2", "--eval_every", "0", "--base_actor_learning_rate", "1e-5",
-           "--actor_learning_rate", "1e-5", "--best_metric", "", "--stop", ".")
+           "4", "--eval_num_samples", "2", "--eval_every", "0", "--learning_rate", "1e-5",
+           "--proposal_learning_rate", "1e-5", "--best_metric", "", "--stop", ".")
     return out
 
 
