@@ -231,6 +231,7 @@ def headline_runs(d: dict, name: str) -> str:
 
 
 ACC4 = "held-out grader accuracy (4 samples per prompt)"
+ACC4_SHORT = "held-out accuracy, 4 samples per prompt"
 MINUTES_NOTE = ("Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
                 "seed of the first RL script of a run also built the SFT warm start in its fresh cache, and for drca "
                 "the reward model it loads); peak RSS: the largest over seeds; load: the largest 1-minute load average "
@@ -246,13 +247,20 @@ def _minus(x: float, f: str = ".2f") -> str:
     return format(x, f).replace("-", "−")
 
 
-# --- README's results table: one row per training script, each from its stored file -------------------------------
+# --- README's results table: one row per training script's default run --------------------------------------------
 OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
             "restem", "repulse")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
-VARIANT_OF = {"dapo": ("grpo_variants", "dynamic_sampling", "dapo.py was split from"),
-              "grpo_async": ("async", "async1", "grpo_async.py now holds")}  # script: (benchmark, run, code note)
-REPULSE_CONFIG = "repulse_a10"  # repulse_toy.py --paper's run at repulse.py's default alpha (tests/test_docs.py)
-SUMS_TERMS_BUILTIN = 4  # the built-in task: sums of 4 numbers, 3 steps per response (builtin:sums-N: N - 1 steps)
+OVERVIEW_METRIC = {"sft": "held-out accuracy, 1 sample per prompt", "grpo": ACC4_SHORT, "dpo": ACC4_SHORT,
+                   "rm": "held-out pairwise accuracy", "drca": ACC4_SHORT, "dapo": ACC4_SHORT,
+                   "grpo_async": ACC4_SHORT, "ppo": ACC4_SHORT,
+                   "ppo_rlhf": "held-out score of `builtin:tiny-rm`, 4 samples", "ppo_async": ACC4_SHORT,
+                   "vineppo": ACC4_SHORT, "restem": ACC4_SHORT}  # repulse's default run measures log P(bad)
+OVERVIEW_LEGEND = ("Accuracy: the task's grader, mean over the held-out prompts and samples; dpo.py's default loss is "
+                   "DPO-Positive (`--loss_type dpop`); drca.py's default scorer on the built-in task is its per-line "
+                   "grader (`--scorer auto`); ppo_rlhf.py trains on the reward model it is scored by. Minutes: the "
+                   "whole process, mean over seeds (start-up, evaluations and saving included; the first seed of the "
+                   "first RL script of a file also built the SFT warm start in its fresh cache, and for drca the "
+                   "reward model it loads).")
 
 
 def _headline_cells(r: dict, what: str) -> list[str]:
@@ -288,140 +296,50 @@ def _reused_note(seed_maps: list[dict]) -> str:
                                                   "same start models)" for (file, sha, when), runs in earlier.items()) + "."
 
 
-def _tiny_sft(d: dict) -> str | None:
-    return ((d.get("env") or {}).get("builtin_models") or {}).get("builtin:tiny-sft", {}).get("weights_sha256")
-
-
-def _start_model(d: dict, ref: dict) -> str:
-    """'' when a file's start model is the reference file's (the README's default runs), else what is known of it."""
-    if _tiny_sft(d) == _tiny_sft(ref):
-        return ""
-    return ("; its start model is an earlier build of `builtin:tiny-sft`" if _tiny_sft(d)
-            else "; its start model's build is not recorded")
-
-
 def results_overview(files: list[dict]) -> str:
-    """README's results table: a row for every script of OVERVIEW from the files of the block. Default runs
-    (bench_headline.py, the headline table's rows and footnotes as `headline` renders them) come first; a script
-    without one takes its row from the file that measured it another way, which the row says: a grpo.py flag that is
-    now its own file (bench_grpo_variants.py, bench_async.py), another task (compare_vineppo_ppo_grpo.py), other flags
-    (bench_headline.py --flags), RePULSe's toy (repulse_toy.py --paper). A script no file has says how to measure it."""
-    default = [d for d in files if d.get("benchmark") == "headline" and not d.get("flags")]
-    ref = default[0] if default else {}  # the start model of the default runs
-    rows: dict[str, tuple[list[str], dict, object]] = {}  # script: (cells, its file, what its footnote reads)
+    """README's results table: the default run (`python algorithms/<script>.py`, no flags) of every script of OVERVIEW
+    that a bench_headline.py file of the block has, one short row each (the last file that has a script wins), each
+    file named under the table with its command and machine; then the scripts without a stored default run, whose
+    pages give what was measured instead. A file that is not a default-run benchmark is an error."""
+    rows: dict[str, tuple[dict, dict]] = {}  # script: (its result, its file)
     for d in files:
-        kind = d.get("benchmark") or d.get("experiment") or ("repulse_toy" if "goal_definition" in d else None)
-        if kind == "headline" and d.get("flags"):
-            for name, r in d["results"].items():
-                samples = r["seeds"][next(iter(r["seeds"]))]["curve"][-1].get("samples")
-                what = (f"{ACC4}; not the default run: the flags give it {samples:,} samples, GRPO's at its first "
-                        "evaluation, where its page compares the two") if samples else f"{ACC4}; not the default run"
-                rows[name] = (_headline_cells(r, what + _start_model(d, ref)), d, [r])
-        elif kind in ("grpo_variants", "async"):
-            res = d["results"] if kind == "grpo_variants" else d["learning"]
-            for script, (bench, run, code) in VARIANT_OF.items():
-                if bench != kind or run not in res:
-                    continue
-                r, k = res[run], "eval/accuracy"
-                xs = list(r["seeds"].values())
-                if kind == "grpo_variants":
-                    what = (f"{ACC4} after the default run's 102,400 trained samples, for which it generated "
-                            f"{r['generated_samples']['mean']:,.0f} (at 102,400 generated: "
-                            f"{r['at_equal_generated']['mean']:.3f}); grpo.py's default run, same file: "
-                            f"{res['default']['final'][k]['mean']:.3f}")
-                else:
-                    what = (f"{ACC4}; its synchronous pair (grpo.py, same seeds and start): "
-                            f"{res['sync']['final'][k]['mean']:.3f}")
-                what += f"; measured as `grpo.py {r['flags']}`, the code {code}" + _start_model(d, ref)
-                best = _spread3(_spread(x["at_best"][k] for x in xs)) if all(x.get("at_best") for x in xs) else "-"
-                rows[script] = ([f"`python algorithms/{script}.py`", what, f"{r['start'][k]['mean']:.3f}",
-                                 _spread3(r["final"][k]), best, f"{r['minutes']['mean']:.1f}",
-                                 f"{max(x['peak_rss_mb'] for x in xs) / 1024:.1f} GiB"], d, (run, xs))
-        elif kind == "vineppo_vs_ppo":
-            st, task = d["settings"], d["task"]
-            terms = re.fullmatch(r"builtin:sums-(\d+)", task)
-            steps = (f" ({int(terms.group(1)) - 1} steps per response, the built-in task's "
-                     f"{SUMS_TERMS_BUILTIN - 1})" if terms else "")
-            per = {a: [s["algorithms"][a] for s in d["per_seed"]] for a in ("ppo", "vineppo")}
-            train = {a: sum(x["total_train_seconds"] for x in xs) for a, xs in per.items()}
-            grad = st["rollout_steps"] * st["gradient_steps_per_rollout_step"]
-            final = {a: sum(x["final_accuracy"] for x in xs) / len(xs) for a, xs in per.items()}
-            where = (f"held-out grader accuracy ({st['eval']}) on `{task}`{steps}, not the built-in task, from an SFT "
-                     f"start trained on it; {st['rollout_steps']} rollout steps ({grad} gradient steps)")
-            whats = {"ppo": where,
-                     "vineppo": f"{where}, K = {st['vineppo_k']} rollouts per state; ppo.py with the same task, start "
-                                f"and gradient steps: {final['ppo']:.3f}; training time "
-                                f"{train['vineppo'] / train['ppo']:.1f}x PPO's"}
-            flags = {"ppo": "", "vineppo": f" --num_mc_rollouts {st['vineppo_k']}"}
-            for a, xs in per.items():
-                rows[a] = ([f"`python algorithms/{a}.py --dataset {task} --max_new_tokens {st['max_new_tokens']}"
-                            f"{flags[a]}`", whats[a], f"{sum(x['initial_accuracy'] for x in xs) / len(xs):.3f}",
-                            _spread3(_spread(x["final_accuracy"] for x in xs)), "-", "-", "-"], d, None)
-        elif kind == "repulse_toy":
-            st, runs = d["settings"], d["runs"][REPULSE_CONFIG]
-            common, cfg = st["common_flags"], st["config_flags"]
-            lpb = _spread([r["final_log_p_bad"] for r in runs.values()])
-            base = d["runs"]["reinforce"]
-            first = next(iter(runs.values()))
-            flag = lambda name: common[common.index(name) + 1]  # noqa: E731
-            what = (f"exact log P(bad), the log-probability of a bad (low-reward) output, lower is better, on the "
-                    f"toy (`--dataset toy`, the default) with reward `{flag('--reward_fn')}`, at the paper's settings "
-                    f"({first['samples']:,} samples, {flag('--num_generations')} per step), not the default run; "
-                    f"`{shlex.join(cfg[REPULSE_CONFIG])}` "
-                    f"(the default); REINFORCE (`{shlex.join(cfg['reinforce'])}`), same seeds: "
-                    f"{_minus(sum(r['final_log_p_bad'] for r in base.values()) / len(base))}")
-            start = sum(r["initial_log_p_bad"] for r in runs.values()) / len(runs)
-            rows["repulse"] = (["`python algorithms/repulse.py` with the paper's flags (footnote)", what, _minus(start),
-                                f"{_minus(lpb['mean'])} ({_minus(lpb['min'])} to {_minus(lpb['max'])})", "-", "-", "-"],
-                               d, sorted(runs, key=int))
-        elif kind != "headline":
-            raise ValueError(f"results_overview: {d['_path']} is no file it knows how to read")
-    for d in default:  # default runs last: they replace a row measured another way; the last file has a script's
+        if d.get("benchmark") != "headline" or d.get("flags"):
+            raise ValueError(f"results_overview: {d['_path']} is no default-run file (bench_headline.py without "
+                             "--flags); its page renders it")
         for name, r in d["results"].items():
-            if name not in HEADLINE_WHAT:
-                raise ValueError(f"results_overview: no metric description for {name} (add it to HEADLINE_WHAT)")
-            rows[name] = (_headline_cells(r, HEADLINE_WHAT[name]), d, [r])
-    unknown = [n for n in rows if n not in OVERVIEW]
-    if unknown:
-        raise ValueError(f"results_overview: no row for {', '.join(unknown)} (add it to OVERVIEW)")
-    lines = ["| script | what is measured | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
-             "minutes | peak RSS | data, page |", "|---|---|---|---|---|---|---|---|"]
+            if name not in OVERVIEW_METRIC:
+                raise ValueError(f"results_overview: no metric description for {name} (add it to OVERVIEW_METRIC)")
+            rows[name] = (r, d)
+    lines = ["| script (default run) | metric | start -> end: mean (min-max) over seeds | minutes |",
+             "|---|---|---|---|"]
     used: list[dict] = []
     for name in OVERVIEW:
-        page = f"[{name}.md](docs/{name}.md)"
         if name not in rows:
-            todo = f"`python scripts/bench_headline.py --algorithms {name} --seeds 1 2 3`"
-            lines.append(f"| `python algorithms/{name}.py` | not measured yet: {todo} | - | - | - | - | - | {page} |")
             continue
-        cells, d, _ = rows[name]
+        r, d = rows[name]
         if not any(d is u for u in used):
             used.append(d)
         ref = next(i for i, u in enumerate(used, 1) if u is d)
-        lines.append("| " + " | ".join([*cells, f"[{ref}] [data]({d['_path']}), {page}"]) + " |")
-    notes = []
+        k = r["metrics"][0]
+        lines.append(f"| `{r['command']}` [{ref}] | {OVERVIEW_METRIC[name]} | "
+                     f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])} | "
+                     f"{r['minutes']['mean']:.1f} |")
+    missing = [n for n in OVERVIEW if n not in rows]
+    legend, notes = OVERVIEW_LEGEND, []
+    if missing:
+        legend += (" No default run stored for " + ", ".join(f"[{n}.py](docs/{n}.md)" for n in missing)
+                   + ": their pages give what was measured (`python scripts/bench_headline.py --algorithms "
+                   "<script> --seeds 1 2 3` measures it).")
     for i, d in enumerate(used, 1):
-        mine = [x for n, (c, dd, x) in rows.items() if dd is d]
-        kind = d.get("benchmark") or d.get("experiment")
-        if kind == "headline":
-            notes.append(_headline_note(i, d, [r for x in mine for r in x]))
-        elif kind in ("grpo_variants", "async"):
-            seeds = sorted({s for run, xs in mine for s in (str(x["seed"]) for x in xs)})
-            load = max(x["loadavg_at_end"][0] for run, xs in mine for x in xs)
-            runs = ", ".join(f"`{run}`" for run, _ in mine)
-            notes.append(f"[{i}] Seeds {', '.join(seeds)}, the run {runs}, load at most {load:.1f}: "
-                         + _provenance(d, f"python scripts/bench_{kind}.py"))
-        elif kind == "vineppo_vs_ppo":
-            notes.append(f"[{i}] Seeds {', '.join(str(s['seed']) for s in d['per_seed'])}, SFT start "
-                         f"{d['sft_start']['weights_sha256'][:12]}: "
-                         + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py"))
-        else:
-            seeds = mine[0]
-            machines = finishing_machines({**d, "runs": {k: d["runs"][k] for k in (REPULSE_CONFIG, "reinforce")}})
-            notes.append(f"[{i}] Seeds {', '.join(seeds)}, configs `{REPULSE_CONFIG}` and `reinforce`, every run with "
-                         f"`{shlex.join(d['settings']['common_flags'])}`; runs finished on "
-                         + "; ".join(f"{m}: {n}" for m, n in machines.items()) + ". Last invocation: "
-                         + _provenance(d, "python scripts/repulse_toy.py --paper"))
-    return "\n\n".join(["\n".join(lines), MINUTES_NOTE, *notes])
+        mine = [r for r, dd in rows.values() if dd is d]
+        seeds = sorted({s for r in mine for s in r["seeds"]})
+        reused = [f"{r['command'].split()[-1].removeprefix('algorithms/')} seeds "
+                  + ", ".join(s for s, x in r["seeds"].items() if "measured_in" in x)
+                  for r in mine if any("measured_in" in x for x in r["seeds"].values())]
+        copied = f" ({'; '.join(reused)}: copied with `--reuse` from the earlier files this one names)" if reused else ""
+        notes.append(f"- [{i}] Seeds {', '.join(seeds)}{copied}: `{d['command']}`, {d['env']['device']}, "
+                     f"[{d['_path'].rsplit('/', 1)[1]}]({d['_path']}).")
+    return "\n\n".join(["\n".join(lines), legend, "\n".join(notes)])
 
 
 def lora_learning(files: list[dict]) -> str:

@@ -198,30 +198,48 @@ def test_headline_table_names_a_script_it_cannot_describe():
         docs_tables.headline([{"results": {"grpo": {}, "my_grpo": {}}}])
 
 
-def test_results_overview_keeps_the_headline_rows_and_names_what_is_not_measured():
-    """README's table of every script: the default runs' rows (all cells but the last) and footnotes as `headline`
-    renders them, every other script a row of its own, and one without a stored result a 'not measured yet' row."""
+def _headline_files(*names):
     import json
 
-    names = ["docs/bench/headline/cpu_20261126_035550.json", "docs/bench/headline/cpu_20261126_115515.json"]
-    files = [{**json.loads((ROOT / n).read_text()), "_path": n} for n in names]
-    head, over = docs_tables.headline(files).split("\n"), docs_tables.results_overview(files)
-    rows = [line for line in head if line.startswith("| `python")]
-    assert rows and all(r.rsplit(" | ", 1)[0] in over for r in rows)
-    assert all(line in over for line in head if line.startswith("["))
-    assert [line.split("`")[1].split()[1] for line in over.split("\n") if line.startswith("| `python")] == [
-        f"algorithms/{n}.py" for n in docs_tables.OVERVIEW]
-    assert "| `python algorithms/ppo_async.py` | not measured yet: `python scripts/bench_headline.py" in over
-    with pytest.raises(ValueError, match="no file it knows how to read"):
+    return [{**json.loads((ROOT / n).read_text()), "_path": n} for n in names]
+
+
+def test_results_overview_has_default_runs_only_in_short_rows_and_names_what_is_not_measured():
+    """README's table: one row per script with a stored default run (`python algorithms/<script>.py`, no flags), in
+    OVERVIEW's order, with the same start, end and minutes as its page's table (`headline_<script>`); rows of at most
+    140 characters; each file named under it with its command and machine; the scripts without a default run named
+    with their pages; a file measured another way (other flags, another benchmark) is refused."""
+    files = _headline_files("docs/bench/headline/cpu_20261126_035550.json",
+                            "docs/bench/headline/cpu_20261126_115515.json")
+    over = docs_tables.results_overview(files)
+    rows = [line for line in over.split("\n") if line.startswith("| `python")]
+    assert [r.split("`")[1] for r in rows] == [f"python algorithms/{n}.py" for n in docs_tables.OVERVIEW
+                                              if any(n in d["results"] for d in files)]
+    assert all(len(r) <= 140 for r in rows), [len(r) for r in rows]
+    page = docs_tables.headline_runs(files[0], "grpo").split("\n")
+    mean_row = next(line for line in page if line.startswith("| mean"))
+    start_end, minutes = mean_row.split(" | ")[1], mean_row.split(" | ")[-1].strip(" |")
+    grpo = next(r for r in rows if "algorithms/grpo.py" in r)
+    assert f"| {start_end} | {minutes} |" in grpo
+    assert "No default run stored for" in over and "[ppo_async.py](docs/ppo_async.md)" in over
+    assert "`python scripts/bench_headline.py --seeds 1 2 3" in over and "cpu_20261126_035550.json" in over
+    assert "load at most" not in over and "load:" not in over and "peak RSS" not in over and "commit" not in over
+    restem = _headline_files("docs/bench/restem/cpu_20261125_013545.json")
+    with pytest.raises(ValueError, match="no default-run file"):
+        docs_tables.results_overview([*files, *restem])
+    with pytest.raises(ValueError, match="no default-run file"):
         docs_tables.results_overview([*files, {"benchmark": "packing", "_path": "x.json"}])
 
 
-def test_the_overview_s_repulse_row_is_the_run_at_repulse_s_default_alpha():
+def test_the_readme_results_table_reads_default_runs_only():
+    """The README block names only bench_headline.py files run without --flags (the other measurements stay on
+    their pages, which render them)."""
     import json
 
-    flags = json.loads((ROOT / "docs/results/repulse_toy.json").read_text())["settings"]["config_flags"]
-    alpha = flags[docs_tables.REPULSE_CONFIG][flags[docs_tables.REPULSE_CONFIG].index("--alpha") + 1]
-    assert float(alpha) == importlib.import_module("algorithms.repulse").Args().alpha
+    block = next(b for b in _blocks() if b[0] == "README.md" and b[1] == "results_overview")
+    for source in block[2]:
+        d = json.loads((ROOT / source).read_text())
+        assert d.get("benchmark") == "headline" and not d.get("flags"), source
 
 
 # ---------------------------------------------------------------- commands in the README and docs
