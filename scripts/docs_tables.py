@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from shared.cli import RENAMED  # noqa: E402  (the flags a stored command may name by an old name)
 BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
@@ -38,20 +41,16 @@ BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-
 # defaults (no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256, not 64): their tables say so.
 DEFAULTS_CHANGED = "2026-11-26 03:25:25"
 DEFAULT_RUN_BENCHMARKS = ("headline", "async", "grpo_variants")
-OLD_DEFAULTS = ("defaults of then: no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256 (add "
-                "`--local_micro_batch_size 256` to rerun as measured)")
+OLD_DEFAULTS = ("every run with `--no_gradient_checkpointing`, and grpo, ppo, vineppo and drca with "
+                "`--local_micro_batch_size 256`")
 
 
-def commit(d: dict) -> str:
-    """`commit abc1234`, and the built-in models the result was measured on (shared/tiny.py's deterministic builds:
-    the first 8 hex digits of each one's weights hash) when the file records them; for a default-run benchmark
-    measured before DEFAULTS_CHANGED, the defaults it ran with."""
-    models = d["env"].get("builtin_models") or {}
-    named = ", ".join(f"{k.split(':')[1]} {v['weights_sha256'][:8]}" for k, v in models.items()
-                      if k != "builtin:tiny")
+def ran_with(d: dict) -> str:
+    """'' for most files; for a default-run benchmark measured before DEFAULTS_CHANGED, the flags its runs used that
+    are no longer the scripts' defaults (a caption gives the command with the flags the run used)."""
     old = d.get("benchmark") in DEFAULT_RUN_BENCHMARKS and str(d["env"].get("time", "9")) < DEFAULTS_CHANGED
-    return (f"commit {d['env']['git_commit']}" + (f", built-in models {named}" if named else "")
-            + (f"; {OLD_DEFAULTS}" if old else ""))
+    return f"; {OLD_DEFAULTS}" if old else ""
+
 
 def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -68,7 +67,7 @@ def real_model_prompts(d: dict) -> str:
     n = d["results"][0]["sampled_t1"]["n"]
     lines.append("")
     lines.append(f"{d['model']}, {d['data']}; sampled: {n} completions (4 per question), <= {d['max_new_tokens']} "
-                 f"new tokens. `{d['command']}`, {d['env']['device']}, {d['env']['time']}.")
+                 f"new tokens. `{d['command']}`, {d['env']['device']}.")
     return "\n".join(lines)
 
 
@@ -93,8 +92,8 @@ def real_model_grpo(d: dict) -> str:
         lines.append(f"- seed {seed}: {len(r['train_reward'])} GRPO steps of 128 completions in "
                      f"{r['total_minutes']:.0f} min, {t['median']:.0f} s per step (median, evaluation and checkpoint "
                      f"steps included; parts: {split}), peak memory (RSS) of the training process "
-                     f"{r['peak_rss_mb'] / 1024:.1f} GiB" + (f"; {r['note']}" if r.get("note") else ""))
-    lines += ["", f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                     f"{r['peak_rss_mb'] / 1024:.1f} GiB" + (f"; {re.sub(r' at commit [0-9a-f]{7,}', '', r['note'])}" if r.get("note") else ""))
+    lines += ["", f"`{d['command']}`, {d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -104,7 +103,7 @@ def graders(d: dict) -> str:
         wrong = ", ".join(f"{w['case']} (says {w['got']})" for w in r["wrong"]) or "-"
         lines.append(f"| `{name}` | {r['correct']} / {d['num_cases']} | {wrong} | {r['seconds']:.1f} |")
     lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}. "
-                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"`{d['command']}`, {d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -121,7 +120,7 @@ def generation(d: dict) -> str:
              f"| in-place weight sync ({d['num_parameters'] / 1e6:.2f} M parameters) | {d['sync_s']['median']:.3f} s |",
              "", f"{st['num_prompts']} prompts x {st['n']} samples x up to {st['max_new_tokens']} new tokens, "
                  f"{st['repeats']} repeats, model {st['model']}. `python scripts/bench_generation.py`, "
-                 f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                 f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -132,7 +131,7 @@ def hf_memory(d: dict) -> str:
         f"| {st['num_prompts']} prompts x {st['n']} samples x {st['max_new_tokens']} new tokens, vocabulary "
         f"{st['vocab']:,} | {d['generated_tokens']:,} | {d['peak_rss_before_mb']:.0f} MB | {d['peak_rss_mb']:.0f} MB | "
         f"+{d['peak_rss_growth_mb']:.0f} MB |", "",
-        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."])
+        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}{ran_with(d)}."])
 
 
 def logprob_memory(d: dict) -> str:
@@ -148,7 +147,7 @@ def logprob_memory(d: dict) -> str:
                      f"{lean['peak_tensor_mb']:,.0f} MB ({lean['peak_tensor_mb'] / full['peak_tensor_mb']:.2f}x) | "
                      f"+{full['peak_rss_growth_mb']:,.0f} MB -> +{lean['peak_rss_growth_mb']:,.0f} MB |")
     lines += ["", f"`{d['command']}`, {d['settings']['model']} (V = {d['results'][0]['vocab']:,}), "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -225,8 +224,8 @@ def headline_runs(d: dict, name: str) -> str:
     means = " | ".join(f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])}" for k in keys)
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
-    lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}." + _reused_note([r["seeds"]])]
+    lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}"
+                  f"{ran_with(d)}." + _reused_note([r["seeds"]])]
     return "\n".join(lines)
 
 
@@ -276,8 +275,8 @@ def _headline_note(ref: int, d: dict, runs: list[dict]) -> str:
     the runs it copied from an earlier file (--reuse)."""
     seeds = sorted({s for r in runs for s in r["seeds"]})
     load = max(x["loadavg_at_end"][0] for r in runs for x in r["seeds"].values())
-    return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}, "
-            f"{d['env']['time']}, {commit(d)}." + _reused_note([r["seeds"] for r in runs]))
+    return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}"
+            f"{ran_with(d)}." + _reused_note([r["seeds"] for r in runs]))
 
 
 def _reused_note(seed_maps: list[dict]) -> str:
@@ -289,11 +288,11 @@ def _reused_note(seed_maps: list[dict]) -> str:
             if "measured_in" in x:
                 m = x["measured_in"]
                 script = x["command"].split()[1].removeprefix("algorithms/")
-                earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(f"{script} seed {seed}")
+                earlier.setdefault(m["file"], []).append(f"{script} seed {seed}")
     if not earlier:
         return ""
-    return " Copied with `--reuse`: " + "; ".join(f"{', '.join(runs)} (measured in {file}, commit {sha}, {when}, on the "
-                                                  "same start models)" for (file, sha, when), runs in earlier.items()) + "."
+    return " Copied with `--reuse`: " + "; ".join(f"{', '.join(runs)} (measured in {file}, on the same start models)"
+                                                  for file, runs in earlier.items()) + "."
 
 
 def results_overview(files: list[dict]) -> str:
@@ -366,11 +365,10 @@ def lora_learning(files: list[dict]) -> str:
                  f"{'met' if pooled >= goal else 'missed'} | {full['minutes']['mean']:.1f} / {lora['minutes']['mean']:.1f} |")
     lines += ["", f"Held-out grader accuracy ({k}); a gain is a run's end minus its own start. Goal (LoRA's gain at "
                   f"least {goal} of full fine-tuning's, the same seed and samples): met in {met} of {len(seeds)} "
-                  "seeds" + ("; the two sets of runs are from different commits (below)."
-                             if df["env"]["git_commit"] != dl["env"]["git_commit"] else ".")]
+                  "seeds."]
     for what, r, d in (("Full fine-tuning", full, df), ("LoRA", lora, dl)):
-        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}, {d['env']['time']}, "
-                      f"{commit(d)}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
+        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}"
+                      f"{ran_with(d)}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
     return "\n".join(lines)
 
 
@@ -393,7 +391,7 @@ def lora_memory(d: dict) -> str:
               f"| process wall time | {f['wall_s']:.0f} s | {lo['wall_s']:.0f} s |"]
     r = d["settings"]["lora_r"]
     lines += ["", f"{d['model']}, fp32, LoRA r = {r}, alpha {d['settings']['lora_alpha']}, all linear layers. "
-                  f"`{d['command'].strip()}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}, "
+                  f"`{d['command'].strip()}`, {d['env']['device']}{ran_with(d)}, "
                   f"1-minute load average at the start {d['env']['loadavg_at_start'][0]:.1f}, at the end "
                   f"{d['loadavg_at_end'][0]:.1f} (times depend on it, memory does not)."]
     return "\n".join(lines)
@@ -431,8 +429,8 @@ def lora_sync(d: dict) -> str:
                   f"both engines in one process (peak RSS {d['peak_rss_mb']:.0f} MB), built one after the other in this "
                   f"order, then taking turns. Greedy "
                   f"completions of the batch's prompts equal between the modes: {d['greedy_equal_fraction']:.0%}. "
-                  f"On this machine {even} (at this batch's shape). `{d['command']}`, {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}, 1-minute load average at the start {load[0]:.1f}, at the end "
+                  f"On this machine {even} (at this batch's shape). `{d['command']}`, {d['env']['device']}"
+                  f"{ran_with(d)}, 1-minute load average at the start {load[0]:.1f}, at the end "
                   f"{load[1]:.1f} (times depend on it, memory does not)."]
     return "\n".join(lines)
 
@@ -482,8 +480,8 @@ def restem_vs_grpo(files: list[dict]) -> str:
                   f"samples) ends at {_spread3(grpo['final'][k])}."]
     for what, d in (("GRPO", dg), ("RestEM", dr)):
         r = d["results"]["grpo" if what == "GRPO" else "restem"]
-        lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}, "
-                      f"{d['env']['time']}, {commit(d)}."]
+        lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}"
+                      f"{ran_with(d)}."]
     return "\n".join(lines)
 
 # --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
@@ -572,13 +570,16 @@ def _bench_command(d: dict, repeats: bool = True) -> str:
             + (f" --repeats {st['repeats']}" if repeats else ""))
 
 
+SETS = "ABCDEFGH"  # bench_ratios: the sets of files of one table, by the order the block names them
+
+
 def bench_ratios(ds: list[dict]) -> str:
     """performance.md's ratio table: min / median / max over the repeats of the first set, medians of the others.
     A set measured with `--smollm2` is held to the real-model goals (SMOLLM2_GOALS)."""
     (main, files), *others = _bench_sets(ds)
     real = any(d["settings"].get("smollm2") for fs in files.values() for d in fs)
     lines = ["| comparison | repeats | target | min | median | max | met? | "
-             + "".join(f"median at `{c}` | " for c, _ in others) + "source (JSON key) |",
+             + "".join(f"median, set {SETS[i]} | " for i in range(1, len(others) + 1)) + "source (JSON key) |",
              "|---" * (8 + len(others)) + "|"]
     for bench, label, target, rule, get, fmt, note, key in BENCH_RATIO_ROWS:
         if real:
@@ -601,12 +602,12 @@ def bench_ratios(ds: list[dict]) -> str:
                 ["(see above)"] * len(others)
             lines.append(f"| {shown} | {d['settings']['repeats']} | {target} | {fmt(s['min'])} | {fmt(s['median'])} | "
                          f"{fmt(s['max'])} | {met} | " + "".join(f"{x} | " for x in rest) + f"{key} |")
-    lines += ["", "Files (benchmark: start time, repeats, 1-minute load average at the start):"]
-    for commit, by_bench in [(main, files), *others]:
-        runs = sorted((d for fs in by_bench.values() for d in fs), key=lambda d: d["env"]["time"])
-        lines.append(f"- `{commit}`, {runs[0]['env']['time'][:10]}: " + "; ".join(
-            f"{d['benchmark']}: {d['env']['time'][11:16]}, {d['settings']['repeats']}, "
-            f"{d['env']['loadavg_at_start'][0]:.2f}" for d in runs))
+    lines += ["", "Files (repeats, 1-minute load average at the start):"]
+    for i, (_, by_bench) in enumerate([(main, files), *others]):
+        runs = sorted((d for fs in by_bench.values() for d in fs), key=lambda d: d["_path"])
+        lines.append(f"- set {SETS[i]}{' (min, median, max)' if i == 0 else ''}: " + "; ".join(
+            f"[{d['_path'].removeprefix('docs/')}]({d['_path'].removeprefix('docs/')}) ({d['settings']['repeats']}, "
+            f"{d['env']['loadavg_at_start'][0]:.2f})" for d in runs))
     e = {**ds[0]["env"], "trl": next((d["env"]["trl"] for d in ds if d["env"].get("trl")), None)}
     commands = sorted({_bench_command(d, repeats=False) + " --repeats <repeats>" for d in ds})
     lines += ["", f"Each file: {', '.join(f'`{c}`' for c in commands)}, {e['device']}; torch "
@@ -648,7 +649,9 @@ def bench_absolute(ds: list[dict]) -> str:
                  f"{1000 * gen['sync_s']['median']:.1f} ms (median of {gen['sync_s']['n']}) | - | - |")
     commands = ", ".join(f"`{_bench_command(d)}`" for d in (g, p, v, gen))
     lines += ["", f"Step times over all timed steps of all repeats (the first step of each run dropped). {commands}; "
-                  f"{g['env']['device']}, commit {commit} (the files are named in the comment above this table)."]
+                  f"{g['env']['device']}; files: " + ", ".join(
+                      f"[{d['_path'].removeprefix('docs/')}]({d['_path'].removeprefix('docs/')})" for d in (g, p, v, gen))
+                  + "."]
     return "\n".join(lines)
 
 
@@ -668,8 +671,8 @@ def bench_grpo_phases(d: dict) -> str:
         cells = " | ".join(f"{ph[key]:.3f} | {100 * ph[key] / sum(ph.values()):.0f}%" for _, ph in runs)
         lines.append(f"| {label.format(batch=st['batch'], opt=st['optimizer_steps_per_iteration'])} | {cells} |")
     lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
-                  f"`{_bench_command(d, repeats=False)}`, {d['env']['device']}, {d['env']['time']}, "
-                  f"{commit(d)}."]
+                  f"`{_bench_command(d, repeats=False)}`, {d['env']['device']}"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -680,7 +683,7 @@ def bench_grpo_profile(d: dict, n: int = 15) -> str:
         lines.append(f"| `{r['function']}` | {r['calls']:,} | {r['self_s']:.2f} s | {r['cum_s']:.2f} s |")
     lines += ["", f"Steps 2..{d['settings']['steps']} of one extra `ours` run (vLLM backend), top {n} of "
                   f"{len(d['profile']['top_self_time'])} stored. `python scripts/bench_grpo.py --profile`, "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -694,7 +697,7 @@ def generation_sweep(d: dict) -> str:
     calls = d['sweep'][0]['vllm/hf']['n']
     lines += ["", f"Medians of {calls} call{'s' if calls > 1 else ''} each, up to {d['settings']['max_new_tokens']} "
                   f"new tokens, model {d['settings']['model']}. `{_bench_command(d, repeats=False)}`, "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -716,7 +719,7 @@ def bench_vineppo_phases(d: dict) -> str:
                   f"tokens, K = {st['num_mc_rollouts']}, {st['num_ppo_epochs']} epochs x {st['num_minibatches']} "
                   f"minibatches; medians over the timed steps of {st['repeats']} repeats; deduplication kept "
                   f"{100 * u['min']:.0f}-{100 * u['max']:.0f}% of the states. `{_bench_command(d, repeats=False)}`, "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -725,16 +728,16 @@ def _provenance(d: dict, command: str) -> str:
     e = d.get("env")
     if e:
         kernels = f" (ATen kernels {e['aten_cpu_capability']})" if e.get("aten_cpu_capability") else ""
-        return f"`{d.get('command', command)}`, {e['device']}{kernels}, {e['time']}, {commit(d)}."
-    return f"`{command}` (this file records no machine, time or commit)."
+        return f"`{d.get('command', command)}`, {e['device']}{kernels}{ran_with(d)}."
+    return f"`{command}` (this file records no machine)."
 
 
 def optimizer_bench(d: dict) -> str:
     """scripts/bench_optimizer.py: one AdamW step per implementation, and DeepSpeed's all-reduce in one process."""
-    names = {"adamw_for_loop": "AdamW, `foreach=False` (per-tensor loop; PyTorch's CPU default, the scripts before)",
+    names = {"adamw_for_loop": "AdamW, `foreach=False` (per-tensor loop; PyTorch's CPU default)",
              "adamw_foreach": "AdamW, `foreach=True`",
-             "adamw_fused": "AdamW, `fused=True` (transformers' default; the scripts now)",
-             "deepspeed_all_reduce_world_1": "DeepSpeed backward all-reduce, 1 process, ZeRO-0 (the scripts now skip "
+             "adamw_fused": "AdamW, `fused=True` (transformers' default; the scripts')",
+             "deepspeed_all_reduce_world_1": "DeepSpeed backward all-reduce, 1 process, ZeRO-0 (the scripts skip "
                                              "it)"}
     lines = ["| per optimizer step | min | median | max |", "|---|---|---|---|"]
     for key, label in names.items():
@@ -861,9 +864,7 @@ def _reused_ppo(d: dict) -> str:
     src = d.get("ppo_runs_from")
     if not src:
         return ""
-    runs = ", ".join(sorted({f"commit {s['git_commit']}, {s['time']}" for s in src["sessions"] if s["units"]}))
-    return (f"The PPO runs are those of `{src['dir']}` (same start weights and PPO flags, checked; trained at "
-            f"{runs}). ")
+    return f"The PPO runs are those of `{src['dir']}` (same start weights and PPO flags, checked). "
 
 
 def vineppo_value_table(d: dict) -> str:
@@ -1029,8 +1030,8 @@ def memory_estimate(d: dict) -> str:
                   f"cache), gradient checkpointing {'on' if st['gradient_checkpointing'] else 'off'}, bf16 weights "
                   f"with fp32 master weights, fp32 gradient accumulation and Adam, beta {st['beta']} (no reference "
                   f"copy), a colocated vLLM copy, lean log-probs in chunks of {st['logits_chunk']:,} tokens. "
-                  f"`{d['command'].strip()}` (formulas in its docstring), {d['env']['time']}, "
-                  f"{commit(d)}."]
+                  f"`{d['command'].strip()}` (formulas in its docstring)"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1044,8 +1045,8 @@ def memory_measured(d: dict) -> str:
                      f"{r['training_state_gib']:.2f} GiB |")
     lines += ["", f"Measured: `torch.cuda.max_memory_allocated()` of the trainer alone (no vLLM engine, no reference), "
                   f"from `{d['compare']['file']}` (scripts/gpu_bench.py); estimate: the same configuration by the formulas "
-                  f"of scripts/estimate_memory.py without the engine's terms. `{d['command'].strip()}`, "
-                  f"{d['env']['time']}, {commit(d)}."]
+                  f"of scripts/estimate_memory.py without the engine's terms. `{d['command'].strip()}`"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1075,8 +1076,7 @@ def gpu_bench(d: dict) -> str:
                   f"Training: one micro-batch of {st['seq_len']:,}-token rows ({st['prompt_len']} prompt) per optimizer "
                   f"step, gradient checkpointing on, median of {st['steps']} steps after 2 warm-up steps; peak memory = "
                   f"`max_memory_allocated` (weights and optimizer state included). torch {env['torch']}, transformers "
-                  f"{env['transformers']}, deepspeed {env['deepspeed']}. `{d['command']}` (run by scripts/gpu_check.sh), "
-                  f"{env['time']}, commit {env['git_commit']}."]
+                  f"{env['transformers']}, deepspeed {env['deepspeed']}. `{d['command']}` (run by scripts/gpu_check.sh)."]
     return "\n".join(lines)
 
 
@@ -1086,8 +1086,8 @@ def gpu_tests(d: dict) -> str:
     lines = ["| test (tests/test_gpu.py) | outcome |", "|---|---|"]
     outcome = {**{n: "passed" for n in t["passed_tests"]}, **{n: "**failed**" for n in t["failed_tests"]}}
     lines += [f"| `{n.split('::', 1)[1]}` | {v} |" for n, v in sorted(outcome.items())]
-    lines += ["", f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; {d['env']['gpu']}, "
-                  f"{d['env']['time']}: `bash scripts/gpu_check.sh`, which ran `pytest -m gpu` and stored its report "
+    lines += ["", f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; {d['env']['gpu']}: "
+                  f"`bash scripts/gpu_check.sh`, which ran `pytest -m gpu` and stored its report "
                   f"with `{d['command']}`."]
     return "\n".join(lines)
 
@@ -1138,8 +1138,8 @@ def drca_localisation(d: dict) -> str:
               else f"reward model {st['reward_model']}"
               + (f" (its own held-out pairwise accuracy {acc:.3f})" if acc is not None else ""))
     lines += ["", f"{st['num_pairs']:,} held-out slip pairs, policy {st['model']}, responses and counterfactuals scored "
-                  f"by {scorer}, dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, "
-                  f"{commit(d)}."]
+                  f"by {scorer}, dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1152,8 +1152,8 @@ def sums_calibration(d: dict) -> str:
         seed = f" (seed {r['seed']})" if several_seeds else ""
         lines.append(f"| `{name}`{seed} | {r['terms'] - 1} | {r['final_accuracy']:.3f} | {r['minutes']:.1f} |")
     lines += ["", f"sft.py's default recipe from `builtin:tiny` on each task, with `--max_new_tokens 3N`; sampled (T = 1, "
-                  f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}."]
+                  f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1326,8 +1326,8 @@ def mismatch_bench(d: dict) -> str:
         if "measured_in" in r:
             m = r["measured_in"]
             earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(name)
-    said = "".join(f"{', '.join(names)}: measured in {file} (commit {sha}, {when}) on the same start model, copied "
-                   "with `--reuse`; " for (file, sha, when), names in earlier.items())
+    said = "".join(f"{', '.join(names)}: measured in {file} on the same start model, copied with `--reuse`; "
+                   for (file, sha, when), names in earlier.items())
     lines.append((f"{said}the other rows and the file: " if earlier else "")
                  + _provenance(d, "python scripts/bench_mismatch.py"))
     return "\n".join(lines)
@@ -1353,6 +1353,34 @@ MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora
 MACHINE_PATH = re.compile(r"(?<![\w./-])/(?:[\w.+-]+/)+?runs/")
 
 
+def renamed_flag(name: str) -> str | None:
+    """The new name of a flag that shared/cli.py's RENAMED lists as a plain rename (its entry reads `--NEW is its
+    name now`), else None: `kl_coef` -> `beta`; `cliprange` (two flags now) and `async_steps` (another file) -> None."""
+    m = re.match(r"--(\w+) is its name now", RENAMED.get(name, ""))
+    return m.group(1) if m else None
+
+
+def current_flags(text: str) -> str:
+    """`text` with every stored command's renamed flag written by its name now (`--kl_coef 0` -> `--beta 0`): a
+    rendered command must run as shown. Only whole flag words change (`objective/kl_coef` stays)."""
+    def sub(m: re.Match) -> str:
+        new = renamed_flag(m.group(2))
+        return m.group(1) + (new if new else m.group(2))
+
+    return re.sub(r"(?<![\w/-])(--)([a-z][a-z0-9_]*)(?![\w-])", sub, text)
+
+
+def _data_links(page: Path, sources: list[str], table: str) -> str:
+    """The table with a link to each data file it does not name yet, at the end of its caption (the last line)."""
+    rel = lambda s: Path(os.path.relpath(ROOT / s, page.parent)).as_posix()  # noqa: E731
+    missing = [s for s in sources if s not in table and rel(s) not in table]
+    if not missing:
+        return table
+    links = "Data: " + ", ".join(f"[{Path(s).name}]({rel(s)})" for s in missing) + "."
+    last = table.rsplit("\n", 1)[-1]
+    return table + ("\n\n" if last.startswith("|") or not last.strip() else " ") + links
+
+
 def render_file(path: Path) -> tuple[str, str]:
     """(current text, text with every generated block re-rendered)."""
     text = path.read_text()
@@ -1369,8 +1397,8 @@ def render_file(path: Path) -> tuple[str, str]:
             if not data_path.exists():
                 raise SystemExit(f"error: {path}: table {name} reads {source}, which does not exist")
             data.append({**json.loads(data_path.read_text()), "_path": source})
-        table = RENDERERS[name](data if name in MULTI else data[0])
-        return m.group(1) + MACHINE_PATH.sub("runs/", table) + "\n" + m.group(5)
+        table = current_flags(RENDERERS[name](data if name in MULTI else data[0]))
+        return m.group(1) + _data_links(path, sources, MACHINE_PATH.sub("runs/", table)) + "\n" + m.group(5)
 
     return text, BLOCK.sub(sub, text)
 

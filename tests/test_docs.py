@@ -39,7 +39,8 @@ def test_a_block_may_read_several_files_and_only_a_multi_file_renderer_gets_them
     monkeypatch.setattr(docs_tables, "MULTI", {"sum_x"})
     page = tmp_path / "p.md"
     page.write_text("<!-- table sum_x a.json,\n     b.json -->\nold\n<!-- end table -->\n")
-    expected = "<!-- table sum_x a.json,\n     b.json -->\nsum 3 of 2\n<!-- end table -->\n"
+    expected = ("<!-- table sum_x a.json,\n     b.json -->\nsum 3 of 2 Data: [a.json](a.json), [b.json](b.json).\n"
+                "<!-- end table -->\n")  # a caption links the data files it does not name
     assert docs_tables.render_file(page)[1] == expected
     page.write_text("<!-- table sum_x a.json,none.json -->\nold\n<!-- end table -->\n")
     with pytest.raises(SystemExit, match="none.json, which does not exist"):
@@ -153,7 +154,7 @@ def test_flag_tables_state_the_code_defaults(name):
     assert not wrong, wrong
 
 
-def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_it_has_none():
+def test_a_summary_with_env_prints_its_command_and_machine_and_an_older_one_says_it_has_none():
     old = {"seeds": [1], "extra": [], "per_seed": [
         {"seed": 1, "ppo_initial_accuracy": 0.5, "ppo_final_accuracy": 0.7, "ppo_initial_reward": 0.1,
          "ppo_final_reward": 0.3, "ppo_minutes": 6.0, "drca_initial_accuracy": 0.5, "drca_final_accuracy": 0.6,
@@ -166,8 +167,9 @@ def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_
     assert "`python scripts/compare_drca_ppo.py --seeds 1` (this file records no machine" in text
     new = {**old, "command": "python scripts/compare_drca_ppo.py --seeds 1",
            "env": {"device": "CPU X x2", "time": "2026-01-01 00:00:00", "git_commit": "abc1234"}}
-    assert "`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2, 2026-01-01 00:00:00, commit abc1234." in \
-        docs_tables.drca_vs_ppo(new)
+    text = docs_tables.drca_vs_ppo(new)
+    assert text.endswith("`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2.")  # no time, no commit
+    assert "abc1234" not in text and "2026" not in text
     assert "Both arms train on the score of builtin:tiny-rm; " in docs_tables.drca_vs_ppo(new)
     kl = docs_tables.drca_vs_ppo({**new, "extra": ["--reward_model_path", "builtin:tiny-cf-rm", "--kl_coef", "0.1"]})
     assert "Both arms train on the score of builtin:tiny-cf-rm with the KL coefficient eta = 0.1 (drca.py's " in kl
@@ -181,15 +183,52 @@ def test_grpo_default_batch_of_the_restem_comparison_is_grpo_s_default():
     assert a.local_num_prompts * a.num_generations == docs_tables.GRPO_DEFAULT_BATCH
 
 
-def test_default_run_results_before_the_defaults_changed_name_the_defaults_they_ran_with():
-    """A default-run benchmark (the scripts' defaults moved in 5a37629) measured before the change says what it ran
-    with under its table; one measured after, or a benchmark that passes its settings explicitly, does not."""
+def test_default_run_results_before_the_defaults_changed_name_the_flags_they_ran_with():
+    """A default-run benchmark measured before the scripts' defaults changed (DEFAULTS_CHANGED) gives, under its
+    table, the flags its runs used that are no longer defaults; one measured after, or a benchmark that passes its
+    settings explicitly, adds nothing."""
     env = {"git_commit": "abc1234"}
-    old = docs_tables.commit({"benchmark": "headline", "env": {**env, "time": "2026-11-26 01:57:08"}})
-    new = docs_tables.commit({"benchmark": "headline", "env": {**env, "time": "2026-11-26 03:55:50"}})
-    explicit = docs_tables.commit({"benchmark": "grpo", "env": {**env, "time": "2026-11-22 10:01:43"}})
-    assert "micro-batch 256" in old and "--local_micro_batch_size 256" in old
-    assert new == explicit == "commit abc1234"
+    old = docs_tables.ran_with({"benchmark": "headline", "env": {**env, "time": "2026-11-26 01:57:08"}})
+    new = docs_tables.ran_with({"benchmark": "headline", "env": {**env, "time": "2026-11-26 03:55:50"}})
+    explicit = docs_tables.ran_with({"benchmark": "grpo", "env": {**env, "time": "2026-11-22 10:01:43"}})
+    assert "`--local_micro_batch_size 256`" in old and "`--no_gradient_checkpointing`" in old
+    assert new == explicit == ""
+
+
+def test_a_rendered_command_names_a_renamed_flag_by_its_name_now():
+    """Stored commands keep the flags they ran with; a caption shows them through shared/cli.py's RENAMED, so that
+    it runs as shown. Only plain renames (`--NEW is its name now`) map; a flag split in two or moved to another
+    file stays, and so does a word that is no flag."""
+    from shared.cli import RENAMED
+
+    assert docs_tables.renamed_flag("kl_coef") == "beta" and docs_tables.renamed_flag("num_ppo_epochs") == "num_iterations"
+    assert docs_tables.renamed_flag("cliprange") is None and docs_tables.renamed_flag("async_steps") is None
+    assert docs_tables.renamed_flag("beta") is None
+    text = "`--total_episodes 9 --kl_coef 0 --num_samples_per_prompt 4` and `objective/kl_coef`, --cliprange 0.2"
+    assert docs_tables.current_flags(text) == ("`--total_episodes 9 --beta 0 --num_generations 4` and "
+                                               "`objective/kl_coef`, --cliprange 0.2")
+    for page in docs_tables.markdown_files():
+        for _, name, _, block in [b for b in _blocks() if b[0] == page.name]:
+            plain = [f for f in RENAMED if docs_tables.renamed_flag(f)]
+            assert not [f for f in plain if re.search(rf"--{f}(?![\w-])", block)], (page.name, name)
+
+
+def test_captions_name_no_commit_and_no_time():
+    """A caption gives the file, the command with the flags the run used, and the machine; the commit, the time and
+    the rest stay in the stored JSON."""
+    import json
+
+    found = []
+    for page, name, sources, text in _blocks():
+        for source in sources:
+            env = json.loads((ROOT / source).read_text()).get("env") or {}
+            for key in ("git_commit", "time"):
+                if env.get(key) and str(env[key]) in text:
+                    found.append(f"{page}: {name} shows {key} {env[key]}")
+        found += [f"{page}: {name}: {m.group(0)}" for m in re.finditer(r"\bcommit [0-9a-f]{7}\b", text)]
+        if not all(Path(s).name in text for s in sources):
+            found.append(f"{page}: {name} does not name its data file")
+    assert not found, found
 
 
 def test_headline_table_names_a_script_it_cannot_describe():
