@@ -297,8 +297,8 @@ def _shell_commands(text: str) -> list[str]:
                 env[m.group(1)] = shlex.split(value[1:] if value.startswith("$") else value)[0].encode().decode(
                     "unicode_escape") if value.startswith("$") else shlex.split(value)[0]
                 continue
-            for name, value in env.items():
-                line = line.replace(f'"${name}"', shlex.quote(value)).replace(f"${name}", shlex.quote(value))
+            for name, value in env.items():  # "$VAR" is one word; a bare $VAR splits into words, as in bash
+                line = line.replace(f'"${name}"', shlex.quote(value)).replace(f"${name}", value)
             if line and not line.startswith("#"):
                 out.append(line)
     return out
@@ -320,6 +320,38 @@ def _script_argv(command: str) -> tuple[str, list[str]] | None:
     return None
 
 
+PLACEHOLDER = re.compile(r"(?<=\s)<[^<>]*>(?=\s|$)")  # `--total_episodes <3 x the pairs>`: a value to fill in
+OMITTED = re.compile(r"\[the [^\]]*\]")  # `[the GSM8K flags above]`: flags given in an earlier command
+
+
+def _with_placeholders_filled(command: str) -> str:
+    """A page's command with each `<placeholder>` value written as `1` (parsed as text or as a number alike) and each
+    `[the ... flags]` stand-in dropped, so the rest of the command line is checked."""
+    return OMITTED.sub("", PLACEHOLDER.sub("1", command))
+
+
+def _caption_commands(text: str) -> list[str]:
+    """The `python algorithms/<script>.py ...` commands of a rendered table (its rows and caption)."""
+    return re.findall(r"`(python algorithms/\w+\.py[^`]*)`", text)
+
+
+def _all_script_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, script, argv) of every script command in README.md, docs/*.md and the scripts' docstrings (their
+    ```bash blocks) and in every rendered table."""
+    out = []
+    for page, text in _pages_with_commands().items():
+        for c in _shell_commands(text):
+            parsed = _script_argv(_with_placeholders_filled(c))
+            if parsed:
+                out.append((page, *parsed))
+    for page, name, _, text in _blocks():
+        for c in _caption_commands(text):
+            parsed = _script_argv(_with_placeholders_filled(c))
+            if parsed:
+                out.append((f"{page} ({name} table)", *parsed))
+    return out
+
+
 def test_the_readme_commands_parse_against_each_script_s_flags():
     """Every script command of the README (the quick start included, with its hub names) is a command line each
     script accepts: the flag names, their values and choices (parsed, not run)."""
@@ -331,6 +363,42 @@ def test_the_readme_commands_parse_against_each_script_s_flags():
     assert len(commands) >= 3 and {"grpo", "evaluate"} <= {s for s, _ in commands}
     for script, argv in commands:
         parse_cli(importlib.import_module(f"algorithms.{script}").Args, argv)
+
+
+def test_every_page_and_caption_command_parses_against_its_script_s_flags():
+    """Every `python algorithms/<script>.py ...` or `accelerate launch ... algorithms/<script>.py ...` command of
+    README.md, docs/*.md, the scripts' docstrings and the rendered tables parses against that script's flags (names,
+    values, choices; not run). A renamed flag fails with its one-line error naming the new name."""
+    import contextlib
+    import importlib
+    import io
+
+    from shared.cli import CommandLineError, parse_cli
+
+    commands = _all_script_commands()
+    pages = {where.split(" (")[0] for where, _, _ in commands}
+    assert len(commands) >= 90 and {"README.md", "docs/grpo.md", "docs/real_models.md", "docs/repulse.md"} <= pages
+    assert any("table)" in where for where, _, _ in commands)
+    broken = []
+    for where, script, argv in commands:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                parse_cli(importlib.import_module(f"algorithms.{script}").Args, argv)
+        except (CommandLineError, SystemExit) as e:
+            broken.append(f"{where}: {script}.py {' '.join(argv)[:100]}: {e}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_command_check_reads_variables_placeholders_and_captions():
+    text = ('```bash\nM="--model_name_or_path builtin:smollm2-135m --chat_template"\n'
+            'T=$\'{prompt}\\nEnd with "#### <n>".\'\npython algorithms/grpo.py $M --prompt_template "$T" \\\n'
+            '    --total_episodes <the pairs x 3> [the GSM8K flags above]\n```\n')
+    (command,) = _shell_commands(text)
+    script, argv = _script_argv(_with_placeholders_filled(command))
+    assert script == "grpo" and argv == ["--model_name_or_path", "builtin:smollm2-135m", "--chat_template",
+                                         "--prompt_template", '{prompt}\nEnd with "#### <n>".', "--total_episodes", "1"]
+    assert _caption_commands("x `python algorithms/grpo.py --seed <k>` for each seed (`python scripts/b.py`)") == [
+        "python algorithms/grpo.py --seed <k>"]
 
 
 def _pages_with_commands() -> dict[str, str]:
