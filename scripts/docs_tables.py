@@ -335,7 +335,7 @@ def results_overview(files: list[dict]) -> str:
         reused = [f"{r['command'].split()[-1].removeprefix('algorithms/')} seeds "
                   + ", ".join(s for s, x in r["seeds"].items() if "measured_in" in x)
                   for r in mine if any("measured_in" in x for x in r["seeds"].values())]
-        copied = f" ({'; '.join(reused)}: copied with `--reuse` from the earlier files this one names)" if reused else ""
+        copied = f" ({'; '.join(reused)}: copied with `--reuse` from the files this one names)" if reused else ""
         notes.append(f"- [{i}] Seeds {', '.join(seeds)}{copied}: `{d['command']}`, {d['env']['device']}, "
                      f"[{d['_path'].rsplit('/', 1)[1]}]({d['_path']}).")
     return "\n\n".join(["\n".join(lines), legend, "\n".join(notes)])

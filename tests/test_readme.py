@@ -146,3 +146,48 @@ def test_the_example_rewards_load_and_score_through_the_scripts_loader(example):
     assert scores == [pytest.approx(1 - 0.01 * 11), 1.0]
     for name in ("exact_number", "answer_format", "exact_number_short"):
         probe_reward_fn(example(name), rows)  # the start-up check every script makes
+
+
+class _WordTokenizer:
+    """Enough of a tokenizer for shared/data.py and shared/generation.py: one id per word, no BOS."""
+    bos_token_id = None
+    vocab = ["<eos>", "7", "</a>", "more"]
+
+    def __call__(self, text, add_special_tokens=True):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=[len(w) for w in text.split()])
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.vocab[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+def test_the_reward_arguments_are_what_the_readme_says(tmp_path):
+    """`prompts`: the prompt column before the template; `answers`: the gold column as text; `rows`: every column;
+    `completions`: special tokens skipped, cut before a --stop string (what the scripts pass to compute_rewards)."""
+    from shared.data import load_prompts
+    from shared.generation import completion_decoder
+
+    for split in ("train", "test"):
+        (tmp_path / f"my.{split}.jsonl").write_text(json.dumps({"q": "What is 3+4?", "a": 7, "level": 2}) + "\n")
+    data = load_prompts(str(tmp_path / "my.jsonl"), "test", _WordTokenizer(), prompt_key="q", answer_key="a",
+                        prompt_template="Question: {prompt}\nAnswer:")
+    (row,) = data.rows
+    assert row["prompt"] == "What is 3+4?" and row["answer"] == "7" and row["level"] == 2
+    assert "prompts`: the dataset's prompt column, before `--prompt_template`" in README
+    decode = completion_decoder(_WordTokenizer(), ("</a>",))
+    assert decode([1, 2, 3, 0]) == "7 "
+    assert "special tokens (EOS) skipped, cut before a `--stop` string" in README
+
+
+def test_the_held_out_set_is_graded_by_the_same_function():
+    """eval/accuracy is the reward function's mean over held-out samples, pass@k counts scores above 0.5
+    (shared/evaluation.py's evaluate_set, which every training script's evaluation calls)."""
+    import inspect
+
+    from shared import evaluation
+
+    source = inspect.getsource(evaluation.evaluate_set)
+    assert "compute_rewards(reward_fn" in source and "(g > 0.5).sum()" in source
+    assert 'f"{prefix}/accuracy": (stats[0] / stats[2])' in source  # the sum of scores over the samples
+    assert "`eval/accuracy` is its mean and `eval/pass@k` counts\nscores above 0.5" in README
