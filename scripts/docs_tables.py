@@ -184,9 +184,9 @@ def _start(r: dict, value: str) -> str:
 
 
 def headline(files: list[dict]) -> str:
-    """README's results table: every script's default run, mean (min-max) over seeds. Several files (bench_headline.py
-    runs of different scripts, or re-measurements): each script's row comes from the last file that has it; each
-    file used is named under the table with its command and commit (rows marked [1], [2], ...)."""
+    """Every script's default run with its best/ and peak RSS, mean (min-max) over seeds (README renders the shorter
+    `results_overview`). Several files (bench_headline.py runs of different scripts): each script's row comes from the
+    last file that has it; each file used is named under the table with its command and machine ([1], [2], ...)."""
     rows, used = {}, []
     for d in files:
         for name, r in d["results"].items():
@@ -271,8 +271,8 @@ def _headline_cells(r: dict, what: str) -> list[str]:
 
 
 def _headline_note(ref: int, d: dict, runs: list[dict]) -> str:
-    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, commit, and
-    the runs it copied from an earlier file (--reuse)."""
+    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, machine,
+    and the runs it copied from another file (--reuse)."""
     seeds = sorted({s for r in runs for s in r["seeds"]})
     load = max(x["loadavg_at_end"][0] for r in runs for x in r["seeds"].values())
     return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}"
@@ -280,7 +280,7 @@ def _headline_note(ref: int, d: dict, runs: list[dict]) -> str:
 
 
 def _reused_note(seed_maps: list[dict]) -> str:
-    """' Copied with `--reuse`: <script> seed <k> (measured in <file>, commit <sha>, <time>); ...' for the runs a
+    """' Copied with `--reuse`: <script> seed <k> (measured in <file>, on the same start models); ...' for the runs a
     bench_headline.py file took from an earlier one, '' when it ran them all."""
     earlier = {}
     for seeds in seed_maps:
