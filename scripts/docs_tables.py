@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from shared.cli import RENAMED  # noqa: E402  (the flags a stored command may name by an old name)
 BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
@@ -38,20 +41,16 @@ BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-
 # defaults (no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256, not 64): their tables say so.
 DEFAULTS_CHANGED = "2026-11-26 03:25:25"
 DEFAULT_RUN_BENCHMARKS = ("headline", "async", "grpo_variants")
-OLD_DEFAULTS = ("defaults of then: no gradient checkpointing, grpo/ppo/vineppo/drca micro-batch 256 (add "
-                "`--local_micro_batch_size 256` to rerun as measured)")
+OLD_DEFAULTS = ("every run with `--no_gradient_checkpointing`, and grpo, ppo, vineppo and drca with "
+                "`--local_micro_batch_size 256`")
 
 
-def commit(d: dict) -> str:
-    """`commit abc1234`, and the built-in models the result was measured on (shared/tiny.py's deterministic builds:
-    the first 8 hex digits of each one's weights hash) when the file records them; for a default-run benchmark
-    measured before DEFAULTS_CHANGED, the defaults it ran with."""
-    models = d["env"].get("builtin_models") or {}
-    named = ", ".join(f"{k.split(':')[1]} {v['weights_sha256'][:8]}" for k, v in models.items()
-                      if k != "builtin:tiny")
+def ran_with(d: dict) -> str:
+    """'' for most files; for a default-run benchmark measured before DEFAULTS_CHANGED, the flags its runs used that
+    are no longer the scripts' defaults (a caption gives the command with the flags the run used)."""
     old = d.get("benchmark") in DEFAULT_RUN_BENCHMARKS and str(d["env"].get("time", "9")) < DEFAULTS_CHANGED
-    return (f"commit {d['env']['git_commit']}" + (f", built-in models {named}" if named else "")
-            + (f"; {OLD_DEFAULTS}" if old else ""))
+    return f"; {OLD_DEFAULTS}" if old else ""
+
 
 def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -68,7 +67,7 @@ def real_model_prompts(d: dict) -> str:
     n = d["results"][0]["sampled_t1"]["n"]
     lines.append("")
     lines.append(f"{d['model']}, {d['data']}; sampled: {n} completions (4 per question), <= {d['max_new_tokens']} "
-                 f"new tokens. `{d['command']}`, {d['env']['device']}, {d['env']['time']}.")
+                 f"new tokens. `{d['command']}`, {d['env']['device']}.")
     return "\n".join(lines)
 
 
@@ -93,8 +92,8 @@ def real_model_grpo(d: dict) -> str:
         lines.append(f"- seed {seed}: {len(r['train_reward'])} GRPO steps of 128 completions in "
                      f"{r['total_minutes']:.0f} min, {t['median']:.0f} s per step (median, evaluation and checkpoint "
                      f"steps included; parts: {split}), peak memory (RSS) of the training process "
-                     f"{r['peak_rss_mb'] / 1024:.1f} GiB" + (f"; {r['note']}" if r.get("note") else ""))
-    lines += ["", f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                     f"{r['peak_rss_mb'] / 1024:.1f} GiB" + (f"; {re.sub(r' at commit [0-9a-f]{7,}', '', r['note'])}" if r.get("note") else ""))
+    lines += ["", f"`{d['command']}`, {d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -104,7 +103,7 @@ def graders(d: dict) -> str:
         wrong = ", ".join(f"{w['case']} (says {w['got']})" for w in r["wrong"]) or "-"
         lines.append(f"| `{name}` | {r['correct']} / {d['num_cases']} | {wrong} | {r['seconds']:.1f} |")
     lines += ["", f"{d['num_math']} MATH and {d['num_gsm8k']} GSM8K cases; math-verify {d['math_verify_version']}. "
-                  f"`{d['command']}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"`{d['command']}`, {d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -121,7 +120,7 @@ def generation(d: dict) -> str:
              f"| in-place weight sync ({d['num_parameters'] / 1e6:.2f} M parameters) | {d['sync_s']['median']:.3f} s |",
              "", f"{st['num_prompts']} prompts x {st['n']} samples x up to {st['max_new_tokens']} new tokens, "
                  f"{st['repeats']} repeats, model {st['model']}. `python scripts/bench_generation.py`, "
-                 f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                 f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -132,7 +131,7 @@ def hf_memory(d: dict) -> str:
         f"| {st['num_prompts']} prompts x {st['n']} samples x {st['max_new_tokens']} new tokens, vocabulary "
         f"{st['vocab']:,} | {d['generated_tokens']:,} | {d['peak_rss_before_mb']:.0f} MB | {d['peak_rss_mb']:.0f} MB | "
         f"+{d['peak_rss_growth_mb']:.0f} MB |", "",
-        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}, {d['env']['time']}, {commit(d)}."])
+        f"`python scripts/bench_hf_memory.py`, {d['env']['device']}{ran_with(d)}."])
 
 
 def logprob_memory(d: dict) -> str:
@@ -148,7 +147,7 @@ def logprob_memory(d: dict) -> str:
                      f"{lean['peak_tensor_mb']:,.0f} MB ({lean['peak_tensor_mb'] / full['peak_tensor_mb']:.2f}x) | "
                      f"+{full['peak_rss_growth_mb']:,.0f} MB -> +{lean['peak_rss_growth_mb']:,.0f} MB |")
     lines += ["", f"`{d['command']}`, {d['settings']['model']} (V = {d['results'][0]['vocab']:,}), "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -185,9 +184,9 @@ def _start(r: dict, value: str) -> str:
 
 
 def headline(files: list[dict]) -> str:
-    """README's results table: every script's default run, mean (min-max) over seeds. Several files (bench_headline.py
-    runs of different scripts, or re-measurements): each script's row comes from the last file that has it; each
-    file used is named under the table with its command and commit (rows marked [1], [2], ...)."""
+    """Every script's default run with its best/ and peak RSS, mean (min-max) over seeds (README renders the shorter
+    `results_overview`). Several files (bench_headline.py runs of different scripts): each script's row comes from the
+    last file that has it; each file used is named under the table with its command and machine ([1], [2], ...)."""
     rows, used = {}, []
     for d in files:
         for name, r in d["results"].items():
@@ -225,12 +224,13 @@ def headline_runs(d: dict, name: str) -> str:
     means = " | ".join(f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])}" for k in keys)
     at_best = _spread3(r["at_best"][keys[0]]) if r.get("at_best") else "-"
     lines.append(f"| mean (min-max) | {means} | | {at_best} | {r['minutes']['mean']:.1f} |")
-    lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}." + _reused_note([r["seeds"]])]
+    lines += ["", f"`{r['command']} --seed <k>` for each seed (`{d['command']}`), {d['env']['device']}"
+                  f"{ran_with(d)}." + _reused_note([r["seeds"]])]
     return "\n".join(lines)
 
 
 ACC4 = "held-out grader accuracy (4 samples per prompt)"
+ACC4_SHORT = "held-out accuracy, 4 samples per prompt"
 MINUTES_NOTE = ("Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
                 "seed of the first RL script of a run also built the SFT warm start in its fresh cache, and for drca "
                 "the reward model it loads); peak RSS: the largest over seeds; load: the largest 1-minute load average "
@@ -246,13 +246,20 @@ def _minus(x: float, f: str = ".2f") -> str:
     return format(x, f).replace("-", "−")
 
 
-# --- README's results table: one row per training script, each from its stored file -------------------------------
+# --- README's results table: one row per training script's default run --------------------------------------------
 OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
             "restem", "repulse")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
-VARIANT_OF = {"dapo": ("grpo_variants", "dynamic_sampling", "dapo.py was split from"),
-              "grpo_async": ("async", "async1", "grpo_async.py now holds")}  # script: (benchmark, run, code note)
-REPULSE_CONFIG = "repulse_a10"  # repulse_toy.py --paper's run at repulse.py's default alpha (tests/test_docs.py)
-SUMS_TERMS_BUILTIN = 4  # the built-in task: sums of 4 numbers, 3 steps per response (builtin:sums-N: N - 1 steps)
+OVERVIEW_METRIC = {"sft": "held-out accuracy, 1 sample per prompt", "grpo": ACC4_SHORT, "dpo": ACC4_SHORT,
+                   "rm": "held-out pairwise accuracy", "drca": ACC4_SHORT, "dapo": ACC4_SHORT,
+                   "grpo_async": ACC4_SHORT, "ppo": ACC4_SHORT,
+                   "ppo_rlhf": "held-out score of `builtin:tiny-rm`, 4 samples", "ppo_async": ACC4_SHORT,
+                   "vineppo": ACC4_SHORT, "restem": ACC4_SHORT}  # repulse's default run measures log P(bad)
+OVERVIEW_LEGEND = ("Accuracy: the task's grader, mean over the held-out prompts and samples; dpo.py's default loss is "
+                   "DPO-Positive (`--loss_type dpop`); drca.py's default scorer on the built-in task is its per-line "
+                   "grader (`--scorer auto`); ppo_rlhf.py trains on the reward model it is scored by. Minutes: the "
+                   "whole process, mean over seeds (start-up, evaluations and saving included; the first seed of the "
+                   "first RL script of a file also built the SFT warm start in its fresh cache, and for drca the "
+                   "reward model it loads).")
 
 
 def _headline_cells(r: dict, what: str) -> list[str]:
@@ -264,16 +271,16 @@ def _headline_cells(r: dict, what: str) -> list[str]:
 
 
 def _headline_note(ref: int, d: dict, runs: list[dict]) -> str:
-    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, commit, and
-    the runs it copied from an earlier file (--reuse)."""
+    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, machine,
+    and the runs it copied from another file (--reuse)."""
     seeds = sorted({s for r in runs for s in r["seeds"]})
     load = max(x["loadavg_at_end"][0] for r in runs for x in r["seeds"].values())
-    return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}, "
-            f"{d['env']['time']}, {commit(d)}." + _reused_note([r["seeds"] for r in runs]))
+    return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}"
+            f"{ran_with(d)}." + _reused_note([r["seeds"] for r in runs]))
 
 
 def _reused_note(seed_maps: list[dict]) -> str:
-    """' Copied with `--reuse`: <script> seed <k> (measured in <file>, commit <sha>, <time>); ...' for the runs a
+    """' Copied with `--reuse`: <script> seed <k> (measured in <file>, on the same start models); ...' for the runs a
     bench_headline.py file took from an earlier one, '' when it ran them all."""
     earlier = {}
     for seeds in seed_maps:
@@ -281,147 +288,57 @@ def _reused_note(seed_maps: list[dict]) -> str:
             if "measured_in" in x:
                 m = x["measured_in"]
                 script = x["command"].split()[1].removeprefix("algorithms/")
-                earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(f"{script} seed {seed}")
+                earlier.setdefault(m["file"], []).append(f"{script} seed {seed}")
     if not earlier:
         return ""
-    return " Copied with `--reuse`: " + "; ".join(f"{', '.join(runs)} (measured in {file}, commit {sha}, {when}, on the "
-                                                  "same start models)" for (file, sha, when), runs in earlier.items()) + "."
-
-
-def _tiny_sft(d: dict) -> str | None:
-    return ((d.get("env") or {}).get("builtin_models") or {}).get("builtin:tiny-sft", {}).get("weights_sha256")
-
-
-def _start_model(d: dict, ref: dict) -> str:
-    """'' when a file's start model is the reference file's (the README's default runs), else what is known of it."""
-    if _tiny_sft(d) == _tiny_sft(ref):
-        return ""
-    return ("; its start model is an earlier build of `builtin:tiny-sft`" if _tiny_sft(d)
-            else "; its start model's build is not recorded")
+    return " Copied with `--reuse`: " + "; ".join(f"{', '.join(runs)} (measured in {file}, on the same start models)"
+                                                  for file, runs in earlier.items()) + "."
 
 
 def results_overview(files: list[dict]) -> str:
-    """README's results table: a row for every script of OVERVIEW from the files of the block. Default runs
-    (bench_headline.py, the headline table's rows and footnotes as `headline` renders them) come first; a script
-    without one takes its row from the file that measured it another way, which the row says: a grpo.py flag that is
-    now its own file (bench_grpo_variants.py, bench_async.py), another task (compare_vineppo_ppo_grpo.py), other flags
-    (bench_headline.py --flags), RePULSe's toy (repulse_toy.py --paper). A script no file has says how to measure it."""
-    default = [d for d in files if d.get("benchmark") == "headline" and not d.get("flags")]
-    ref = default[0] if default else {}  # the start model of the default runs
-    rows: dict[str, tuple[list[str], dict, object]] = {}  # script: (cells, its file, what its footnote reads)
+    """README's results table: the default run (`python algorithms/<script>.py`, no flags) of every script of OVERVIEW
+    that a bench_headline.py file of the block has, one short row each (the last file that has a script wins), each
+    file named under the table with its command and machine; then the scripts without a stored default run, whose
+    pages give what was measured instead. A file that is not a default-run benchmark is an error."""
+    rows: dict[str, tuple[dict, dict]] = {}  # script: (its result, its file)
     for d in files:
-        kind = d.get("benchmark") or d.get("experiment") or ("repulse_toy" if "goal_definition" in d else None)
-        if kind == "headline" and d.get("flags"):
-            for name, r in d["results"].items():
-                samples = r["seeds"][next(iter(r["seeds"]))]["curve"][-1].get("samples")
-                what = (f"{ACC4}; not the default run: the flags give it {samples:,} samples, GRPO's at its first "
-                        "evaluation, where its page compares the two") if samples else f"{ACC4}; not the default run"
-                rows[name] = (_headline_cells(r, what + _start_model(d, ref)), d, [r])
-        elif kind in ("grpo_variants", "async"):
-            res = d["results"] if kind == "grpo_variants" else d["learning"]
-            for script, (bench, run, code) in VARIANT_OF.items():
-                if bench != kind or run not in res:
-                    continue
-                r, k = res[run], "eval/accuracy"
-                xs = list(r["seeds"].values())
-                if kind == "grpo_variants":
-                    what = (f"{ACC4} after the default run's 102,400 trained samples, for which it generated "
-                            f"{r['generated_samples']['mean']:,.0f} (at 102,400 generated: "
-                            f"{r['at_equal_generated']['mean']:.3f}); grpo.py's default run, same file: "
-                            f"{res['default']['final'][k]['mean']:.3f}")
-                else:
-                    what = (f"{ACC4}; its synchronous pair (grpo.py, same seeds and start): "
-                            f"{res['sync']['final'][k]['mean']:.3f}")
-                what += f"; measured as `grpo.py {r['flags']}`, the code {code}" + _start_model(d, ref)
-                best = _spread3(_spread(x["at_best"][k] for x in xs)) if all(x.get("at_best") for x in xs) else "-"
-                rows[script] = ([f"`python algorithms/{script}.py`", what, f"{r['start'][k]['mean']:.3f}",
-                                 _spread3(r["final"][k]), best, f"{r['minutes']['mean']:.1f}",
-                                 f"{max(x['peak_rss_mb'] for x in xs) / 1024:.1f} GiB"], d, (run, xs))
-        elif kind == "vineppo_vs_ppo":
-            st, task = d["settings"], d["task"]
-            terms = re.fullmatch(r"builtin:sums-(\d+)", task)
-            steps = (f" ({int(terms.group(1)) - 1} steps per response, the built-in task's "
-                     f"{SUMS_TERMS_BUILTIN - 1})" if terms else "")
-            per = {a: [s["algorithms"][a] for s in d["per_seed"]] for a in ("ppo", "vineppo")}
-            train = {a: sum(x["total_train_seconds"] for x in xs) for a, xs in per.items()}
-            grad = st["rollout_steps"] * st["gradient_steps_per_rollout_step"]
-            final = {a: sum(x["final_accuracy"] for x in xs) / len(xs) for a, xs in per.items()}
-            where = (f"held-out grader accuracy ({st['eval']}) on `{task}`{steps}, not the built-in task, from an SFT "
-                     f"start trained on it; {st['rollout_steps']} rollout steps ({grad} gradient steps)")
-            whats = {"ppo": where,
-                     "vineppo": f"{where}, K = {st['vineppo_k']} rollouts per state; ppo.py with the same task, start "
-                                f"and gradient steps: {final['ppo']:.3f}; training time "
-                                f"{train['vineppo'] / train['ppo']:.1f}x PPO's"}
-            flags = {"ppo": "", "vineppo": f" --num_mc_rollouts {st['vineppo_k']}"}
-            for a, xs in per.items():
-                rows[a] = ([f"`python algorithms/{a}.py --dataset {task} --max_new_tokens {st['max_new_tokens']}"
-                            f"{flags[a]}`", whats[a], f"{sum(x['initial_accuracy'] for x in xs) / len(xs):.3f}",
-                            _spread3(_spread(x["final_accuracy"] for x in xs)), "-", "-", "-"], d, None)
-        elif kind == "repulse_toy":
-            st, runs = d["settings"], d["runs"][REPULSE_CONFIG]
-            common, cfg = st["common_flags"], st["config_flags"]
-            lpb = _spread([r["final_log_p_bad"] for r in runs.values()])
-            base = d["runs"]["reinforce"]
-            first = next(iter(runs.values()))
-            flag = lambda name: common[common.index(name) + 1]  # noqa: E731
-            what = (f"exact log P(bad), the log-probability of a bad (low-reward) output, lower is better, on the "
-                    f"toy (`--dataset toy`, the default) with reward `{flag('--reward_fn')}`, at the paper's settings "
-                    f"({first['samples']:,} samples, {flag('--num_generations')} per step), not the default run; "
-                    f"`{shlex.join(cfg[REPULSE_CONFIG])}` "
-                    f"(the default); REINFORCE (`{shlex.join(cfg['reinforce'])}`), same seeds: "
-                    f"{_minus(sum(r['final_log_p_bad'] for r in base.values()) / len(base))}")
-            start = sum(r["initial_log_p_bad"] for r in runs.values()) / len(runs)
-            rows["repulse"] = (["`python algorithms/repulse.py` with the paper's flags (footnote)", what, _minus(start),
-                                f"{_minus(lpb['mean'])} ({_minus(lpb['min'])} to {_minus(lpb['max'])})", "-", "-", "-"],
-                               d, sorted(runs, key=int))
-        elif kind != "headline":
-            raise ValueError(f"results_overview: {d['_path']} is no file it knows how to read")
-    for d in default:  # default runs last: they replace a row measured another way; the last file has a script's
+        if d.get("benchmark") != "headline" or d.get("flags"):
+            raise ValueError(f"results_overview: {d['_path']} is no default-run file (bench_headline.py without "
+                             "--flags); its page renders it")
         for name, r in d["results"].items():
-            if name not in HEADLINE_WHAT:
-                raise ValueError(f"results_overview: no metric description for {name} (add it to HEADLINE_WHAT)")
-            rows[name] = (_headline_cells(r, HEADLINE_WHAT[name]), d, [r])
-    unknown = [n for n in rows if n not in OVERVIEW]
-    if unknown:
-        raise ValueError(f"results_overview: no row for {', '.join(unknown)} (add it to OVERVIEW)")
-    lines = ["| script | what is measured | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
-             "minutes | peak RSS | data, page |", "|---|---|---|---|---|---|---|---|"]
+            if name not in OVERVIEW_METRIC:
+                raise ValueError(f"results_overview: no metric description for {name} (add it to OVERVIEW_METRIC)")
+            rows[name] = (r, d)
+    lines = ["| script (default run) | metric | start -> end: mean (min-max) over seeds | minutes |",
+             "|---|---|---|---|"]
     used: list[dict] = []
     for name in OVERVIEW:
-        page = f"[{name}.md](docs/{name}.md)"
         if name not in rows:
-            todo = f"`python scripts/bench_headline.py --algorithms {name} --seeds 1 2 3`"
-            lines.append(f"| `python algorithms/{name}.py` | not measured yet: {todo} | - | - | - | - | - | {page} |")
             continue
-        cells, d, _ = rows[name]
+        r, d = rows[name]
         if not any(d is u for u in used):
             used.append(d)
         ref = next(i for i, u in enumerate(used, 1) if u is d)
-        lines.append("| " + " | ".join([*cells, f"[{ref}] [data]({d['_path']}), {page}"]) + " |")
-    notes = []
+        k = r["metrics"][0]
+        lines.append(f"| `{r['command']}` [{ref}] | {OVERVIEW_METRIC[name]} | "
+                     f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])} | "
+                     f"{r['minutes']['mean']:.1f} |")
+    missing = [n for n in OVERVIEW if n not in rows]
+    legend, notes = OVERVIEW_LEGEND, []
+    if missing:
+        legend += (" No default run stored for " + ", ".join(f"[{n}.py](docs/{n}.md)" for n in missing)
+                   + ": their pages give what was measured (`python scripts/bench_headline.py --algorithms "
+                   "<script> --seeds 1 2 3` measures it).")
     for i, d in enumerate(used, 1):
-        mine = [x for n, (c, dd, x) in rows.items() if dd is d]
-        kind = d.get("benchmark") or d.get("experiment")
-        if kind == "headline":
-            notes.append(_headline_note(i, d, [r for x in mine for r in x]))
-        elif kind in ("grpo_variants", "async"):
-            seeds = sorted({s for run, xs in mine for s in (str(x["seed"]) for x in xs)})
-            load = max(x["loadavg_at_end"][0] for run, xs in mine for x in xs)
-            runs = ", ".join(f"`{run}`" for run, _ in mine)
-            notes.append(f"[{i}] Seeds {', '.join(seeds)}, the run {runs}, load at most {load:.1f}: "
-                         + _provenance(d, f"python scripts/bench_{kind}.py"))
-        elif kind == "vineppo_vs_ppo":
-            notes.append(f"[{i}] Seeds {', '.join(str(s['seed']) for s in d['per_seed'])}, SFT start "
-                         f"{d['sft_start']['weights_sha256'][:12]}: "
-                         + _provenance(d, "python scripts/compare_vineppo_ppo_grpo.py"))
-        else:
-            seeds = mine[0]
-            machines = finishing_machines({**d, "runs": {k: d["runs"][k] for k in (REPULSE_CONFIG, "reinforce")}})
-            notes.append(f"[{i}] Seeds {', '.join(seeds)}, configs `{REPULSE_CONFIG}` and `reinforce`, every run with "
-                         f"`{shlex.join(d['settings']['common_flags'])}`; runs finished on "
-                         + "; ".join(f"{m}: {n}" for m, n in machines.items()) + ". Last invocation: "
-                         + _provenance(d, "python scripts/repulse_toy.py --paper"))
-    return "\n\n".join(["\n".join(lines), MINUTES_NOTE, *notes])
+        mine = [r for r, dd in rows.values() if dd is d]
+        seeds = sorted({s for r in mine for s in r["seeds"]})
+        reused = [f"{r['command'].split()[-1].removeprefix('algorithms/')} seeds "
+                  + ", ".join(s for s, x in r["seeds"].items() if "measured_in" in x)
+                  for r in mine if any("measured_in" in x for x in r["seeds"].values())]
+        copied = f" ({'; '.join(reused)}: copied with `--reuse` from the files this one names)" if reused else ""
+        notes.append(f"- [{i}] Seeds {', '.join(seeds)}{copied}: `{d['command']}`, {d['env']['device']}, "
+                     f"[{d['_path'].rsplit('/', 1)[1]}]({d['_path']}).")
+    return "\n\n".join(["\n".join(lines), legend, "\n".join(notes)])
 
 
 def lora_learning(files: list[dict]) -> str:
@@ -448,11 +365,10 @@ def lora_learning(files: list[dict]) -> str:
                  f"{'met' if pooled >= goal else 'missed'} | {full['minutes']['mean']:.1f} / {lora['minutes']['mean']:.1f} |")
     lines += ["", f"Held-out grader accuracy ({k}); a gain is a run's end minus its own start. Goal (LoRA's gain at "
                   f"least {goal} of full fine-tuning's, the same seed and samples): met in {met} of {len(seeds)} "
-                  "seeds" + ("; the two sets of runs are from different commits (below)."
-                             if df["env"]["git_commit"] != dl["env"]["git_commit"] else ".")]
+                  "seeds."]
     for what, r, d in (("Full fine-tuning", full, df), ("LoRA", lora, dl)):
-        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}, {d['env']['time']}, "
-                      f"{commit(d)}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
+        lines += ["", f"{what}: `{d['command']}` ({d['_path']}), {d['env']['device']}"
+                      f"{ran_with(d)}, peak RSS at most {r['peak_rss_mb']['max']:.0f} MB."]
     return "\n".join(lines)
 
 
@@ -475,7 +391,7 @@ def lora_memory(d: dict) -> str:
               f"| process wall time | {f['wall_s']:.0f} s | {lo['wall_s']:.0f} s |"]
     r = d["settings"]["lora_r"]
     lines += ["", f"{d['model']}, fp32, LoRA r = {r}, alpha {d['settings']['lora_alpha']}, all linear layers. "
-                  f"`{d['command'].strip()}`, {d['env']['device']}, {d['env']['time']}, {commit(d)}, "
+                  f"`{d['command'].strip()}`, {d['env']['device']}{ran_with(d)}, "
                   f"1-minute load average at the start {d['env']['loadavg_at_start'][0]:.1f}, at the end "
                   f"{d['loadavg_at_end'][0]:.1f} (times depend on it, memory does not)."]
     return "\n".join(lines)
@@ -513,8 +429,8 @@ def lora_sync(d: dict) -> str:
                   f"both engines in one process (peak RSS {d['peak_rss_mb']:.0f} MB), built one after the other in this "
                   f"order, then taking turns. Greedy "
                   f"completions of the batch's prompts equal between the modes: {d['greedy_equal_fraction']:.0%}. "
-                  f"On this machine {even} (at this batch's shape). `{d['command']}`, {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}, 1-minute load average at the start {load[0]:.1f}, at the end "
+                  f"On this machine {even} (at this batch's shape). `{d['command']}`, {d['env']['device']}"
+                  f"{ran_with(d)}, 1-minute load average at the start {load[0]:.1f}, at the end "
                   f"{load[1]:.1f} (times depend on it, memory does not)."]
     return "\n".join(lines)
 
@@ -564,8 +480,8 @@ def restem_vs_grpo(files: list[dict]) -> str:
                   f"samples) ends at {_spread3(grpo['final'][k])}."]
     for what, d in (("GRPO", dg), ("RestEM", dr)):
         r = d["results"]["grpo" if what == "GRPO" else "restem"]
-        lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}, "
-                      f"{d['env']['time']}, {commit(d)}."]
+        lines += ["", f"{what}: `{r['command']} --seed <k>` (`{d['command']}`, {d['_path']}), {d['env']['device']}"
+                      f"{ran_with(d)}."]
     return "\n".join(lines)
 
 # --- scripts/bench_{generation,grpo,preference,vineppo}.py: several measurement sets, one file per benchmark ------
@@ -654,13 +570,16 @@ def _bench_command(d: dict, repeats: bool = True) -> str:
             + (f" --repeats {st['repeats']}" if repeats else ""))
 
 
+SETS = "ABCDEFGH"  # bench_ratios: the sets of files of one table, by the order the block names them
+
+
 def bench_ratios(ds: list[dict]) -> str:
     """performance.md's ratio table: min / median / max over the repeats of the first set, medians of the others.
     A set measured with `--smollm2` is held to the real-model goals (SMOLLM2_GOALS)."""
     (main, files), *others = _bench_sets(ds)
     real = any(d["settings"].get("smollm2") for fs in files.values() for d in fs)
     lines = ["| comparison | repeats | target | min | median | max | met? | "
-             + "".join(f"median at `{c}` | " for c, _ in others) + "source (JSON key) |",
+             + "".join(f"median, set {SETS[i]} | " for i in range(1, len(others) + 1)) + "source (JSON key) |",
              "|---" * (8 + len(others)) + "|"]
     for bench, label, target, rule, get, fmt, note, key in BENCH_RATIO_ROWS:
         if real:
@@ -683,12 +602,12 @@ def bench_ratios(ds: list[dict]) -> str:
                 ["(see above)"] * len(others)
             lines.append(f"| {shown} | {d['settings']['repeats']} | {target} | {fmt(s['min'])} | {fmt(s['median'])} | "
                          f"{fmt(s['max'])} | {met} | " + "".join(f"{x} | " for x in rest) + f"{key} |")
-    lines += ["", "Files (benchmark: start time, repeats, 1-minute load average at the start):"]
-    for commit, by_bench in [(main, files), *others]:
-        runs = sorted((d for fs in by_bench.values() for d in fs), key=lambda d: d["env"]["time"])
-        lines.append(f"- `{commit}`, {runs[0]['env']['time'][:10]}: " + "; ".join(
-            f"{d['benchmark']}: {d['env']['time'][11:16]}, {d['settings']['repeats']}, "
-            f"{d['env']['loadavg_at_start'][0]:.2f}" for d in runs))
+    lines += ["", "Files (repeats, 1-minute load average at the start):"]
+    for i, (_, by_bench) in enumerate([(main, files), *others]):
+        runs = sorted((d for fs in by_bench.values() for d in fs), key=lambda d: d["_path"])
+        lines.append(f"- set {SETS[i]}{' (min, median, max)' if i == 0 else ''}: " + "; ".join(
+            f"[{d['_path'].removeprefix('docs/')}]({d['_path'].removeprefix('docs/')}) ({d['settings']['repeats']}, "
+            f"{d['env']['loadavg_at_start'][0]:.2f})" for d in runs))
     e = {**ds[0]["env"], "trl": next((d["env"]["trl"] for d in ds if d["env"].get("trl")), None)}
     commands = sorted({_bench_command(d, repeats=False) + " --repeats <repeats>" for d in ds})
     lines += ["", f"Each file: {', '.join(f'`{c}`' for c in commands)}, {e['device']}; torch "
@@ -730,7 +649,9 @@ def bench_absolute(ds: list[dict]) -> str:
                  f"{1000 * gen['sync_s']['median']:.1f} ms (median of {gen['sync_s']['n']}) | - | - |")
     commands = ", ".join(f"`{_bench_command(d)}`" for d in (g, p, v, gen))
     lines += ["", f"Step times over all timed steps of all repeats (the first step of each run dropped). {commands}; "
-                  f"{g['env']['device']}, commit {commit} (the files are named in the comment above this table)."]
+                  f"{g['env']['device']}; files: " + ", ".join(
+                      f"[{d['_path'].removeprefix('docs/')}]({d['_path'].removeprefix('docs/')})" for d in (g, p, v, gen))
+                  + "."]
     return "\n".join(lines)
 
 
@@ -750,8 +671,8 @@ def bench_grpo_phases(d: dict) -> str:
         cells = " | ".join(f"{ph[key]:.3f} | {100 * ph[key] / sum(ph.values()):.0f}%" for _, ph in runs)
         lines.append(f"| {label.format(batch=st['batch'], opt=st['optimizer_steps_per_iteration'])} | {cells} |")
     lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
-                  f"`{_bench_command(d, repeats=False)}`, {d['env']['device']}, {d['env']['time']}, "
-                  f"{commit(d)}."]
+                  f"`{_bench_command(d, repeats=False)}`, {d['env']['device']}"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -762,7 +683,7 @@ def bench_grpo_profile(d: dict, n: int = 15) -> str:
         lines.append(f"| `{r['function']}` | {r['calls']:,} | {r['self_s']:.2f} s | {r['cum_s']:.2f} s |")
     lines += ["", f"Steps 2..{d['settings']['steps']} of one extra `ours` run (vLLM backend), top {n} of "
                   f"{len(d['profile']['top_self_time'])} stored. `python scripts/bench_grpo.py --profile`, "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -776,7 +697,7 @@ def generation_sweep(d: dict) -> str:
     calls = d['sweep'][0]['vllm/hf']['n']
     lines += ["", f"Medians of {calls} call{'s' if calls > 1 else ''} each, up to {d['settings']['max_new_tokens']} "
                   f"new tokens, model {d['settings']['model']}. `{_bench_command(d, repeats=False)}`, "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -798,7 +719,7 @@ def bench_vineppo_phases(d: dict) -> str:
                   f"tokens, K = {st['num_mc_rollouts']}, {st['num_ppo_epochs']} epochs x {st['num_minibatches']} "
                   f"minibatches; medians over the timed steps of {st['repeats']} repeats; deduplication kept "
                   f"{100 * u['min']:.0f}-{100 * u['max']:.0f}% of the states. `{_bench_command(d, repeats=False)}`, "
-                  f"{d['env']['device']}, {d['env']['time']}, {commit(d)}."]
+                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -807,16 +728,16 @@ def _provenance(d: dict, command: str) -> str:
     e = d.get("env")
     if e:
         kernels = f" (ATen kernels {e['aten_cpu_capability']})" if e.get("aten_cpu_capability") else ""
-        return f"`{d.get('command', command)}`, {e['device']}{kernels}, {e['time']}, {commit(d)}."
-    return f"`{command}` (this file records no machine, time or commit)."
+        return f"`{d.get('command', command)}`, {e['device']}{kernels}{ran_with(d)}."
+    return f"`{command}` (this file records no machine)."
 
 
 def optimizer_bench(d: dict) -> str:
     """scripts/bench_optimizer.py: one AdamW step per implementation, and DeepSpeed's all-reduce in one process."""
-    names = {"adamw_for_loop": "AdamW, `foreach=False` (per-tensor loop; PyTorch's CPU default, the scripts before)",
+    names = {"adamw_for_loop": "AdamW, `foreach=False` (per-tensor loop; PyTorch's CPU default)",
              "adamw_foreach": "AdamW, `foreach=True`",
-             "adamw_fused": "AdamW, `fused=True` (transformers' default; the scripts now)",
-             "deepspeed_all_reduce_world_1": "DeepSpeed backward all-reduce, 1 process, ZeRO-0 (the scripts now skip "
+             "adamw_fused": "AdamW, `fused=True` (transformers' default; the scripts')",
+             "deepspeed_all_reduce_world_1": "DeepSpeed backward all-reduce, 1 process, ZeRO-0 (the scripts skip "
                                              "it)"}
     lines = ["| per optimizer step | min | median | max |", "|---|---|---|---|"]
     for key, label in names.items():
@@ -943,9 +864,7 @@ def _reused_ppo(d: dict) -> str:
     src = d.get("ppo_runs_from")
     if not src:
         return ""
-    runs = ", ".join(sorted({f"commit {s['git_commit']}, {s['time']}" for s in src["sessions"] if s["units"]}))
-    return (f"The PPO runs are those of `{src['dir']}` (same start weights and PPO flags, checked; trained at "
-            f"{runs}). ")
+    return f"The PPO runs are those of `{src['dir']}` (same start weights and PPO flags, checked). "
 
 
 def vineppo_value_table(d: dict) -> str:
@@ -1111,8 +1030,8 @@ def memory_estimate(d: dict) -> str:
                   f"cache), gradient checkpointing {'on' if st['gradient_checkpointing'] else 'off'}, bf16 weights "
                   f"with fp32 master weights, fp32 gradient accumulation and Adam, beta {st['beta']} (no reference "
                   f"copy), a colocated vLLM copy, lean log-probs in chunks of {st['logits_chunk']:,} tokens. "
-                  f"`{d['command'].strip()}` (formulas in its docstring), {d['env']['time']}, "
-                  f"{commit(d)}."]
+                  f"`{d['command'].strip()}` (formulas in its docstring)"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1126,8 +1045,8 @@ def memory_measured(d: dict) -> str:
                      f"{r['training_state_gib']:.2f} GiB |")
     lines += ["", f"Measured: `torch.cuda.max_memory_allocated()` of the trainer alone (no vLLM engine, no reference), "
                   f"from `{d['compare']['file']}` (scripts/gpu_bench.py); estimate: the same configuration by the formulas "
-                  f"of scripts/estimate_memory.py without the engine's terms. `{d['command'].strip()}`, "
-                  f"{d['env']['time']}, {commit(d)}."]
+                  f"of scripts/estimate_memory.py without the engine's terms. `{d['command'].strip()}`"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1157,8 +1076,7 @@ def gpu_bench(d: dict) -> str:
                   f"Training: one micro-batch of {st['seq_len']:,}-token rows ({st['prompt_len']} prompt) per optimizer "
                   f"step, gradient checkpointing on, median of {st['steps']} steps after 2 warm-up steps; peak memory = "
                   f"`max_memory_allocated` (weights and optimizer state included). torch {env['torch']}, transformers "
-                  f"{env['transformers']}, deepspeed {env['deepspeed']}. `{d['command']}` (run by scripts/gpu_check.sh), "
-                  f"{env['time']}, commit {env['git_commit']}."]
+                  f"{env['transformers']}, deepspeed {env['deepspeed']}. `{d['command']}` (run by scripts/gpu_check.sh)."]
     return "\n".join(lines)
 
 
@@ -1168,8 +1086,8 @@ def gpu_tests(d: dict) -> str:
     lines = ["| test (tests/test_gpu.py) | outcome |", "|---|---|"]
     outcome = {**{n: "passed" for n in t["passed_tests"]}, **{n: "**failed**" for n in t["failed_tests"]}}
     lines += [f"| `{n.split('::', 1)[1]}` | {v} |" for n, v in sorted(outcome.items())]
-    lines += ["", f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; {d['env']['gpu']}, "
-                  f"{d['env']['time']}: `bash scripts/gpu_check.sh`, which ran `pytest -m gpu` and stored its report "
+    lines += ["", f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; {d['env']['gpu']}: "
+                  f"`bash scripts/gpu_check.sh`, which ran `pytest -m gpu` and stored its report "
                   f"with `{d['command']}`."]
     return "\n".join(lines)
 
@@ -1220,8 +1138,8 @@ def drca_localisation(d: dict) -> str:
               else f"reward model {st['reward_model']}"
               + (f" (its own held-out pairwise accuracy {acc:.3f})" if acc is not None else ""))
     lines += ["", f"{st['num_pairs']:,} held-out slip pairs, policy {st['model']}, responses and counterfactuals scored "
-                  f"by {scorer}, dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}, {d['env']['time']}, "
-                  f"{commit(d)}."]
+                  f"by {scorer}, dataset {st['dataset']}. `{d['command']}`, {d['env']['device']}"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1234,8 +1152,8 @@ def sums_calibration(d: dict) -> str:
         seed = f" (seed {r['seed']})" if several_seeds else ""
         lines.append(f"| `{name}`{seed} | {r['terms'] - 1} | {r['final_accuracy']:.3f} | {r['minutes']:.1f} |")
     lines += ["", f"sft.py's default recipe from `builtin:tiny` on each task, with `--max_new_tokens 3N`; sampled (T = 1, "
-                  f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}, "
-                  f"{d['env']['time']}, {commit(d)}."]
+                  f"one sample) accuracy on the 500 held-out problems. `{d['command']}`, {d['env']['device']}"
+                  f"{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1408,8 +1326,8 @@ def mismatch_bench(d: dict) -> str:
         if "measured_in" in r:
             m = r["measured_in"]
             earlier.setdefault((m["file"], m.get("git_commit"), m.get("time")), []).append(name)
-    said = "".join(f"{', '.join(names)}: measured in {file} (commit {sha}, {when}) on the same start model, copied "
-                   "with `--reuse`; " for (file, sha, when), names in earlier.items())
+    said = "".join(f"{', '.join(names)}: measured in {file} on the same start model, copied with `--reuse`; "
+                   for (file, sha, when), names in earlier.items())
     lines.append((f"{said}the other rows and the file: " if earlier else "")
                  + _provenance(d, "python scripts/bench_mismatch.py"))
     return "\n".join(lines)
@@ -1435,6 +1353,34 @@ MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora
 MACHINE_PATH = re.compile(r"(?<![\w./-])/(?:[\w.+-]+/)+?runs/")
 
 
+def renamed_flag(name: str) -> str | None:
+    """The new name of a flag that shared/cli.py's RENAMED lists as a plain rename (its entry reads `--NEW is its
+    name now`), else None: `kl_coef` -> `beta`; `cliprange` (two flags now) and `async_steps` (another file) -> None."""
+    m = re.match(r"--(\w+) is its name now", RENAMED.get(name, ""))
+    return m.group(1) if m else None
+
+
+def current_flags(text: str) -> str:
+    """`text` with every stored command's renamed flag written by its name now (`--kl_coef 0` -> `--beta 0`): a
+    rendered command must run as shown. Only whole flag words change (`objective/kl_coef` stays)."""
+    def sub(m: re.Match) -> str:
+        new = renamed_flag(m.group(2))
+        return m.group(1) + (new if new else m.group(2))
+
+    return re.sub(r"(?<![\w/-])(--)([a-z][a-z0-9_]*)(?![\w-])", sub, text)
+
+
+def _data_links(page: Path, sources: list[str], table: str) -> str:
+    """The table with a link to each data file it does not name yet, at the end of its caption (the last line)."""
+    rel = lambda s: Path(os.path.relpath(ROOT / s, page.parent)).as_posix()  # noqa: E731
+    missing = [s for s in sources if s not in table and rel(s) not in table]
+    if not missing:
+        return table
+    links = "Data: " + ", ".join(f"[{Path(s).name}]({rel(s)})" for s in missing) + "."
+    last = table.rsplit("\n", 1)[-1]
+    return table + ("\n\n" if last.startswith("|") or not last.strip() else " ") + links
+
+
 def render_file(path: Path) -> tuple[str, str]:
     """(current text, text with every generated block re-rendered)."""
     text = path.read_text()
@@ -1451,8 +1397,8 @@ def render_file(path: Path) -> tuple[str, str]:
             if not data_path.exists():
                 raise SystemExit(f"error: {path}: table {name} reads {source}, which does not exist")
             data.append({**json.loads(data_path.read_text()), "_path": source})
-        table = RENDERERS[name](data if name in MULTI else data[0])
-        return m.group(1) + MACHINE_PATH.sub("runs/", table) + "\n" + m.group(5)
+        table = current_flags(RENDERERS[name](data if name in MULTI else data[0]))
+        return m.group(1) + _data_links(path, sources, MACHINE_PATH.sub("runs/", table)) + "\n" + m.group(5)
 
     return text, BLOCK.sub(sub, text)
 

@@ -39,7 +39,8 @@ def test_a_block_may_read_several_files_and_only_a_multi_file_renderer_gets_them
     monkeypatch.setattr(docs_tables, "MULTI", {"sum_x"})
     page = tmp_path / "p.md"
     page.write_text("<!-- table sum_x a.json,\n     b.json -->\nold\n<!-- end table -->\n")
-    expected = "<!-- table sum_x a.json,\n     b.json -->\nsum 3 of 2\n<!-- end table -->\n"
+    expected = ("<!-- table sum_x a.json,\n     b.json -->\nsum 3 of 2 Data: [a.json](a.json), [b.json](b.json).\n"
+                "<!-- end table -->\n")  # a caption links the data files it does not name
     assert docs_tables.render_file(page)[1] == expected
     page.write_text("<!-- table sum_x a.json,none.json -->\nold\n<!-- end table -->\n")
     with pytest.raises(SystemExit, match="none.json, which does not exist"):
@@ -153,7 +154,7 @@ def test_flag_tables_state_the_code_defaults(name):
     assert not wrong, wrong
 
 
-def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_it_has_none():
+def test_a_summary_with_env_prints_its_command_and_machine_and_an_older_one_says_it_has_none():
     old = {"seeds": [1], "extra": [], "per_seed": [
         {"seed": 1, "ppo_initial_accuracy": 0.5, "ppo_final_accuracy": 0.7, "ppo_initial_reward": 0.1,
          "ppo_final_reward": 0.3, "ppo_minutes": 6.0, "drca_initial_accuracy": 0.5, "drca_final_accuracy": 0.6,
@@ -166,8 +167,9 @@ def test_a_summary_with_env_prints_its_command_and_commit_and_an_older_one_says_
     assert "`python scripts/compare_drca_ppo.py --seeds 1` (this file records no machine" in text
     new = {**old, "command": "python scripts/compare_drca_ppo.py --seeds 1",
            "env": {"device": "CPU X x2", "time": "2026-01-01 00:00:00", "git_commit": "abc1234"}}
-    assert "`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2, 2026-01-01 00:00:00, commit abc1234." in \
-        docs_tables.drca_vs_ppo(new)
+    text = docs_tables.drca_vs_ppo(new)
+    assert text.endswith("`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2.")  # no time, no commit
+    assert "abc1234" not in text and "2026" not in text
     assert "Both arms train on the score of builtin:tiny-rm; " in docs_tables.drca_vs_ppo(new)
     kl = docs_tables.drca_vs_ppo({**new, "extra": ["--reward_model_path", "builtin:tiny-cf-rm", "--kl_coef", "0.1"]})
     assert "Both arms train on the score of builtin:tiny-cf-rm with the KL coefficient eta = 0.1 (drca.py's " in kl
@@ -181,15 +183,52 @@ def test_grpo_default_batch_of_the_restem_comparison_is_grpo_s_default():
     assert a.local_num_prompts * a.num_generations == docs_tables.GRPO_DEFAULT_BATCH
 
 
-def test_default_run_results_before_the_defaults_changed_name_the_defaults_they_ran_with():
-    """A default-run benchmark (the scripts' defaults moved in 5a37629) measured before the change says what it ran
-    with under its table; one measured after, or a benchmark that passes its settings explicitly, does not."""
+def test_default_run_results_before_the_defaults_changed_name_the_flags_they_ran_with():
+    """A default-run benchmark measured before the scripts' defaults changed (DEFAULTS_CHANGED) gives, under its
+    table, the flags its runs used that are no longer defaults; one measured after, or a benchmark that passes its
+    settings explicitly, adds nothing."""
     env = {"git_commit": "abc1234"}
-    old = docs_tables.commit({"benchmark": "headline", "env": {**env, "time": "2026-11-26 01:57:08"}})
-    new = docs_tables.commit({"benchmark": "headline", "env": {**env, "time": "2026-11-26 03:55:50"}})
-    explicit = docs_tables.commit({"benchmark": "grpo", "env": {**env, "time": "2026-11-22 10:01:43"}})
-    assert "micro-batch 256" in old and "--local_micro_batch_size 256" in old
-    assert new == explicit == "commit abc1234"
+    old = docs_tables.ran_with({"benchmark": "headline", "env": {**env, "time": "2026-11-26 01:57:08"}})
+    new = docs_tables.ran_with({"benchmark": "headline", "env": {**env, "time": "2026-11-26 03:55:50"}})
+    explicit = docs_tables.ran_with({"benchmark": "grpo", "env": {**env, "time": "2026-11-22 10:01:43"}})
+    assert "`--local_micro_batch_size 256`" in old and "`--no_gradient_checkpointing`" in old
+    assert new == explicit == ""
+
+
+def test_a_rendered_command_names_a_renamed_flag_by_its_name_now():
+    """Stored commands keep the flags they ran with; a caption shows them through shared/cli.py's RENAMED, so that
+    it runs as shown. Only plain renames (`--NEW is its name now`) map; a flag split in two or moved to another
+    file stays, and so does a word that is no flag."""
+    from shared.cli import RENAMED
+
+    assert docs_tables.renamed_flag("kl_coef") == "beta" and docs_tables.renamed_flag("num_ppo_epochs") == "num_iterations"
+    assert docs_tables.renamed_flag("cliprange") is None and docs_tables.renamed_flag("async_steps") is None
+    assert docs_tables.renamed_flag("beta") is None
+    text = "`--total_episodes 9 --kl_coef 0 --num_samples_per_prompt 4` and `objective/kl_coef`, --cliprange 0.2"
+    assert docs_tables.current_flags(text) == ("`--total_episodes 9 --beta 0 --num_generations 4` and "
+                                               "`objective/kl_coef`, --cliprange 0.2")
+    for page in docs_tables.markdown_files():
+        for _, name, _, block in [b for b in _blocks() if b[0] == page.name]:
+            plain = [f for f in RENAMED if docs_tables.renamed_flag(f)]
+            assert not [f for f in plain if re.search(rf"--{f}(?![\w-])", block)], (page.name, name)
+
+
+def test_captions_name_no_commit_and_no_time():
+    """A caption gives the file, the command with the flags the run used, and the machine; the commit, the time and
+    the rest stay in the stored JSON."""
+    import json
+
+    found = []
+    for page, name, sources, text in _blocks():
+        for source in sources:
+            env = json.loads((ROOT / source).read_text()).get("env") or {}
+            for key in ("git_commit", "time"):
+                if env.get(key) and str(env[key]) in text:
+                    found.append(f"{page}: {name} shows {key} {env[key]}")
+        found += [f"{page}: {name}: {m.group(0)}" for m in re.finditer(r"\bcommit [0-9a-f]{7}\b", text)]
+        if not all(Path(s).name in text for s in sources):
+            found.append(f"{page}: {name} does not name its data file")
+    assert not found, found
 
 
 def test_headline_table_names_a_script_it_cannot_describe():
@@ -198,30 +237,48 @@ def test_headline_table_names_a_script_it_cannot_describe():
         docs_tables.headline([{"results": {"grpo": {}, "my_grpo": {}}}])
 
 
-def test_results_overview_keeps_the_headline_rows_and_names_what_is_not_measured():
-    """README's table of every script: the default runs' rows (all cells but the last) and footnotes as `headline`
-    renders them, every other script a row of its own, and one without a stored result a 'not measured yet' row."""
+def _headline_files(*names):
     import json
 
-    names = ["docs/bench/headline/cpu_20261126_035550.json", "docs/bench/headline/cpu_20261126_115515.json"]
-    files = [{**json.loads((ROOT / n).read_text()), "_path": n} for n in names]
-    head, over = docs_tables.headline(files).split("\n"), docs_tables.results_overview(files)
-    rows = [line for line in head if line.startswith("| `python")]
-    assert rows and all(r.rsplit(" | ", 1)[0] in over for r in rows)
-    assert all(line in over for line in head if line.startswith("["))
-    assert [line.split("`")[1].split()[1] for line in over.split("\n") if line.startswith("| `python")] == [
-        f"algorithms/{n}.py" for n in docs_tables.OVERVIEW]
-    assert "| `python algorithms/ppo_async.py` | not measured yet: `python scripts/bench_headline.py" in over
-    with pytest.raises(ValueError, match="no file it knows how to read"):
+    return [{**json.loads((ROOT / n).read_text()), "_path": n} for n in names]
+
+
+def test_results_overview_has_default_runs_only_in_short_rows_and_names_what_is_not_measured():
+    """README's table: one row per script with a stored default run (`python algorithms/<script>.py`, no flags), in
+    OVERVIEW's order, with the same start, end and minutes as its page's table (`headline_<script>`); rows of at most
+    140 characters; each file named under it with its command and machine; the scripts without a default run named
+    with their pages; a file measured another way (other flags, another benchmark) is refused."""
+    files = _headline_files("docs/bench/headline/cpu_20261126_035550.json",
+                            "docs/bench/headline/cpu_20261126_115515.json")
+    over = docs_tables.results_overview(files)
+    rows = [line for line in over.split("\n") if line.startswith("| `python")]
+    assert [r.split("`")[1] for r in rows] == [f"python algorithms/{n}.py" for n in docs_tables.OVERVIEW
+                                              if any(n in d["results"] for d in files)]
+    assert all(len(r) <= 140 for r in rows), [len(r) for r in rows]
+    page = docs_tables.headline_runs(files[0], "grpo").split("\n")
+    mean_row = next(line for line in page if line.startswith("| mean"))
+    start_end, minutes = mean_row.split(" | ")[1], mean_row.split(" | ")[-1].strip(" |")
+    grpo = next(r for r in rows if "algorithms/grpo.py" in r)
+    assert f"| {start_end} | {minutes} |" in grpo
+    assert "No default run stored for" in over and "[ppo_async.py](docs/ppo_async.md)" in over
+    assert "`python scripts/bench_headline.py --seeds 1 2 3" in over and "cpu_20261126_035550.json" in over
+    assert "load at most" not in over and "load:" not in over and "peak RSS" not in over and "commit" not in over
+    restem = _headline_files("docs/bench/restem/cpu_20261125_013545.json")
+    with pytest.raises(ValueError, match="no default-run file"):
+        docs_tables.results_overview([*files, *restem])
+    with pytest.raises(ValueError, match="no default-run file"):
         docs_tables.results_overview([*files, {"benchmark": "packing", "_path": "x.json"}])
 
 
-def test_the_overview_s_repulse_row_is_the_run_at_repulse_s_default_alpha():
+def test_the_readme_results_table_reads_default_runs_only():
+    """The README block names only bench_headline.py files run without --flags (the other measurements stay on
+    their pages, which render them)."""
     import json
 
-    flags = json.loads((ROOT / "docs/results/repulse_toy.json").read_text())["settings"]["config_flags"]
-    alpha = flags[docs_tables.REPULSE_CONFIG][flags[docs_tables.REPULSE_CONFIG].index("--alpha") + 1]
-    assert float(alpha) == importlib.import_module("algorithms.repulse").Args().alpha
+    block = next(b for b in _blocks() if b[0] == "README.md" and b[1] == "results_overview")
+    for source in block[2]:
+        d = json.loads((ROOT / source).read_text())
+        assert d.get("benchmark") == "headline" and not d.get("flags"), source
 
 
 # ---------------------------------------------------------------- commands in the README and docs
@@ -240,8 +297,8 @@ def _shell_commands(text: str) -> list[str]:
                 env[m.group(1)] = shlex.split(value[1:] if value.startswith("$") else value)[0].encode().decode(
                     "unicode_escape") if value.startswith("$") else shlex.split(value)[0]
                 continue
-            for name, value in env.items():
-                line = line.replace(f'"${name}"', shlex.quote(value)).replace(f"${name}", shlex.quote(value))
+            for name, value in env.items():  # "$VAR" is one word; a bare $VAR splits into words, as in bash
+                line = line.replace(f'"${name}"', shlex.quote(value)).replace(f"${name}", value)
             if line and not line.startswith("#"):
                 out.append(line)
     return out
@@ -263,6 +320,38 @@ def _script_argv(command: str) -> tuple[str, list[str]] | None:
     return None
 
 
+PLACEHOLDER = re.compile(r"(?<=\s)<[^<>]*>(?=\s|$)")  # `--total_episodes <3 x the pairs>`: a value to fill in
+OMITTED = re.compile(r"\[the [^\]]*\]")  # `[the GSM8K flags above]`: flags given in an earlier command
+
+
+def _with_placeholders_filled(command: str) -> str:
+    """A page's command with each `<placeholder>` value written as `1` (parsed as text or as a number alike) and each
+    `[the ... flags]` stand-in dropped, so the rest of the command line is checked."""
+    return OMITTED.sub("", PLACEHOLDER.sub("1", command))
+
+
+def _caption_commands(text: str) -> list[str]:
+    """The `python algorithms/<script>.py ...` commands of a rendered table (its rows and caption)."""
+    return re.findall(r"`(python algorithms/\w+\.py[^`]*)`", text)
+
+
+def _all_script_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, script, argv) of every script command in README.md, docs/*.md and the scripts' docstrings (their
+    ```bash blocks) and in every rendered table."""
+    out = []
+    for page, text in _pages_with_commands().items():
+        for c in _shell_commands(text):
+            parsed = _script_argv(_with_placeholders_filled(c))
+            if parsed:
+                out.append((page, *parsed))
+    for page, name, _, text in _blocks():
+        for c in _caption_commands(text):
+            parsed = _script_argv(_with_placeholders_filled(c))
+            if parsed:
+                out.append((f"{page} ({name} table)", *parsed))
+    return out
+
+
 def test_the_readme_commands_parse_against_each_script_s_flags():
     """Every script command of the README (the quick start included, with its hub names) is a command line each
     script accepts: the flag names, their values and choices (parsed, not run)."""
@@ -274,6 +363,42 @@ def test_the_readme_commands_parse_against_each_script_s_flags():
     assert len(commands) >= 3 and {"grpo", "evaluate"} <= {s for s, _ in commands}
     for script, argv in commands:
         parse_cli(importlib.import_module(f"algorithms.{script}").Args, argv)
+
+
+def test_every_page_and_caption_command_parses_against_its_script_s_flags():
+    """Every `python algorithms/<script>.py ...` or `accelerate launch ... algorithms/<script>.py ...` command of
+    README.md, docs/*.md, the scripts' docstrings and the rendered tables parses against that script's flags (names,
+    values, choices; not run). A renamed flag fails with its one-line error naming the new name."""
+    import contextlib
+    import importlib
+    import io
+
+    from shared.cli import CommandLineError, parse_cli
+
+    commands = _all_script_commands()
+    pages = {where.split(" (")[0] for where, _, _ in commands}
+    assert len(commands) >= 90 and {"README.md", "docs/grpo.md", "docs/real_models.md", "docs/repulse.md"} <= pages
+    assert any("table)" in where for where, _, _ in commands)
+    broken = []
+    for where, script, argv in commands:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                parse_cli(importlib.import_module(f"algorithms.{script}").Args, argv)
+        except (CommandLineError, SystemExit) as e:
+            broken.append(f"{where}: {script}.py {' '.join(argv)[:100]}: {e}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_command_check_reads_variables_placeholders_and_captions():
+    text = ('```bash\nM="--model_name_or_path builtin:smollm2-135m --chat_template"\n'
+            'T=$\'{prompt}\\nEnd with "#### <n>".\'\npython algorithms/grpo.py $M --prompt_template "$T" \\\n'
+            '    --total_episodes <the pairs x 3> [the GSM8K flags above]\n```\n')
+    (command,) = _shell_commands(text)
+    script, argv = _script_argv(_with_placeholders_filled(command))
+    assert script == "grpo" and argv == ["--model_name_or_path", "builtin:smollm2-135m", "--chat_template",
+                                         "--prompt_template", '{prompt}\nEnd with "#### <n>".', "--total_episodes", "1"]
+    assert _caption_commands("x `python algorithms/grpo.py --seed <k>` for each seed (`python scripts/b.py`)") == [
+        "python algorithms/grpo.py --seed <k>"]
 
 
 def _pages_with_commands() -> dict[str, str]:

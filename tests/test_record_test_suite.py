@@ -64,8 +64,7 @@ def test_the_table_gives_counts_provenance_failures_and_the_five_slowest():
     text = docs_tables.test_suite(_result())
     lines = text.splitlines()
     assert lines[0] == ("2 passed, 1 failed, 2 skipped, 1 errors in 2 min 6 s, exit status 1, load average 0.5 at the "
-                        "start and 2.0 at the end: `python scripts/record_test_suite.py`, CPU X x2, 2026-01-02 "
-                        "03:04:05, commit abc1234.")
+                        "start and 2.0 at the end: `python scripts/record_test_suite.py`, CPU X x2.")
     assert "subset" not in text and "uncommitted" not in text
     assert "- `tests/test_b.py::test_bad` (failed): AssertionError: 1 != 2" in lines
     assert "- `tests/test_b.py::test_fixture` (error): failed on setup with \"ValueError: no model\"" in lines
