@@ -433,3 +433,18 @@ def test_a_renamed_flag_names_its_new_name_or_file(script, argv, message, tmp_pa
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_prompt_template_without_its_placeholder_is_a_one_line_error(script, tmp_path, monkeypatch, capsys):
+    """A template without {prompt} (e.g. an unset shell variable: `--prompt_template "$TEMPLATE"`) would make every
+    prompt the same text and train on it without complaint: refused at start-up, nothing written."""
+    if "prompt_template" not in {f.name for f in dataclasses.fields(importlib.import_module(f"algorithms.{script}").Args)}:
+        pytest.skip(f"{script} has no --prompt_template")
+    monkeypatch.chdir(tmp_path)
+    for template in ("", "Solve it step by step."):
+        out = tmp_path / "run"
+        code, err = run_cli_in_process(script, ["--prompt_template", template, "--output_dir", str(out)], monkeypatch,
+                                       capsys)
+        assert code == 2 and err.startswith("error: prompt_template: must contain {prompt}"), err
+        assert err.count("\n") == 1 and not out.exists()
