@@ -37,5 +37,6 @@ fi
 "$PY" -c "import torch, vllm, deepspeed, transformers; print('[setup] torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)"
 # DeepSpeed compiles its CPU shared-memory collective op on first use (about a minute): build it once here, so that no
 # training or test process compiles it (and none can be killed midway, leaving torch's lock file behind)
-"$PY" -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" >/dev/null 2>&1 || true
+# (with the environment's bin/ first on PATH, as the scripts put it: a build by another ninja is rebuilt)
+PATH="$(cd "$(dirname "$PY")" && pwd):$PATH" "$PY" -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" >/dev/null 2>&1 || true
 echo "$want" > "$stamp"
