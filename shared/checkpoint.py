@@ -106,14 +106,16 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def _safe_globals() -> list:
-    """The classes besides tensors and Python's plain types that a checkpoint may hold: DeepSpeed's ZeRO optimizer
-    states store its stage (an enum), its loss scaler and the fragment addresses of flat parameters (plain
-    attributes, no code)."""
+    """The classes besides tensors and Python's plain types that a checkpoint may hold, each plain attributes and
+    no code: DeepSpeed's ZeRO optimizer states store its stage (an enum), its loss scaler and the fragment addresses
+    of flat parameters; the async scripts' rank state holds generated, untrained batches (`Completion`s)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    from shared.generation import Completion
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address, Completion]
 
 
 def safe_load(path: str | Path, what: str = "resume", mmap: bool = False):
