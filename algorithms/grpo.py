@@ -222,13 +222,12 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
     grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
           §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
     rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
-    reinforce_pp_baseline: c_i = r_i - mean_G r, then whitened over the batch's tokens (Hu et al. 2025; OpenRLHF):
-          (c_i - mu) / max(sigma, eps), mu and sigma the mean and population std of c over every completion
-          token, completion i counted token_counts[i] times (once each when None)
-    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710: the gradient of the log of the
-          success probability rather than of the success probability itself); a group without a success gets 0
-    A group whose rewards are all equal gets exactly zero advantage under grpo, rloo and maxrl (no NaN); under
-    reinforce_pp_baseline it gets -mu / sigma."""
+    reinforce_pp_baseline: c_i = r_i - mean_G r whitened, (c_i - mu) / max(sigma, eps), mu and sigma the mean and
+          population std of c over the batch's completion tokens (c_i counted token_counts[i] times, else once)
+          (Hu et al. 2025; OpenRLHF)
+    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710); a group without success gets 0
+    Equal rewards in a group give exactly A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under
+    reinforce_pp_baseline."""
     if estimator == "rloo":
         baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
         return rewards - baseline
@@ -257,10 +256,8 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
-
-    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
-    k3 is the GRPO/TRL default."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -276,10 +273,9 @@ def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch
     """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
 
     token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
-    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t}, the same on every token of completion i   GSPO (Zheng et al.
-              2025, arXiv 2507.18071, §4.1): the length-normalised sequence likelihood ratio; its gradient reaches
-              each token through the mean. GSPO-token (§4.3) equals this in value and gradient when, as here, every
-              token of a completion has the same advantage (tests/test_grpo.py), so it is not a separate choice."""
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i, the length-normalised sequence
+              ratio of GSPO (Zheng et al. 2025, arXiv 2507.18071, §4.1); with one advantage per completion, as here,
+              GSPO-token (§4.3) equals it in value and gradient (tests/test_grpo.py)."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     if level == "token":
         return log_ratio
@@ -293,10 +289,8 @@ def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
                       eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
     """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
-
-    With level="sequence" rho is GSPO's s_i (log_importance_ratio), clipped once per completion: GSPO's objective
-    (Zheng et al. 2025, Eq. 5) with --loss_aggregation seq_mean. The log-ratio is masked before exp, so padding has
-    rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    level="sequence": rho is GSPO's s_i, clipped once per completion (GSPO's Eq. 5 with --loss_aggregation seq_mean).
+    The log-ratio is masked before exp: padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -308,12 +302,10 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
                     mask: torch.Tensor | None = None, level: str = "token"):
     """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
-    indicator of tokens whose weight was truncated.
-
-    The truncated importance weight is detached, so every token keeps the gradient -w A grad log pi, also where
-    PPO-clip would zero it (ratio outside the range on the side the advantage pushes). No lower bound: MiniMax-M1
-    sets none (and ScaleRL's CISPO, arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not
-    apply. The loss value contains log pi and is not an objective."""
+    indicator of tokens whose weight was truncated. The weight is detached: every token keeps the gradient
+    -w A grad log pi, also where PPO-clip would zero it. No lower bound (MiniMax-M1 sets none; ScaleRL's CISPO,
+    arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not apply. The loss value contains
+    log pi and is not an objective."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
     loss = -weight * advantages * (logp if mask is None else logp * mask)
@@ -324,13 +316,12 @@ def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torc
 def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
                    eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
     """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
-    M = 0 on a token whose probability p = pi(y_t) has left the trust region around the behaviour policy's
-    p_s = pi_sampler(y_t) (the generator's log-probs, as the paper's Sec. 5.2, verl's recipe, prime-rl and TRL's
-    DPPOTrainer anchor it) in the direction its advantage pushes (A > 0: up, bound eps_high; A < 0: down, eps_low):
+    M = 0 on a token whose p = pi(y_t) left the trust region around the sampler's p_s = pi_sampler(y_t) (the anchor
+    of the paper's Sec. 5.2, verl, prime-rl and TRL) in the direction its advantage pushes (A > 0: up, eps_high):
       tv: |p - p_s| > eps                                              (verl `dppo_tv`)
       kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
-    rho = pi / pi_old as in the other surrogates (the --tis weight carries pi_old / pi_sampler). The mask is
-    detached; kept tokens get the unclipped gradient -A grad rho."""
+    (A < 0: down, eps_low). rho = pi / pi_old (the --tis weight carries pi_old / pi_sampler); the mask is detached,
+    kept tokens get the unclipped gradient -A grad rho."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     ratio = torch.exp(log_ratio)
     p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
@@ -381,15 +372,13 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the optimizer-step loss.
-
-    num_seqs / num_tokens count the whole optimizer step on this rank, num_tokens_global on all ranks.
-    Summed over micro-batches and averaged over ranks (as DeepSpeed does with gradients) this gives:
+    """This micro-batch's share of the optimizer-step loss; num_seqs / num_tokens count the whole optimizer step on
+    this rank, num_tokens_global on all ranks. Summed over micro-batches and averaged over ranks (as DeepSpeed does
+    with gradients) this gives:
       seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
       token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
       global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
-      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO
-    """
+      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO"""
     if mode == "seq_mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if mode == "token_mean":
