@@ -21,7 +21,6 @@ Launch:
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,20 +31,19 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final
 from shared.cli import derive_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, prepare,
-                                prepare_frozen, seed_everything)
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
+                                load_causal_lm, load_reference, load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
-from shared.lora import adapters_disabled, add_lora, check_lora
+from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task
-from shared.rewards import compute_rewards
+from shared.rewards import score_completions
 from shared.rollout_queue import async_checkpoint_state, resume_async
-from shared.scalar import check_same_tokenizer, load_scalar_model, score_sequences
+from shared.scalar import load_reward_model
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -443,15 +441,9 @@ def main(args: Args) -> str:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
-    reward_model = None
-    if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
-        check_same_tokenizer(rm_path, tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
-    ref_policy = None
-    if args.beta > 0:  # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
-        # LoRA: the reference is the policy with its adapters disabled (the frozen base; no second copy)
-        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
-                                                                                  info, dtype)
+    reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -497,28 +489,18 @@ def main(args: Args) -> str:
         """2. reward of a rollout's samples: completions (prompt-major: [P_local * G]), texts, rewards."""
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
-        with timer("reward"):
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        with timer("reward"):  # the reward model's score, else the grader's (raising: save step - 1, stop)
             texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:  # the reward model's normalised score of prompt + completion
-                scores = score_sequences(reward_model, [train_data.prompt_ids[i] for i in local_idx
-                                                        for _ in range(args.num_generations)],
-                                         [c.token_ids for c in comps], tokenizer.pad_token_id, info,
-                                         args.local_micro_batch_size).tolist()
-            else:  # the grader; a reward function that raises stops the run, after saving the previous step
-                with ckpt.user_code(step, engines, tracker):
-                    scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
-                                             [x["answer"] for x in rows], [c.finished for c in comps], rows)
+            scores = score_completions(reward_fn, reward_model, rows, prompts, comps, texts, tokenizer.pad_token_id,
+                                       info, args.local_micro_batch_size, ckpt.user_code(step, engines, tracker))
         return comps, texts, scores
 
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out {headline.split('/')[1]} {metrics[headline]:.3f}")
-        first_eval = metrics[headline]
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     local_idx: list[int] = []
     submit(start_step + 1)  # the first batch
@@ -633,27 +615,18 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = [len(c.token_ids) for c in comps]
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
             local.update(mismatch_metrics(old_logp, sampler_logp, mask,
                                           tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
                                                       args.tis_mask_low),
                                           tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
-        local.update({
-            "objective/scores": sum(scores) / len(scores),
-            "objective/scores_std": torch.tensor(scores).std().item(),
-            "val/sequence_lengths": sum(lengths) / len(lengths),
-            "val/stop_rate": sum(c.finished for c in comps) / len(comps),
-            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        })
+        local.update({**completion_metrics(scores, comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
+                      "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)})
         metrics = info.mean_over_ranks(local)
-        metrics.update({
-            "val/frac_reward_zero_std": zero_std_groups,
-            "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
-            "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
-            "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
-        })
+        metrics.update({"val/frac_reward_zero_std": zero_std_groups, "val/advantages_mean": all_adv.mean().item(),
+                        "val/advantages_std": all_adv.std().item(), "lr": scheduler.get_last_lr()[0],
+                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         # staleness: updates between the behaviour policy and the policy this step starts from (step - 1)
         metrics.update({"async/staleness": step - 1 - batch.version, "async/policy_version": batch.version,
                         "time/generate": batch.seconds})
@@ -682,14 +655,11 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+    # output_dir/final, saved before the end-of-run checks, so a failure there loses nothing
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
-                  f"in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final
