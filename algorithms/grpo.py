@@ -49,7 +49,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full
                                 load_causal_lm, load_reference, load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
-from shared.logprobs import check_packing, micro_batch_logprobs
+from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task
@@ -483,9 +483,8 @@ def main(args: Args) -> str:
         generator.sync_weights(full_named_parameters(policy, info))
 
     def rollout(step: int) -> tuple[list[int], list, list[str], list[float]]:
-        """1. rollout and 2. reward: the next num_prompts prompts of the global order, this rank's slice sampled G
-        times each (global prompt i with the sampling seed of index i) and scored. Returns the rank's prompt
-        indices, completions (prompt-major: [P_local * G]), their texts and rewards."""
+        """1. rollout and 2. reward: this rank's slice of the next num_prompts prompts, G samples each (global prompt i
+        seeded by index i), scored. Returns its prompt indices, completions ([P_local * G]), texts and rewards."""
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
@@ -520,9 +519,9 @@ def main(args: Args) -> str:
         local_idx, comps, texts, scores = rollout(step)
 
         # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
-        input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
-                                                      for _ in range(args.num_generations)],
-                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                     info.device)
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
@@ -539,24 +538,15 @@ def main(args: Args) -> str:
         zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
-        sampler_logp = data_utils.sampler_logprobs([len(train_data.prompt_ids[i]) for i in local_idx
-                                                    for _ in range(args.num_generations)], [c.logprobs for c in comps], mask)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
         adv_tok = adv.to(info.device)[:, None].expand_as(mask)
 
         # 5. log-probs before the update: old (for the ratio and TIS) and reference (for the KL term)
-        reuse = args.num_iterations > 1 or args.num_minibatches > 1
-        old_logp = torch.zeros_like(mask)
-        ref_logp = torch.zeros_like(mask)
-        with timer("logprob"), torch.no_grad():  # micro-batches of the whole batch, laid out as in training
-            for idx in data_utils.micro_batches(list(range(args.local_batch_size)), lengths,
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1  # else pi_old is the update's own log-probs
+        with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
+            old_logp, ref_logp = batch_logprobs([policy if reuse else None, ref_policy], input_ids, attn, resp, lengths,
                                                 args.local_batch_size // args.local_micro_batch_size,
-                                                args.micro_batching):
-                if reuse:
-                    old_logp[idx] = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.micro_batching, args.temperature)[0]
-                if ref_policy is not None:
-                    ref_logp[idx] = micro_batch_logprobs(ref_policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.micro_batching, args.temperature)[0]
+                                                args.micro_batching, args.temperature)
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
         stats = defaultdict(list)  # metric name -> one value per micro-batch
@@ -587,8 +577,7 @@ def main(args: Args) -> str:
                         else:
                             pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                                       args.epsilon_high, m_mask, args.importance_level)
-                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
-                        # and precision differ from the trainer's), truncated or masked at tis_cap
+                        # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w
                         if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
@@ -602,8 +591,7 @@ def main(args: Args) -> str:
                                               args.max_new_tokens)
                         guard.backward(policy, loss)
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
-                        if norm is not None:
-                            grad_norms.append(norm)
+                        grad_norms += [norm] if norm is not None else []
                         with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
