@@ -52,7 +52,7 @@ from shared.generation import check_engine, completion_decoder, completion_metri
 from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
-from shared.prompts import load_prompt_task
+from shared.prompts import load_prompt_task, task_summary
 from shared.rewards import score_completions
 from shared.scalar import load_reward_model
 from shared.models import resolve_model_path
@@ -220,12 +220,10 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
     grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
           §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
     rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
-    reinforce_pp_baseline: c_i = r_i - mean_G r whitened, (c_i - mu) / max(sigma, eps), mu and sigma the mean and
-          population std of c over the batch's completion tokens (c_i counted token_counts[i] times, else once)
-          (Hu et al. 2025; OpenRLHF)
+    reinforce_pp_baseline: (c_i - mu) / max(sigma, eps), c_i = r_i - mean_G r, mu and sigma the mean and population
+          std of c over the batch's completion tokens, c_i counted token_counts[i] times or once (Hu et al. 2025)
     maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710); a group without success gets 0
-    Equal rewards in a group give exactly A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under
-    reinforce_pp_baseline."""
+    Equal rewards in a group: A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under reinforce_pp_baseline."""
     if estimator == "rloo":
         baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
         return rewards - baseline
@@ -269,11 +267,10 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
 def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
                          level: str = "token") -> torch.Tensor:
     """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
-
     token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
-    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i, the length-normalised sequence
-              ratio of GSPO (Zheng et al. 2025, arXiv 2507.18071, §4.1); with one advantage per completion, as here,
-              GSPO-token (§4.3) equals it in value and gradient (tests/test_grpo.py)."""
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i: GSPO's length-normalised ratio
+              (Zheng et al. 2025, arXiv 2507.18071, §4.1), equal in value and gradient to GSPO-token (§4.3) with
+              one advantage per completion, as here (tests/test_grpo.py)."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     if level == "token":
         return log_ratio
@@ -438,9 +435,8 @@ def main(args: Args) -> str:
     if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
                       "val/sampler_kl and the TIS ratios show how much")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions")
+    tracker.write(f"{task_summary(train_data, eval_data, dev_data)}, {args.num_steps} steps of {args.batch_size} "
+                  "completions")
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -525,8 +521,7 @@ def main(args: Args) -> str:
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
-        finished = torch.tensor([c.finished for c in comps])
-        mask = completion_mask(resp, finished, args.mask_truncated_completions)
+        mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)
         token_counts = None
@@ -609,10 +604,9 @@ def main(args: Args) -> str:
         # 8. log (reduced over ranks once per step)
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
         local.update({**completion_metrics(scores, comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
                       "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)})
         metrics = info.mean_over_ranks(local)
