@@ -435,8 +435,7 @@ def main(args: Args) -> str:
     if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
                       "val/sampler_kl and the TIS ratios show how much")
-    tracker.write(f"{task_summary(train_data, eval_data, dev_data)}, {args.num_steps} steps of {args.batch_size} "
-                  "completions")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
 
     # models and optimizer
     dtype = default_dtype(info.device)

@@ -1,9 +1,8 @@
 """GRPO with asynchronous generation: the next batch is generated while this one trains. Docs: docs/grpo_async.md
 
 Papers: Cleanba (https://arxiv.org/abs/2310.00036); Asynchronous RLHF (https://arxiv.org/abs/2410.18252).
-Step t+1's batch is generated while step t trains, so step t's batch comes from mu, the weights of one update before
-pi_old (the policy step t starts from). pi_theta / mu = (pi_theta / pi_old) (pi_old / mu) is clipped in its first
-factor and truncated by the TIS weight in its second (decoupled PPO, arXiv 2110.00641).
+Step t's batch comes from mu, the policy one update before pi_old: pi_theta / mu = (pi_theta / pi_old) (pi_old / mu)
+is clipped in its first factor and truncated by the TIS weight in its second (decoupled PPO, arXiv 2110.00641).
 
 Default objective (maximised; beta = 0), grpo.py's with samples o ~ mu:
     J(theta) = 1/sum_i |o_i| * sum_i sum_t w_it * min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
@@ -424,8 +423,7 @@ def main(args: Args) -> str:
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
                       "the TIS weights and val/sampler_logprob_diff show how much")
-    tracker.write(f"{task_summary(train_data, eval_data, dev_data)}, {args.num_steps} steps of {args.batch_size} "
-                  "completions")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
 
     # models and optimizer
     dtype = default_dtype(info.device)
