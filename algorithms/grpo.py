@@ -33,7 +33,6 @@ Launch:
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -44,19 +43,18 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final
 from shared.cli import derive_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, prepare,
-                                prepare_frozen, seed_everything)
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
+                                load_causal_lm, load_reference, load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
-from shared.logprobs import check_packing, micro_batch_logprobs
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
+from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
-from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.prompts import load_prompt_task
-from shared.rewards import compute_rewards
-from shared.scalar import check_same_tokenizer, load_scalar_model, score_sequences
+from shared.lora import add_lora, check_lora
+from shared.prompts import load_prompt_task, task_summary
+from shared.rewards import score_completions
+from shared.scalar import load_reward_model
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -222,13 +220,10 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
     grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
           §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
     rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
-    reinforce_pp_baseline: c_i = r_i - mean_G r, then whitened over the batch's tokens (Hu et al. 2025; OpenRLHF):
-          (c_i - mu) / max(sigma, eps), mu and sigma the mean and population std of c over every completion
-          token, completion i counted token_counts[i] times (once each when None)
-    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710: the gradient of the log of the
-          success probability rather than of the success probability itself); a group without a success gets 0
-    A group whose rewards are all equal gets exactly zero advantage under grpo, rloo and maxrl (no NaN); under
-    reinforce_pp_baseline it gets -mu / sigma."""
+    reinforce_pp_baseline: (c_i - mu) / max(sigma, eps), c_i = r_i - mean_G r, mu and sigma the mean and population
+          std of c over the batch's completion tokens, c_i counted token_counts[i] times or once (Hu et al. 2025)
+    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710); a group without success gets 0
+    Equal rewards in a group: A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under reinforce_pp_baseline."""
     if estimator == "rloo":
         baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
         return rewards - baseline
@@ -257,10 +252,8 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, e
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
-
-    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
-    k3 is the GRPO/TRL default."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -274,12 +267,10 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
 def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
                          level: str = "token") -> torch.Tensor:
     """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
-
     token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
-    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t}, the same on every token of completion i   GSPO (Zheng et al.
-              2025, arXiv 2507.18071, §4.1): the length-normalised sequence likelihood ratio; its gradient reaches
-              each token through the mean. GSPO-token (§4.3) equals this in value and gradient when, as here, every
-              token of a completion has the same advantage (tests/test_grpo.py), so it is not a separate choice."""
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i: GSPO's length-normalised ratio
+              (Zheng et al. 2025, arXiv 2507.18071, §4.1), equal in value and gradient to GSPO-token (§4.3) with
+              one advantage per completion, as here (tests/test_grpo.py)."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     if level == "token":
         return log_ratio
@@ -293,10 +284,8 @@ def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
                       eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
     """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
-
-    With level="sequence" rho is GSPO's s_i (log_importance_ratio), clipped once per completion: GSPO's objective
-    (Zheng et al. 2025, Eq. 5) with --loss_aggregation seq_mean. The log-ratio is masked before exp, so padding has
-    rho = 1, never inf (then inf * 0 = NaN in the masked sum)."""
+    level="sequence": rho is GSPO's s_i, clipped once per completion (GSPO's Eq. 5 with --loss_aggregation seq_mean).
+    The log-ratio is masked before exp: padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -308,12 +297,10 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
                     mask: torch.Tensor | None = None, level: str = "token"):
     """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
-    indicator of tokens whose weight was truncated.
-
-    The truncated importance weight is detached, so every token keeps the gradient -w A grad log pi, also where
-    PPO-clip would zero it (ratio outside the range on the side the advantage pushes). No lower bound: MiniMax-M1
-    sets none (and ScaleRL's CISPO, arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not
-    apply. The loss value contains log pi and is not an objective."""
+    indicator of tokens whose weight was truncated. The weight is detached: every token keeps the gradient
+    -w A grad log pi, also where PPO-clip would zero it. No lower bound (MiniMax-M1 sets none; ScaleRL's CISPO,
+    arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not apply. The loss value contains
+    log pi and is not an objective."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
     loss = -weight * advantages * (logp if mask is None else logp * mask)
@@ -324,13 +311,12 @@ def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torc
 def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
                    eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
     """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
-    M = 0 on a token whose probability p = pi(y_t) has left the trust region around the behaviour policy's
-    p_s = pi_sampler(y_t) (the generator's log-probs, as the paper's Sec. 5.2, verl's recipe, prime-rl and TRL's
-    DPPOTrainer anchor it) in the direction its advantage pushes (A > 0: up, bound eps_high; A < 0: down, eps_low):
+    M = 0 on a token whose p = pi(y_t) left the trust region around the sampler's p_s = pi_sampler(y_t) (the anchor
+    of the paper's Sec. 5.2, verl, prime-rl and TRL) in the direction its advantage pushes (A > 0: up, eps_high):
       tv: |p - p_s| > eps                                              (verl `dppo_tv`)
       kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
-    rho = pi / pi_old as in the other surrogates (the --tis weight carries pi_old / pi_sampler). The mask is
-    detached; kept tokens get the unclipped gradient -A grad rho."""
+    (A < 0: down, eps_low). rho = pi / pi_old (the --tis weight carries pi_old / pi_sampler); the mask is detached,
+    kept tokens get the unclipped gradient -A grad rho."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     ratio = torch.exp(log_ratio)
     p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
@@ -381,15 +367,13 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the optimizer-step loss.
-
-    num_seqs / num_tokens count the whole optimizer step on this rank, num_tokens_global on all ranks.
-    Summed over micro-batches and averaged over ranks (as DeepSpeed does with gradients) this gives:
+    """This micro-batch's share of the optimizer-step loss; num_seqs / num_tokens count the whole optimizer step on
+    this rank, num_tokens_global on all ranks. Summed over micro-batches and averaged over ranks (as DeepSpeed does
+    with gradients) this gives:
       seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
       token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
       global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
-      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO
-    """
+      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO"""
     if mode == "seq_mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if mode == "token_mean":
@@ -451,9 +435,7 @@ def main(args: Args) -> str:
     if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
                       "val/sampler_kl and the TIS ratios show how much")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -465,15 +447,9 @@ def main(args: Args) -> str:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
-    reward_model = None
-    if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
-        check_same_tokenizer(rm_path, tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
-    ref_policy = None
-    if args.beta > 0:  # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
-        # LoRA: the reference is the policy with its adapters disabled (the frozen base; no second copy)
-        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
-                                                                                  info, dtype)
+    reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -502,9 +478,8 @@ def main(args: Args) -> str:
         generator.sync_weights(full_named_parameters(policy, info))
 
     def rollout(step: int) -> tuple[list[int], list, list[str], list[float]]:
-        """1. rollout and 2. reward: the next num_prompts prompts of the global order, this rank's slice sampled G
-        times each (global prompt i with the sampling seed of index i) and scored. Returns the rank's prompt
-        indices, completions (prompt-major: [P_local * G]), their texts and rewards."""
+        """1. rollout and 2. reward: this rank's slice of the next num_prompts prompts, G samples each (global prompt i
+        seeded by index i), scored. Returns its prompt indices, completions ([P_local * G]), texts and rewards."""
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
@@ -519,28 +494,18 @@ def main(args: Args) -> str:
         """2. reward of a rollout's samples: completions (prompt-major: [P_local * G]), texts, rewards."""
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
-        with timer("reward"):
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        with timer("reward"):  # the reward model's score, else the grader's (raising: save step - 1, stop)
             texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:  # the reward model's normalised score of prompt + completion
-                scores = score_sequences(reward_model, [train_data.prompt_ids[i] for i in local_idx
-                                                        for _ in range(args.num_generations)],
-                                         [c.token_ids for c in comps], tokenizer.pad_token_id, info,
-                                         args.local_micro_batch_size).tolist()
-            else:  # the grader; a reward function that raises stops the run, after saving the previous step
-                with ckpt.user_code(step, engines, tracker):
-                    scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
-                                             [x["answer"] for x in rows], [c.finished for c in comps], rows)
+            scores = score_completions(reward_fn, reward_model, rows, prompts, comps, texts, tokenizer.pad_token_id,
+                                       info, args.local_micro_batch_size, ckpt.user_code(step, engines, tracker))
         return comps, texts, scores
 
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out {headline.split('/')[1]} {metrics[headline]:.3f}")
-        first_eval = metrics[headline]
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
@@ -549,14 +514,13 @@ def main(args: Args) -> str:
         local_idx, comps, texts, scores = rollout(step)
 
         # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
-        input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
-                                                      for _ in range(args.num_generations)],
-                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                     info.device)
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
-        finished = torch.tensor([c.finished for c in comps])
-        mask = completion_mask(resp, finished, args.mask_truncated_completions)
+        mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)
         token_counts = None
@@ -568,24 +532,15 @@ def main(args: Args) -> str:
         zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
-        sampler_logp = data_utils.sampler_logprobs([len(train_data.prompt_ids[i]) for i in local_idx
-                                                    for _ in range(args.num_generations)], [c.logprobs for c in comps], mask)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
         adv_tok = adv.to(info.device)[:, None].expand_as(mask)
 
         # 5. log-probs before the update: old (for the ratio and TIS) and reference (for the KL term)
-        reuse = args.num_iterations > 1 or args.num_minibatches > 1
-        old_logp = torch.zeros_like(mask)
-        ref_logp = torch.zeros_like(mask)
-        with timer("logprob"), torch.no_grad():  # micro-batches of the whole batch, laid out as in training
-            for idx in data_utils.micro_batches(list(range(args.local_batch_size)), lengths,
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1  # else pi_old is the update's own log-probs
+        with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
+            old_logp, ref_logp = batch_logprobs([policy if reuse else None, ref_policy], input_ids, attn, resp, lengths,
                                                 args.local_batch_size // args.local_micro_batch_size,
-                                                args.micro_batching):
-                if reuse:
-                    old_logp[idx] = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.micro_batching, args.temperature)[0]
-                if ref_policy is not None:
-                    ref_logp[idx] = micro_batch_logprobs(ref_policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.micro_batching, args.temperature)[0]
+                                                args.micro_batching, args.temperature)
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
         stats = defaultdict(list)  # metric name -> one value per micro-batch
@@ -616,8 +571,7 @@ def main(args: Args) -> str:
                         else:
                             pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                                       args.epsilon_high, m_mask, args.importance_level)
-                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
-                        # and precision differ from the trainer's), truncated or masked at tis_cap
+                        # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w
                         if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
@@ -631,8 +585,7 @@ def main(args: Args) -> str:
                                               args.max_new_tokens)
                         guard.backward(policy, loss)
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
-                        if norm is not None:
-                            grad_norms.append(norm)
+                        grad_norms += [norm] if norm is not None else []
                         with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
@@ -648,27 +601,17 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = [len(c.token_ids) for c in comps]
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
-        local.update({
-            "objective/scores": sum(scores) / len(scores),
-            "objective/scores_std": torch.tensor(scores).std().item(),
-            "val/sequence_lengths": sum(lengths) / len(lengths),
-            "val/stop_rate": sum(c.finished for c in comps) / len(comps),
-            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        })
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
+        local.update({**completion_metrics(scores, comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
+                      "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)})
         metrics = info.mean_over_ranks(local)
-        metrics.update({
-            "val/frac_reward_zero_std": zero_std_groups,
-            "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
-            "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
-            "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
-        })
+        metrics.update({"val/frac_reward_zero_std": zero_std_groups, "val/advantages_mean": all_adv.mean().item(),
+                        "val/advantages_std": all_adv.std().item(), "lr": scheduler.get_last_lr()[0],
+                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, first_eval=first_eval):
@@ -692,14 +635,11 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+    # output_dir/final, saved before the end-of-run checks, so a failure there loses nothing
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
-                  f"in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final

@@ -37,6 +37,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import pickle
 import random
 import re
@@ -87,6 +88,11 @@ def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: di
         tmp.rename(path)
     info.barrier()
     return path
+
+
+def save_final(model, tokenizer, output_dir: str, info: DistInfo) -> str:
+    """The trained policy as an HF checkpoint in output_dir/final (save_hf); returns its path."""
+    return str(save_hf(model, tokenizer, os.path.join(output_dir, "final"), info))
 
 
 def _frozen(engine) -> bool:

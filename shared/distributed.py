@@ -267,6 +267,16 @@ def prepare_frozen(model: torch.nn.Module, info: DistInfo, dtype: torch.dtype):
     return engine
 
 
+def load_reference(policy, model_path: str, dtype: torch.dtype, info: DistInfo, lora: bool):
+    """The frozen reference policy of a KL term: with LoRA the policy with its adapters disabled (the frozen base,
+    no second copy), else model_path loaded again and frozen."""
+    if lora:
+        from shared.lora import adapters_disabled
+
+        return adapters_disabled(policy)
+    return prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
+
+
 def output_head(model):
     """The model's output layer as the scripts' lean log-probs call it, one chunk at a time inside activation
     checkpointing: the module itself, except for a frozen head whose weight ZeRO-3 partitions (LoRA under ZeRO-3):

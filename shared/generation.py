@@ -439,6 +439,14 @@ class HFGenerator:
         pass
 
 
+def completion_metrics(scores: list[float], completions: list) -> dict:
+    """A step's rollout metrics: the mean and std of the scores, the mean completion length and the stop rate."""
+    lengths = [len(c.token_ids) for c in completions]
+    return {"objective/scores": sum(scores) / len(scores), "objective/scores_std": torch.tensor(scores).std().item(),
+            "val/sequence_lengths": sum(lengths) / len(lengths),
+            "val/stop_rate": sum(c.finished for c in completions) / len(completions)}
+
+
 def check_engine(generator, model: torch.nn.Module, prompts: list[list[int]], info, max_new_tokens: int = 16) -> dict:
     """End-of-run check that the generation engine serves the trained weights: greedy completions of `prompts` from the
     engine and from the trained model itself (HF generate on the same module, `synced_gpus` under ZeRO-3) must match.

@@ -121,6 +121,22 @@ def micro_batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.T
     pad = (0, input_ids.shape[1] - n)
     return torch.nn.functional.pad(logp, pad), None if entropy is None else torch.nn.functional.pad(entropy, pad)
 
+
+def batch_logprobs(models: list, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                   lengths: list[int], num_micro_batches: int, layout: str, temperature: float) -> list[torch.Tensor]:
+    """Log-probs [B, L-1] of the whole batch under each of `models` (zeros for a None), without gradient, in
+    num_micro_batches micro-batches laid out by `layout` (data.micro_batches on the rows' token counts `lengths`),
+    every model on a micro-batch before the next micro-batch."""
+    out = [torch.zeros_like(response_mask[:, 1:], dtype=torch.float32) for _ in models]
+    with torch.no_grad():
+        for idx in data_utils.micro_batches(list(range(input_ids.shape[0])), lengths, num_micro_batches, layout):
+            for model, logp in zip(models, out):
+                if model is not None:
+                    logp[idx] = micro_batch_logprobs(model, input_ids[idx], attention_mask[idx], response_mask[idx],
+                                                     layout, temperature)[0]
+    return out
+
+
 def response_entropies(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int,
                        temperature: float, device) -> list[torch.Tensor]:
     """The policy's entropy (no gradient) at the position predicting each response token, one CPU tensor per response

@@ -38,3 +38,12 @@ def load_prompt_task(args, tokenizer, rm_path: str = "", graded: bool | None = N
     if not graded and args.best_metric == "dev/accuracy":
         args.best_metric = "dev/reward"
     return train_data, eval_data, dev_data, reward_fn
+
+
+def task_summary(train_data: data_utils.PromptData, eval_data: data_utils.PromptData, dev_data: data_utils.PromptData,
+                 num_steps: int, batch_size: int) -> str:
+    """The start-up line `1000 train prompts (0 over max_prompt_length dropped), 500 eval prompts, 100 dev prompts,
+    200 steps of 512 completions`."""
+    return (f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
+            f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {num_steps} steps of "
+            f"{batch_size} completions")

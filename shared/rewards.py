@@ -27,6 +27,7 @@ votes with them for maj@k). A custom reward function has none.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -183,6 +184,22 @@ def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], an
             raise ValueError(f"reward_fn {name}: value {i} is {v!r}, expected a finite number")
         values.append(float(v))
     return values
+
+
+def score_completions(reward_fn: RewardFn | None, reward_model, rows: list[dict], prompt_ids: list[list[int]],
+                      completions: list, texts: list[str], pad_id: int, info, micro_batch_size: int,
+                      user_code=contextlib.nullcontext()) -> list[float]:
+    """One reward per completion: the reward model's normalised score of prompt + completion when there is one
+    (shared/scalar.py), else reward_fn's on the texts, called inside `user_code` (the scripts' `ckpt.user_code`: a
+    reward function that raises stops the run after saving the previous step)."""
+    if reward_model is not None:
+        from shared.scalar import score_sequences
+
+        return score_sequences(reward_model, prompt_ids, [c.token_ids for c in completions], pad_id, info,
+                               micro_batch_size).tolist()
+    with user_code:
+        return compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
+                               [c.finished for c in completions], rows)
 
 
 def probe_reward_fn(fn: RewardFn, rows: list[dict]) -> None:

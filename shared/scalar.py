@@ -45,6 +45,15 @@ def head(model) -> torch.nn.Module:
     raise ValueError(f"{type(module).__name__} has no scalar head (expected .score or .classifier)")
 
 
+def load_reward_model(path: str, tokenizer, info, dtype: torch.dtype):
+    """A frozen reward model scoring the policy's completions (checked to share its tokenizer), prepared like a
+    frozen reference (partitioned under ZeRO-3); it scores at the last non-pad token, normalised as above."""
+    from shared.distributed import prepare_frozen
+
+    check_same_tokenizer(path, tokenizer)
+    return prepare_frozen(load_scalar_model(path, dtype), info, dtype)
+
+
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Head output at every position, [B, L] (fp32)."""
     module = base_module(model)  # a DeepSpeed engine's module; a LoRA model's transformers model

@@ -169,6 +169,19 @@ class Tracker:
             if fresh:
                 self.backend.log(fresh, step=step)
 
+    def log_start(self, metrics: dict, key: str, train_prompts: int, skipped_too_long: int) -> float:
+        """Log the evaluation before training with the train set's size (data/*), write `[step 0] held-out
+        accuracy 0.557` (key `eval/accuracy`); returns metrics[key] (on every rank)."""
+        self.log({**metrics, "data/train_prompts": train_prompts, "data/skipped_too_long": skipped_too_long}, 0)
+        self.write(f"[step 0] held-out {key.split('/')[1]} {metrics[key]:.3f}")
+        return metrics[key]
+
+    def log_end(self, metrics: dict, step: int, key: str, first: float) -> None:
+        """Log the end-of-run metrics, write `held-out accuracy 0.557 -> 0.812 in 612s` (first, metrics[key] and
+        metrics["time/total"])."""
+        self.log(metrics, step)
+        self.write(f"held-out {key.split('/')[1]} {first:.3f} -> {metrics[key]:.3f} in {metrics['time/total']:.0f}s")
+
     def progress(self, n: int, **postfix) -> None:
         """Advance the bar by n steps; `postfix` (e.g. reward=..., loss=...) stays shown until replaced (None: not
         shown)."""
