@@ -96,7 +96,7 @@ def test_what_the_default_optimises_states_grpo_s_defaults():
 def test_the_metrics_to_watch_are_five_that_grpo_logs():
     text = _section("**What to watch**", "## Quick start")
     names = re.findall(r"^- `([a-z_]+/[a-z_@0-9]+)`", text, re.M)
-    source = "".join((ROOT / p).read_text() for p in ("algorithms/grpo.py", "shared/mismatch.py"))
+    source = "".join((ROOT / p).read_text() for p in ("algorithms/grpo.py", "shared/mismatch.py", "shared/generation.py"))
     assert len(names) == 5
     for name in names:
         assert f'"{name}"' in source, name
