@@ -1,5 +1,4 @@
-"""DRCA: PPO whose sequence reward is redistributed over text units by counterfactual difference rewards.
-Docs: docs/drca.md
+"""DRCA: PPO whose sequence reward is redistributed over text units by counterfactual differences. Docs: docs/drca.md
 
 Source: the "Learning Segment Rewards" code (github.com/npnike10/LearningSegmentRewards, an OpenRLHF fork:
 `train_drca_ray.py`, `utils/unit_reward.py`), which calls it "unit-level difference rewards for fine-grained credit
@@ -11,11 +10,11 @@ Per rollout, with R = (RM(x, y) - mu) / sigma the reward model's normalised scor
   2. for each unit k build a counterfactual response: `truncate` (the reference: the prefix before the unit,
      the unit blanked with spaces, then EOS) or `mask` (leave-one-out: the unit blanked, the rest kept);
   3. score every counterfactual with the same RM in batches: d_k = R - R~_k (mu cancels);
-  4. per-token rewards: beta * d_k / |unit k| on unit k's tokens, (1 - beta) * R on the last token, 0 elsewhere;
-  5. then PPO as in ppo_rlhf.py: clip to [-10, 10], minus eta * k1 KL per token, GAE on a critic
+  4. per-token rewards: drca_beta * d_k / |unit k| on unit k's tokens, (1 - drca_beta) * R on the last token;
+  5. then PPO as in ppo_rlhf.py: clip to [-10, 10], minus beta * k1 KL per token (--beta), GAE on a critic
      (initialised from the RM), batch whitening, clipped policy and value updates.
-Delta from PPO (algorithms/ppo_rlhf.py): only step 4's reward placement and the scorer calls it needs; beta = 0 is
-ppo_rlhf.py's reward. Reference-code bugs are fixed by default and reproducible with flags (docs/drca.md lists them).
+Delta from PPO (algorithms/ppo_rlhf.py): only step 4's reward placement and the scorer calls it needs; drca_beta = 0
+is ppo_rlhf.py's reward. Reference-code bugs are fixed by default and reproducible with flags (docs/drca.md lists them).
 On the built-in task `--scorer auto` (the default) scores responses and counterfactuals with the per-line grader, as
 its small RMs do not judge counterfactual text well enough to learn (docs/drca.md); elsewhere `auto` is the RM.
 
@@ -53,7 +52,7 @@ from shared.prompts import load_prompt_task
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.localisation import load_slips, localisation_metrics
 from shared.logprobs import forward_logprobs, response_entropies
-from shared.units import blank_token_id, response_units, unit_pattern
+from shared.units import blank_token_id, response_units, unit_pattern, unit_pattern_name
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -123,7 +122,7 @@ class Args:
 
     # algorithm args: DRCA
     drca_beta: Annotated[float, Interval(ge=0, le=1)] = 0.8
-    """beta: share of the reward spread over units (beta * d_k); (1 - beta) * R stays on the last token; 0 = PPO"""
+    """share of the reward spread over units (drca_beta * d_k); (1 - drca_beta) * R stays on the last token; 0 = PPO"""
     max_units_per_sequence: Annotated[int, Ge(1)] = 10
     """N: at most this many units per response (the N-th absorbs the rest)"""
     unit_extraction: Literal["regex", "entropy"] = "regex"
@@ -257,7 +256,7 @@ def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, in
 
 def shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                    beta: float, reward_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """clamp(r, ±reward_clip) - eta * clamp(k1, ±10) per action (eta = beta; 0 on padding); returns (r', k1)."""
+    """clamp(r, ±reward_clip) - beta * clamp(k1, ±10) per action (beta: --beta; 0 on padding); returns (r', k1)."""
     kl = torch.clamp(logp - ref_logp, -10, 10) * mask
     return (torch.clamp(rewards, -reward_clip, reward_clip) - beta * kl) * mask, kl
 
@@ -336,7 +335,7 @@ def validate(args: Args) -> None:
     if effective_scorer(args) == "line_grader" and not builtin_task.is_builtin(args.dataset):
         raise ValueError(f"scorer: line_grader grades the built-in running sums only, not dataset {args.dataset!r}")
     if args.unit_extraction == "regex":
-        unit_pattern(args)  # a raw regex must compile
+        unit_pattern(args.unit_pattern, args.dataset)  # a raw regex must compile
     if args.entropy_source == "reference" and args.beta == 0:
         raise ValueError("entropy_source: `reference` needs the reference model, which beta 0 skips")
 
@@ -347,20 +346,22 @@ def main(args: Args) -> str:
     args.scorer = effective_scorer(args)  # `auto` resolved, so the run's config names the scorer that ran
     info = init_distributed()
     derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
-    if args.unit_pattern == "auto":  # resolved, so the run's config names the pattern
-        args.unit_pattern = "lines" if args.dataset.startswith("builtin") else "labels"
+    args.unit_pattern = unit_pattern_name(args.unit_pattern, args.dataset)  # `auto` resolved: the config names it
+    unit_flags = dict(skip=args.response_skip_tokens, extraction=args.unit_extraction,
+                      pattern=unit_pattern(args.unit_pattern, args.dataset), max_units=args.max_units_per_sequence,
+                      threshold=args.unit_entropy_threshold, boundary=args.entropy_boundary, cap=args.entropy_cap,
+                      code_compat=args.code_compat_regex_offsets)  # shared/units.py takes the values, not the flags
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
     local_seed = args.seed + info.rank * 100003
 
-    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
+    # data, validated before anything is written (one line per error); the grader: None with --reward_fn none
     model_path = resolve_model_path(args.model_name_or_path)
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path")
     critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_same_tokenizer(rm_path, tokenizer)
-    # train / held-out / dev prompts and the grader (None with --reward_fn none: no accuracy, best/ by dev/reward)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path,
                                                                   graded=False if args.reward_fn == "none" else None)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
@@ -427,7 +428,7 @@ def main(args: Args) -> str:
     def unit_credits(prompts, responses, entropies):
         """Units of each response (none when `entropies` is None) and their credits d_k = R - R~_k: one scorer call
         per response and one per unit (its counterfactual). Returns units, R, credits, the number of counterfactuals."""
-        units = ([response_units(r, e, tokenizer, decode, args) for r, e in zip(responses, entropies)]
+        units = ([response_units(r, e, tokenizer, decode, **unit_flags) for r, e in zip(responses, entropies)]
                  if entropies is not None else [[] for _ in responses])
         cf_owner, cf_prompts, cf_responses = [], [], []
         for i in range(len(responses)):
@@ -517,7 +518,7 @@ def main(args: Args) -> str:
             entropies = [entropy[i, len(prompts[i]) - 1 :].cpu() for i in range(B)] if args.drca_beta > 0 else None
             units, scores, credits, num_counterfactuals = unit_credits(prompts, responses, entropies)
 
-        # 4. per-token rewards: beta * d_k / |unit| on unit k, (1 - beta) R last; clip; minus eta * k1
+        # 4. per-token rewards: drca_beta * d_k / |unit| on unit k, (1 - drca_beta) R last; clip; minus beta * k1
         action_units = [[(len(prompts[i]) + s - 1, len(prompts[i]) + e - 1) for s, e in units[i]] for i in range(B)]
         raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
                                          args.unitless_fallback)
@@ -576,7 +577,7 @@ def main(args: Args) -> str:
         lengths = mask.sum(1)
         flat_credits = [d for c in credits for d in c]
         with_units = [i for i in range(B) if units[i]]
-        # the identity sum_a r_a = beta * sum_k d_k + (1 - beta) R, before clipping (0 up to rounding), max over ranks
+        # sum_a r_a = drca_beta * sum_k d_k + (1 - drca_beta) R, before clipping (0 up to rounding), max over ranks
         identity_err = max([abs(raw_rewards[i].sum().item() - args.drca_beta * sum(credits[i])
                                 - (1 - args.drca_beta) * scores[i].item()) for i in with_units], default=0.0)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)

@@ -7,7 +7,7 @@ steps; the credits and rewards stay in drca.py. Follows the reference's `utils/u
     entropy_units(entropy, threshold, max_units)    token spans split at entropy peaks
     char_offsets(decode, ids), char_span_to_tokens  characters <-> tokens
     think_prefix_length(pieces)                     tokens of a leading <think>...</think> block (no unit there)
-    response_units(response, entropy, ..., args)    a response's unit token spans with drca.py's unit flags
+    response_units(response, entropy, ...)          a response's unit token spans (drca.py's unit flags' values)
 """
 
 from __future__ import annotations
@@ -128,32 +128,36 @@ def blank_token_id(tokenizer) -> int:
     return ids[0]
 
 
-def unit_pattern(args) -> str:
-    """The regex of `--unit_pattern`: a named pattern (UNIT_PATTERNS), `auto` (lines on the built-in task, labels
-    elsewhere) or a raw regex, which must compile (a ValueError naming the flag)."""
-    name = args.unit_pattern if args.unit_pattern != "auto" else "lines" if args.dataset.startswith("builtin") else "labels"
+def unit_pattern_name(name: str, dataset: str) -> str:
+    """`auto` resolved: lines on the built-in task, labels on any other `dataset`; any other name as it is."""
+    return name if name != "auto" else "lines" if dataset.startswith("builtin") else "labels"
+
+
+def unit_pattern(name: str, dataset: str) -> str:
+    """The regex of a unit pattern (drca.py's `--unit_pattern`): a named pattern (UNIT_PATTERNS), `auto`
+    (unit_pattern_name) or a raw regex, which must compile (a ValueError naming the flag)."""
+    name = unit_pattern_name(name, dataset)
     try:
         return re.compile(UNIT_PATTERNS.get(name, name)).pattern
     except re.error as e:
         raise ValueError(f"unit_pattern: not a regular expression ({e})") from None
 
 
-def response_units(response: list[int], entropy, tokenizer, decode, args) -> list[tuple[int, int]]:
-    """Unit token spans [s, e) of one response (response-token coordinates) with drca.py's unit flags: after
-    `response_skip_tokens` (-1: a leading think block), split by `unit_pattern` or at entropy peaks (`entropy`: the
-    entropy at each response token, as shared/logprobs.py::response_entropies gives it). The last token (EOS or the
-    length cut) is never in a unit; empty spans are dropped."""
-    skip = args.response_skip_tokens
+def response_units(response: list[int], entropy, tokenizer, decode, skip: int, extraction: str, pattern: str,
+                   max_units: int, threshold: float, boundary: str = "before", cap: bool = True,
+                   code_compat: bool = False) -> list[tuple[int, int]]:
+    """Unit token spans [s, e) of one response (response-token coordinates): after `skip` tokens (-1: a leading think
+    block), split by the regex `pattern` (extraction `regex`) or at entropy peaks above `threshold` (`entropy`:
+    `entropy` holds the entropy at each response token, as shared/logprobs.py::response_entropies gives it), at most
+    `max_units`. The last token (EOS or the length cut) is never in a unit; empty spans are dropped."""
     if skip < 0:
         skip = think_prefix_length([tokenizer.decode([t]) for t in response])
     text_ids = response[skip:-1]
     if not text_ids:
         return []
-    if args.unit_extraction == "entropy":
-        spans = entropy_units(entropy[skip : skip + len(text_ids)].tolist(), args.unit_entropy_threshold,
-                              args.max_units_per_sequence, args.entropy_boundary, args.entropy_cap)
+    if extraction == "entropy":
+        spans = entropy_units(entropy[skip : skip + len(text_ids)].tolist(), threshold, max_units, boundary, cap)
     else:
         text, offsets = decode(text_ids), char_offsets(decode, text_ids)
-        spans = [char_span_to_tokens(offsets, cs, ce) for cs, ce in
-                 regex_units(text, unit_pattern(args), args.max_units_per_sequence, args.code_compat_regex_offsets)]
+        spans = [char_span_to_tokens(offsets, cs, ce) for cs, ce in regex_units(text, pattern, max_units, code_compat)]
     return [(skip + s, skip + e) for s, e in spans if e > s]

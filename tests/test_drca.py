@@ -305,9 +305,9 @@ def test_unit_pattern_resolves_names_and_rejects_a_bad_regex():
     """--unit_pattern: `auto` is lines on the built-in task and labels elsewhere; a raw regex must compile."""
     from shared.units import unit_pattern
 
-    assert unit_pattern(drca.Args()) == UNIT_PATTERNS["lines"]
-    assert unit_pattern(drca.Args(dataset="prompts.jsonl")) == LABEL_PATTERN
-    assert unit_pattern(drca.Args(unit_pattern=r"^Step \d+:")) == r"^Step \d+:"
+    assert unit_pattern("auto", drca.Args().dataset) == UNIT_PATTERNS["lines"]
+    assert unit_pattern("auto", "prompts.jsonl") == LABEL_PATTERN
+    assert unit_pattern(r"^Step \d+:", "builtin") == r"^Step \d+:"
     with pytest.raises(ValueError, match="unit_pattern: not a regular expression"):
         drca.validate(drca.Args(unit_pattern="(unclosed"))
 
