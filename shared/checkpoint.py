@@ -152,7 +152,9 @@ def check_checkpoint_files(path: Path) -> None:
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         with open(f, "rb") as fh:
             head = fh.read(4)
-        if head == b"PK\x03\x04" or head[:1] == b"\x80":  # a torch zip file or a pickle (protocol 2+)
+        # every .pt file (what DeepSpeed and the scripts load, a pickle of any protocol), and any other torch zip
+        # file or pickle of protocol 2+; the rest (DeepSpeed's zero_to_fp32.py, json) is never unpickled
+        if f.suffix == ".pt" or head == b"PK\x03\x04" or head[:1] == b"\x80":
             safe_load(f, mmap=True)
 
 
