@@ -1360,11 +1360,27 @@ def renamed_flag(name: str) -> str | None:
     return m.group(1) if m else None
 
 
+def script_flags(script: str) -> set[str]:
+    """The flag names of algorithms/<script>.py (its Args fields, read from the source); empty for no such file."""
+    import ast
+
+    path = ROOT / "algorithms" / f"{script}.py"
+    if not path.exists():
+        return set()
+    cls = next((n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+    return {n.target.id for n in (cls.body if cls else []) if isinstance(n, ast.AnnAssign)}
+
+
 def current_flags(text: str) -> str:
     """`text` with every stored command's renamed flag written by its name now (`--kl_coef 0` -> `--beta 0`): a
-    rendered command must run as shown. Only whole flag words change (`objective/kl_coef` stays)."""
+    rendered command must run as shown. Only whole flag words change (`objective/kl_coef` stays), and not a name
+    that a script the text names still has (repulse.py's old `--loss_type` is dpo.py's loss: a dpo command keeps it;
+    with no script named, a name any script still has stays)."""
+    named = set(re.findall(r"(\w+)\.py\b", text)) or {p.stem for p in (ROOT / "algorithms").glob("*.py")}
+    kept = set().union(*(script_flags(s) for s in named))
+
     def sub(m: re.Match) -> str:
-        new = renamed_flag(m.group(2))
+        new = None if m.group(2) in kept else renamed_flag(m.group(2))
         return m.group(1) + (new if new else m.group(2))
 
     return re.sub(r"(?<![\w/-])(--)([a-z][a-z0-9_]*)(?![\w-])", sub, text)
