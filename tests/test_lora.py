@@ -303,16 +303,20 @@ def test_every_script_runs_with_lora_and_exports_adapter_and_merged_model(tmp_pa
 
 
 @pytest.mark.slow
-def test_lora_grpo_learns_on_the_builtin_task(tmp_path):
-    """GRPO with LoRA (rank 16, lr 1e-3: 10x the full fine-tuning default) from builtin:tiny-sft raises the held-out
-    accuracy by more than 0.03 in 50 steps (the default run's first quarter); unchanged weights would give exactly 0
-    (the same evaluation seeds). Measured: 0.575 -> 0.650 here (AMD EPYC, 1 thread); docs/lora.md's benchmark runs
-    gained 0.103-0.115 by step 50 from an earlier start model. LoRA against full fine-tuning: docs/lora.md's table."""
-    lora = run_script("grpo", tmp_path / "lora", "--total_episodes", "25600", "--eval_every", "0", "--save_every", "0",
-                      "--dev_num_prompts", "0", "--best_metric", "", "--lora_r", "16", "--learning_rate", "1e-3")
-    start, end = lora[0]["eval/accuracy"], lora[-1]["eval/accuracy"]
-    print(f"held-out accuracy with LoRA: {start:.3f} -> {end:.3f}")
-    assert lora[0]["step"] == 0 and lora[-1]["step"] == 50 and end - start > 0.03, (start, end)
+def test_lora_grpo_learns_a_simple_reward(tmp_path):
+    """GRPO with LoRA (rank 16, lr 1e-3: 10x the full fine-tuning default) from builtin:tiny-sft raises a clean reward
+    (the completion starts with '1') within 10 steps; unchanged weights keep the score where it starts. Measured here
+    (AMD EPYC, 1 thread): 0.45, 0.67, 0.49 over the first three steps, above 0.9 from step 6. Held-out accuracy on the
+    built-in task with LoRA against full fine-tuning: docs/lora.md's benchmark."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def starts_with_one(prompts, completions, **kw):\n"
+                      "    return [float(c.startswith('1')) for c in completions]\n")
+    lora = run_script("grpo", tmp_path / "lora", "--reward_fn", f"{reward}:starts_with_one", "--total_episodes", "1280",
+                      "--local_num_prompts", "16", "--local_micro_batch_size", "64", "--eval_every", "0",
+                      "--eval_num_prompts", "16", "--dev_num_prompts", "0", "--best_metric", "", "--no_save_model",
+                      "--lora_r", "16", "--learning_rate", "1e-3")
+    scores = [r["objective/scores"] for r in lora if "objective/scores" in r]
+    assert len(scores) == 10 and sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.2, scores
 
 
 @pytest.mark.slow
