@@ -369,8 +369,8 @@ def validate(args: Args) -> None:
     if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
         raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
                          "has its own normalisation)")
-    if args.advantage_estimator == "maxrl" and args.reward_model_path:
-        raise ValueError("advantage_estimator: maxrl needs rewards 0 or 1 (a grader), not a reward model's scores")
+    if args.advantage_estimator == "maxrl" and (args.reward_model_path or args.overlong_buffer_len):
+        raise ValueError("advantage_estimator: maxrl needs rewards 0 or 1 (a grader, no --overlong_buffer_len)")
     if args.policy_loss.startswith("dppo") and args.importance_level != "token":
         raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
 

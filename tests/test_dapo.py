@@ -75,6 +75,7 @@ def test_overlong_penalty_hand_computed_and_as_verls():
     (["--max_refill_rounds", "-1"], "error: max_refill_rounds: must be in [0, inf), got -1\n"),
     (["--num_generations", "1"], "error: num_generations: GRPO needs at least 2 completions per prompt"),
     (["--overlong_buffer_len", "-2"], "error: overlong_buffer_len: must be in [0, inf), got -2\n"),
+    (["--advantage_estimator", "maxrl", "--overlong_buffer_len", "4"], "error: advantage_estimator: maxrl needs rewards"),
 ])
 def test_bad_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
     from shared.cli import run_cli

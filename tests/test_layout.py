@@ -64,7 +64,7 @@ def test_shared_never_imports_an_algorithm_and_no_algorithm_imports_another():
 # new file: (its base, bound on changed lines of the diff, base flags it does not carry, base flags whose default it
 # changes, base functions it does not carry, its functions whose code differs from the base's)
 VARIANTS = {
-    "dapo": ("grpo", 185, set(), {"exp_name", "output_dir"}, set(), {"main"}),
+    "dapo": ("grpo", 190, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
     "drca": ("ppo_rlhf", 410,
              {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync", "tis", "tis_cap",
               "tis_mask_low", "adaptive_kl", "kl_target", "kl_horizon", "kl_placement"},
