@@ -1,21 +1,17 @@
 """DAPO: GRPO with dynamic sampling. Docs: docs/dapo.md
 
-Paper: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476), Sec. 3.2 (dynamic sampling), 3.1 (clip-higher) and
-3.3 (token-level loss). A group whose rewards are all equal (every completion right, or every one wrong) has zero
-advantage and gives no policy gradient, yet it takes its share of the batch. Each step, DAPO drops such groups
-and samples rounds of num_prompts more prompts until the batch holds num_prompts informative groups
-(0 < #correct < G), at most max_refill_rounds extra rounds; then it trains as GRPO does.
+Paper: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476), Sec. 3.2 (dynamic sampling) and 3.4 (overlong reward
+shaping); its clip-higher (3.1), token-level loss (3.3) and overlong filtering (3.4) are grpo.py's defaults and flag.
+A group whose rewards are all equal has no gradient yet takes its share of the batch: each step drops such groups and
+samples rounds of num_prompts more prompts until num_prompts informative groups (0 < #correct < G) are kept, at most
+max_refill_rounds extra rounds (a batch still short then is filled with dropped groups that get no loss).
 
-Default objective (maximised), on the batch B of informative groups only, otherwise grpo.py's:
-    J(theta) = 1/sum_i |o_i| * sum_i sum_t w_it * min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
-    A_i = (r_i - mean_G r) / (std_G r + 1e-4),  rho_it = pi_theta(o_it) / pi_old(o_it),  w_it = min(pi_old / pi_sampler, C)
-    eps_low = 0.2, eps_high = 0.28 (clip-higher), C = 2; the token mean runs over the step on all ranks (token-level loss)
+Default objective (maximised; beta = 0), grpo.py's on the batch B of informative groups:
+    J(theta) = 1/sum_i |o_i| * sum_i sum_t w_it * min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i),  i in B
+    rho_it = pi_theta(o_it) / pi_old(o_it),  w_it = min(pi_old(o_it) / pi_sampler(o_it), C)
+    eps_low = 0.2, eps_high = 0.28, C = tis_cap = 2; the token mean runs over the whole step on all ranks
 
-Delta from GRPO (algorithms/grpo.py): the sampling step loops over refill rounds and keeps informative groups
-(informative_groups); groups are pooled over ranks in the global prompt order, so the batch does not depend on the
-number of ranks. grpo.py's defaults already are DAPO's clip-higher and token-level loss; DAPO's overlong filtering
-is --mask_truncated_completions. grpo.py's flags are here with the same meanings, but for the other estimators
-(--advantage_estimator), GSPO's sequence ratio and CISPO (--importance_level, --policy_loss): DAPO uses none of them.
+Delta from GRPO (algorithms/grpo.py): refill rounds, filler groups, --overlong_buffer_len; grpo.py's flags as there.
 
 Launch:
     python algorithms/dapo.py                                  # CPU, built-in task, tiny model (samples more than grpo.py)
@@ -26,7 +22,6 @@ Launch:
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,19 +32,18 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final
 from shared.cli import derive_sizes, run_cli
-from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, prepare,
-                                prepare_frozen, seed_everything)
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
+                                load_causal_lm, load_reference, load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
-from shared.logprobs import check_packing, micro_batch_logprobs
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
+from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
-from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.prompts import load_prompt_task
-from shared.rewards import compute_rewards
-from shared.scalar import check_same_tokenizer, load_scalar_model, score_sequences
+from shared.lora import add_lora, check_lora
+from shared.prompts import load_prompt_task, task_summary
+from shared.rewards import score_completions
+from shared.scalar import load_reward_model
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -155,20 +149,30 @@ class Args:
     """completion length limit; completions that hit it are 'truncated' (reward 0 from the graders)"""
     stop: tuple[str, ...] = ()
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "maxrl"] = "grpo"
+    """`grpo`: r - group mean, then --advantage_scaling; `reinforce_pp_baseline`: batch-whitened; `rloo`; `maxrl`; docs/grpo.md"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """`group`: (r-mean)/(std_group+1e-4) (GRPO, DAPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    """with `grpo`: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
-    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound)"""
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound; CISPO has none)"""
     epsilon_high: Annotated[float, Ge(0)] = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
+    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"
+    """`clip`: PPO-clip; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi; `dppo_*`: -ratio A, masked past a divergence"""
     beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
+    overlong_buffer_len: Annotated[int, Ge(0)] = 0
+    """L_cache: past max_new_tokens - L_cache tokens a completion loses reward linearly, 1 at max_new_tokens (0: off)"""
+    max_refill_rounds: Annotated[int, Ge(0)] = 3
+    """at most this many extra rounds of num_prompts new prompts per step to fill the batch, then train on what it has"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
         "token_truncate"
     """sampler/trainer mismatch correction: `none`, per token, per completion or by its geometric mean; docs/mismatch.md"""
@@ -178,8 +182,6 @@ class Args:
     """lo: lower bound of the masks' kept range (0: 1/C)"""
     entropy_coef: Annotated[float, Ge(0)] = 0.0
     """entropy bonus: entropy_coef * token entropy is subtracted from every token's loss (0: off)"""
-    max_refill_rounds: Annotated[int, Ge(0)] = 3
-    """at most this many extra rounds of num_prompts new prompts per step to fill the batch, then train on what it has"""
     eval_every: Annotated[int, Ge(0)] = 25
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
@@ -204,11 +206,27 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions
-def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [P, G] -> advantages [P, G], one per completion: (r_i - mean_G r) / (std + eps), std Bessel-corrected
-    (TRL `nanstd`) of the group (`group`, DeepSeekMath §4.1.2, DAPO) or of the batch (`batch`), or no division
-    (`none`, Dr. GRPO). A group whose rewards are all equal gets exactly zero advantage (no NaN)."""
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, estimator: str = "grpo",
+                       token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G], one per completion: grpo's (r_i - mean_G r) / (std + eps) with the std of
+    the group, the batch or none, rloo, reinforce_pp_baseline or maxrl (docs/grpo.md, Variants)."""
+    if estimator == "rloo":
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
+        return rewards - baseline
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "maxrl":
+        non_binary = rewards[(rewards != 0) & (rewards != 1)]
+        if len(non_binary):
+            raise ValueError(f"advantage_estimator maxrl: needs rewards 0 or 1, got {non_binary[0].item():g}")
+        return centered / rewards.mean(dim=1, keepdim=True).clamp(min=eps)  # a mean of 0: every r is 0, A = 0
+    if estimator == "reinforce_pp_baseline":
+        n = torch.ones_like(rewards) if token_counts is None else token_counts.to(rewards.dtype)
+        total = n.sum().clamp(min=1)
+        mu = (centered * n).sum() / total  # token-weighted batch mean
+        sigma = (((centered - mu) ** 2 * n).sum() / total).sqrt()  # population std (OpenRLHF: var clamped at 1e-8)
+        return (centered - mu) / sigma.clamp(min=eps)
+    if estimator != "grpo":
+        raise ValueError(f"advantage_estimator: expected grpo, rloo, reinforce_pp_baseline or maxrl, got {estimator!r}")
     if scaling == "none":
         return centered
     if scaling == "group":
@@ -219,17 +237,22 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -
 
 
 def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards [P, G] -> [P] bool: the groups whose rewards are not all equal, which DAPO's dynamic sampling keeps
-    (Yu et al. 2025, §3.2: 0 < #correct < G for 0/1 correctness). Every other group has zero advantage. It reads the rewards as the reward function (or model) returned them: dapo.py shapes none."""
+    """rewards [P, G] -> [P] bool: the groups whose rewards are not all equal, which dynamic sampling keeps (DAPO §3.2:
+    0 < #correct < G), read before the overlong penalty: an all-wrong group is dropped whatever its lengths."""
     return rewards.max(dim=1).values > rewards.min(dim=1).values
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (§3.4, Eq. 13; verl's `overlong_buffer` with penalty_factor 1), added to the
+    reward of a completion of `lengths` tokens: 0 up to L_max - L_cache, then -1 * (excess / L_cache) up to -1 at
+    L_max = max_new_tokens (L_cache = buffer_len)."""
+    return ((max_new_tokens - buffer_len - lengths).float() / max(buffer_len, 1)).clamp(min=-1.0, max=0.0)
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
-
-    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
-    k3 is the GRPO/TRL default."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -240,12 +263,25 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
     raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
+def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
+                         level: str = "token") -> torch.Tensor:
+    """log pi_theta / pi_old per token, masked (padding: 0): per `token` or GSPO's `sequence` mean (docs/grpo.md)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = torch.ones_like(log_ratio) if mask is None else mask
+        log_s = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+        return log_s * m  # broadcast to the completion's tokens; padding keeps ratio 1
+    raise ValueError(f"importance_level: expected token or sequence, got {level!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float, mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
-    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
-    inf * 0 = NaN in the masked sum)."""
-    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+                      eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
+    level="sequence": rho is GSPO's s_i, clipped once per completion (GSPO's Eq. 5 with --loss_aggregation seq_mean).
+    The log-ratio is masked before exp: padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -253,22 +289,37 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
     return loss, is_clipped.float(), ratio
 
 
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
+                    mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (arXiv 2506.13585), truncated-token indicator."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    loss = -weight * advantages * (logp if mask is None else logp * mask)
+    is_clipped = ratio > 1 + eps_high
+    return loss, is_clipped.float(), ratio
+
+
+def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                   eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
+    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: M = 0 where p = pi(y_t)
+    left the trust region around the sampler's p_s in the direction A pushes (tv or binary kl; docs/grpo.md)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
+    p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
+    if divergence == "tv":
+        out_up, out_down = p - p_s > eps_high, p - p_s < -eps_low
+    elif divergence == "kl":
+        kl = p_s * (logp_sampler - logp.detach()) + (1 - p_s) * torch.log((1 - p_s + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > p_s), (kl > eps_low) & (p < p_s)
+    else:
+        raise ValueError(f"policy_loss: expected dppo_tv or dppo_kl, got dppo_{divergence}")
+    masked = torch.where(advantages > 0, out_up, (advantages < 0) & out_down)
+    return -ratio * advantages * (~masked), masked.float(), ratio
+
+
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float, low: float = 0.0) -> torch.Tensor:
-    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
-
-    token_truncate:    w_t = min(rho_t, C)                      rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
-    token_mask:        w_t = rho_t if lo <= rho_t <= C, else 0    (IcePop, arXiv 2510.18855)
-    sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
-    sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
-    geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
-    lo = low, or 1/C when low = 0 (a mask's kept range; the truncate modes have no lower bound). token_* and
-    sequence_* are TRL's `vllm_importance_sampling_mode` with clip_max = C: its *_mask modes with clip_min = lo, its
-    *_truncate modes with clip_min unset (TRL's clip_min would raise a weight below it to clip_min; nothing here
-    does); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
-    ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
-    drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
-    which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
+    """Detached weights w = pi_train_old / pi_sampler per token, completion or geometric mean (docs/mismatch.md)."""
     log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
     lo = low or 1 / cap
     if mode == "none":
@@ -289,15 +340,8 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the optimizer-step loss.
-
-    num_seqs / num_tokens count the whole optimizer step on this rank, num_tokens_global on all ranks.
-    Summed over micro-batches and averaged over ranks (as DeepSpeed does with gradients) this gives:
-      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
-      token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
-      global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
-      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO
-    """
+    """This micro-batch's share of the step's loss (num_* count the optimizer step): seq_mean (GRPO), token_mean (per
+    rank), global_token (DAPO: sum l m / tokens of the step on all ranks) or constant (Dr. GRPO); docs/grpo.md."""
     if mode == "seq_mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if mode == "token_mean":
@@ -322,6 +366,13 @@ def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
+    if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
+        raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
+                         "has its own normalisation)")
+    if args.advantage_estimator == "maxrl" and (args.reward_model_path or args.overlong_buffer_len):
+        raise ValueError("advantage_estimator: maxrl needs rewards 0 or 1 (a grader, no --overlong_buffer_len)")
+    if args.policy_loss.startswith("dppo") and args.importance_level != "token":
+        raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
 
 
 def main(args: Args) -> str:
@@ -349,12 +400,10 @@ def main(args: Args) -> str:
     run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
                       args.project, resume=ckpt.tracker_state)
-    if args.top_p < 1.0:
+    if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
-                      "the TIS weights and val/sampler_logprob_diff show how much")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions")
+                      "val/sampler_kl and the TIS ratios show how much")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
 
     # models and optimizer
     dtype = default_dtype(info.device)
@@ -366,15 +415,9 @@ def main(args: Args) -> str:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
-    reward_model = None
-    if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
-        check_same_tokenizer(rm_path, tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
-    ref_policy = None
-    if args.beta > 0:  # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
-        # LoRA: the reference is the policy with its adapters disabled (the frozen base; no second copy)
-        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
-                                                                                  info, dtype)
+    reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -403,10 +446,8 @@ def main(args: Args) -> str:
         generator.sync_weights(full_named_parameters(policy, info))
 
     def rollout(step: int, rnd: int) -> tuple[list[int], list, list[str], list[float]]:
-        """1. rollout and 2. reward of round `rnd` of a step: the next num_prompts prompts of the global order, this
-        rank's slice sampled G times each and scored; global prompt i of round r samples with the seed of index
-        r * num_prompts + i, so no two prompts of a step share one. Returns the rank's prompt indices, completions
-        (prompt-major: [P_local * G]), their texts and rewards."""
+        """1. rollout and 2. reward of round rnd: this rank's slice of the next num_prompts prompts, G samples each
+        (global prompt i seeded by index rnd * num_prompts + i), scored: its indices, completions, texts, rewards."""
         with timer("generate"):
             if rnd:
                 generator.wake_up()  # it slept after the previous round
@@ -423,106 +464,81 @@ def main(args: Args) -> str:
         """2. reward of a rollout's samples: completions (prompt-major: [P_local * G]), texts, rewards."""
         comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
         rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
-        with timer("reward"):
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        with timer("reward"):  # the reward model's score, else the grader's (raising: save step - 1, stop)
             texts = [decode(c.token_ids) for c in comps]
-            if reward_model is not None:  # the reward model's normalised score of prompt + completion
-                scores = score_sequences(reward_model, [train_data.prompt_ids[i] for i in local_idx
-                                                        for _ in range(args.num_generations)],
-                                         [c.token_ids for c in comps], tokenizer.pad_token_id, info,
-                                         args.local_micro_batch_size).tolist()
-            else:  # the grader; a reward function that raises stops the run, after saving the previous step
-                with ckpt.user_code(step, engines, tracker):
-                    scores = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
-                                             [x["answer"] for x in rows], [c.finished for c in comps], rows)
+            scores = score_completions(reward_fn, reward_model, rows, prompts, comps, texts, tokenizer.pad_token_id,
+                                       info, args.local_micro_batch_size, ckpt.user_code(step, engines, tracker))
         return comps, texts, scores
 
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out {headline.split('/')[1]} {metrics[headline]:.3f}")
-        first_eval = metrics[headline]
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     local_idx: list[int] = []
-    warned_unfilled = False
+    G, warned_unfilled = args.num_generations, False
     for step in range(start_step + 1, args.num_steps + 1):
         ckpt.step_start(tracker, **resumable, first_eval=first_eval)
-        # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
-        local_idx, comps, texts, scores = rollout(step, 0)
-        sampled_scores = list(scores)  # every reward sampled in the step, all rounds (objective/scores)
-        # dynamic sampling: drop groups whose rewards are all equal (no gradient) and sample rounds of num_prompts
-        # more prompts until num_prompts informative groups are found or max_refill_rounds extra rounds have run
-        G, kept, dropped = args.num_generations, [], []
+        # 1. rollout and 2. reward (rollout() above) in rounds (dynamic sampling) until num_prompts informative groups
+        # are kept or max_refill_rounds extra rounds have run; the groups of all ranks pooled in the global prompt order
+        kept, dropped, sampled_scores = [], [], []  # sampled_scores: every reward of the step, all rounds
         for rnd in range(args.max_refill_rounds + 1):
-            if rnd:
-                local_idx, comps, texts, scores = rollout(step, rnd)
-                sampled_scores += scores
-            mine = [(i, comps[k * G : (k + 1) * G], texts[k * G : (k + 1) * G], scores[k * G : (k + 1) * G])
-                    for k, i in enumerate(local_idx)]  # (prompt index, completions, texts, rewards) per group
-            groups = sum(info.gather_objects(mine), [])  # [num_prompts] groups, global order, on every rank
-            informative = informative_groups(torch.tensor([rewards for *_, rewards in groups])).tolist()
+            local_idx, comps, texts, scores = rollout(step, rnd)
+            sampled_scores += scores
+            groups = sum(info.gather_objects([(i, comps[k * G : (k + 1) * G], texts[k * G : (k + 1) * G],
+                                               scores[k * G : (k + 1) * G]) for k, i in enumerate(local_idx)]), [])
+            informative = informative_groups(torch.tensor([g[3] for g in groups])).tolist()  # (i, comps, texts, r)
             kept += [g for g, keep in zip(groups, informative) if keep]
             dropped += [g for g, keep in zip(groups, informative) if not keep]
             if len(kept) >= args.num_prompts:
                 break
         num_kept = min(len(kept), args.num_prompts)  # informative groups beyond num_prompts are discarded
-        # still short after the last round: train on the informative groups there are; the free places take
-        # dropped groups to keep the batch's shape, and step 4 masks them out of the loss
+        # still short after the last round: dropped groups fill the free places (the batch keeps its shape), no loss
         batch = (kept[: args.num_prompts] + dropped)[: args.num_prompts]
         batch = batch[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
         local_idx = [i for i, *_ in batch]
         comps, texts, scores = ([x for g in batch for x in g[k]] for k in (1, 2, 3))
-        zero_std_groups = len(dropped) / (args.num_prompts * (rnd + 1))  # of all groups sampled in the step
-        sampling_metrics = {"dynamic_sampling/extra_rounds": rnd, "dynamic_sampling/dropped_groups": len(dropped),
-                            "dynamic_sampling/unfilled_groups": args.num_prompts - num_kept,
-                            "dynamic_sampling/surplus_groups": len(kept) - num_kept}
-        if num_kept < args.num_prompts and not warned_unfilled:
+        if num_kept < args.num_prompts and not warned_unfilled:  # one line, the first time
             warned_unfilled = True
             tracker.write(f"[step {step}] dynamic sampling: {num_kept} of {args.num_prompts} groups informative after "
-                          f"{rnd} extra rounds; training on those (later shortfalls are only counted in "
-                          "dynamic_sampling/unfilled_groups; --max_refill_rounds allows more rounds)")
+                          f"{rnd} extra rounds; training on those (later: dynamic_sampling/unfilled_groups)")
 
         # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
-        input_ids, attn, resp = data_utils.pad_batch([train_data.prompt_ids[i] for i in local_idx
-                                                      for _ in range(args.num_generations)],
-                                                     [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                     info.device)
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
-        finished = torch.tensor([c.finished for c in comps])
-        mask = completion_mask(resp, finished, args.mask_truncated_completions)
-        if num_kept < args.num_prompts:  # filler groups (global index >= num_kept): no loss
-            kept_rows = [info.rank * args.local_num_prompts + i // args.num_generations < num_kept
-                         for i in range(args.local_batch_size)]
-            mask = mask * torch.tensor(kept_rows, dtype=mask.dtype, device=mask.device)[:, None]
+        mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
+        kept_rows = [info.rank * args.local_num_prompts + i // G < num_kept for i in range(args.local_batch_size)]
+        mask = mask * torch.tensor(kept_rows, dtype=mask.dtype, device=mask.device)[:, None]  # filler groups: no loss
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)
+        if args.overlong_buffer_len:  # the soft overlong penalty, after the filter (it would keep all-wrong groups)
+            lens = torch.tensor(sum(info.gather_objects([len(c.token_ids) for c in comps]), []))
+            all_scores += overlong_penalty(lens, args.max_new_tokens, args.overlong_buffer_len).view_as(all_scores)
+        token_counts = None
+        if args.advantage_estimator == "reinforce_pp_baseline":  # whitening weighs completions by trained tokens
+            token_counts = torch.tensor(sum(info.gather_objects(mask.sum(1).tolist()), []))
+            token_counts = token_counts.view(args.num_prompts, args.num_generations)[:num_kept]
         all_adv = torch.zeros_like(all_scores)  # filler groups keep 0
-        if num_kept:
-            all_adv[:num_kept] = compute_advantages(all_scores[:num_kept], args.advantage_scaling)
+        all_adv[:num_kept] = compute_advantages(all_scores[:num_kept], args.advantage_scaling,
+                                                estimator=args.advantage_estimator, token_counts=token_counts)
+        zero_std_groups = len(dropped) / (args.num_prompts * (rnd + 1))  # of all groups sampled in the step
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
-        sampler_logp = data_utils.sampler_logprobs([len(train_data.prompt_ids[i]) for i in local_idx
-                                                    for _ in range(args.num_generations)], [c.logprobs for c in comps], mask)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
         adv_tok = adv.to(info.device)[:, None].expand_as(mask)
 
         # 5. log-probs before the update: old (for the ratio and TIS) and reference (for the KL term)
-        reuse = args.num_iterations > 1 or args.num_minibatches > 1
-        old_logp = torch.zeros_like(mask)
-        ref_logp = torch.zeros_like(mask)
-        with timer("logprob"), torch.no_grad():  # micro-batches of the whole batch, laid out as in training
-            for idx in data_utils.micro_batches(list(range(args.local_batch_size)), lengths,
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1  # else pi_old is the update's own log-probs
+        with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
+            old_logp, ref_logp = batch_logprobs([policy if reuse else None, ref_policy], input_ids, attn, resp, lengths,
                                                 args.local_batch_size // args.local_micro_batch_size,
-                                                args.micro_batching):
-                if reuse:
-                    old_logp[idx] = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.micro_batching, args.temperature)[0]
-                if ref_policy is not None:
-                    ref_logp[idx] = micro_batch_logprobs(ref_policy, input_ids[idx], attn[idx], resp[idx],
-                                                         args.micro_batching, args.temperature)[0]
+                                                args.micro_batching, args.temperature)
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
         stats = defaultdict(list)  # metric name -> one value per micro-batch
@@ -543,10 +559,17 @@ def main(args: Args) -> str:
                         logp_old = old_logp[idx] if reuse else logp.detach()
                         if not reuse:
                             old_logp[idx] = logp_old  # for the step's mismatch metrics
-                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high, m_mask)
-                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
-                        # and precision differ from the trainer's), truncated or masked at tis_cap
+                        if args.policy_loss == "cispo":
+                            pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
+                                                                    m_mask, args.importance_level)
+                        elif args.policy_loss.startswith("dppo"):
+                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, sampler_logp[idx], adv_tok[idx],
+                                                                   args.epsilon_low, args.epsilon_high,
+                                                                   args.policy_loss[5:], m_mask)
+                        else:
+                            pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                      args.epsilon_high, m_mask, args.importance_level)
+                        # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w
                         if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
@@ -560,8 +583,7 @@ def main(args: Args) -> str:
                                               args.max_new_tokens)
                         guard.backward(policy, loss)
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
-                        if norm is not None:
-                            grad_norms.append(norm)
+                        grad_norms += [norm] if norm is not None else []
                         with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
@@ -577,28 +599,20 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = [len(c.token_ids) for c in comps]
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
-        local.update({
-            "objective/scores": sum(sampled_scores) / len(sampled_scores),
-            "objective/scores_std": torch.tensor(sampled_scores).std().item(),
-            "val/sequence_lengths": sum(lengths) / len(lengths),
-            "val/stop_rate": sum(c.finished for c in comps) / len(comps),
-            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        })
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
+        local.update({**completion_metrics(sampled_scores, comps),  # scores of every round, lengths of the batch
+                      "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)})
         metrics = info.mean_over_ranks(local)
-        metrics.update({
-            "val/frac_reward_zero_std": zero_std_groups,
-            "val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item(),
-            "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
-            "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
-        })
-        metrics.update(sampling_metrics)
+        metrics.update({"val/frac_reward_zero_std": zero_std_groups, "val/advantages_mean": all_adv.mean().item(),
+                        "val/advantages_std": all_adv.std().item(), "lr": scheduler.get_last_lr()[0],
+                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop(),
+                        "dynamic_sampling/extra_rounds": rnd, "dynamic_sampling/dropped_groups": len(dropped),
+                        "dynamic_sampling/unfilled_groups": args.num_prompts - num_kept,
+                        "dynamic_sampling/surplus_groups": len(kept) - num_kept})
         # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, first_eval=first_eval):
@@ -622,14 +636,11 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+    # output_dir/final, saved before the end-of-run checks, so a failure there loses nothing
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
-                  f"in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final

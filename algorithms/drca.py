@@ -1,26 +1,20 @@
 """DRCA: PPO whose sequence reward is redistributed over text units by counterfactual differences. Docs: docs/drca.md
 
-Source: the "Learning Segment Rewards" code (github.com/npnike10/LearningSegmentRewards, an OpenRLHF fork:
-`train_drca_ray.py`, `utils/unit_reward.py`), which calls it "unit-level difference rewards for fine-grained credit
-assignment" (we read DRCA as Difference-Reward Credit Assignment). The beta-mixing is ABC's (Chan et al. 2024,
-https://arxiv.org/abs/2402.00782) with its attention weights replaced by counterfactual unit differences.
+Source: the "Learning Segment Rewards" code (github.com/npnike10/LearningSegmentRewards, an OpenRLHF fork): "unit-level
+difference rewards for fine-grained credit assignment" (Difference-Reward Credit Assignment); the drca_beta mixing is
+ABC's (Chan et al. 2024, https://arxiv.org/abs/2402.00782) with counterfactual differences for attention weights.
+With R the scorer's normalised score of response y: 1. split y into at most N units (step labels or lines, or peaks of
+the policy's entropy); 2. blank each unit k (`truncate`: prefix, blanked unit, EOS, the reference; `mask`: leave one
+out); 3. score the counterfactuals: credit d_k = R - R~_k; 4. then PPO as in ppo_rlhf.py on the rewards
+    r_t = clamp(drca_beta * d_k / |u_k| on unit k's tokens, (1 - drca_beta) * R on the last token, -10, 10)
+          - beta * clamp(k1_t, -10, 10),  drca_beta = 0.8, beta = 0.01, gamma = lambda = 1, eps = 0.2 (the default)
 
-Per rollout, with R = (RM(x, y) - mu) / sigma the reward model's normalised score:
-  1. split the response into at most N units: step labels (`regex`) or peaks of the policy's entropy (`entropy`);
-  2. for each unit k build a counterfactual response: `truncate` (the reference: the prefix before the unit,
-     the unit blanked with spaces, then EOS) or `mask` (leave-one-out: the unit blanked, the rest kept);
-  3. score every counterfactual with the same RM in batches: d_k = R - R~_k (mu cancels);
-  4. per-token rewards: drca_beta * d_k / |unit k| on unit k's tokens, (1 - drca_beta) * R on the last token;
-  5. then PPO as in ppo_rlhf.py: clip to [-10, 10], minus beta * k1 KL per token (--beta), GAE on a critic
-     (initialised from the RM), batch whitening, clipped policy and value updates.
-Delta from PPO (algorithms/ppo_rlhf.py): only step 4's reward placement and the scorer calls it needs; drca_beta = 0
-is ppo_rlhf.py's reward. Reference-code bugs are fixed by default and reproducible with flags (docs/drca.md lists them).
-On the built-in task `--scorer auto` (the default) scores responses and counterfactuals with the per-line grader, as
-its small RMs do not judge counterfactual text well enough to learn (docs/drca.md); elsewhere `auto` is the RM.
+Delta from PPO (algorithms/ppo_rlhf.py): steps 1-3, the reward above (drca_beta = 0: ppo_rlhf.py's), slip localisation
+and `--scorer` (auto: the built-in task's per-line grader); reference bugs are fixed, reproducible with flags. Not
+carried, for the 650-line limit: ppo_rlhf.py's --tis, LoRA, --adaptive_kl and --kl_placement loss (KL in the reward).
 
 Launch:
     python algorithms/drca.py              # CPU, built-in task, a few minutes: held-out accuracy rises (docs/drca.md)
-    python algorithms/drca.py --scorer rm  # builtin:tiny-rm scores (its score rises, held-out accuracy does not)
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/drca.py \
         --model_name_or_path <sft> --reward_model_path <rm trained by rm.py> --dataset <prompts.jsonl> \
         --chat_template --max_new_tokens 2048 --learning_rate 6.57e-6 --critic_learning_rate 2.34e-6
@@ -41,20 +35,21 @@ from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
 from shared import task as builtin_task
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final, save_hf
 from shared.cli import derive_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                prepare, prepare_frozen, seed_everything)
+                                full_named_parameters, init_distributed, load_causal_lm, load_reference,
+                                load_tokenizer, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
-from shared.prompts import load_prompt_task
-from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.localisation import load_slips, localisation_metrics
 from shared.logprobs import forward_logprobs, response_entropies
+from shared.prompts import load_prompt_task, task_summary
+from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.units import blank_token_id, response_units, unit_pattern, unit_pattern_name
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
+
 
 @dataclass
 class Args:
@@ -64,13 +59,9 @@ class Args:
     seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
     """seed of the experiment (init, data order, sampling)"""
     output_dir: str = "runs/drca"
-    """where metrics.jsonl, samples.jsonl and the final HF checkpoints (output_dir/final, output_dir/critic) go"""
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
     model_name_or_path: str = "builtin:tiny-sft"
-    """hub name or local path of the policy (and reference); `builtin:tiny-sft` is the built-in warm start"""
-    reward_model_path: str = "builtin:tiny-rm"
-    """reward model (HF sequence classification, e.g. from rm.py); `builtin:tiny-rm` is rm.py's default run"""
-    critic_model_path: str = ""
-    """initialise the critic from this checkpoint (default: the reward model, as the reference)"""
+    """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (committed weights)"""
     dataset: str = "builtin"
     """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
@@ -80,7 +71,7 @@ class Args:
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
-    """dataset column with the gold answer (held-out accuracy only; training uses the reward model)"""
+    """column of the gold answer (held-out accuracy only; training uses the reward model)"""
     prompt_template: str = "{prompt}"
     """template applied to the prompt; `{prompt}` is replaced"""
     chat_template: bool = False
@@ -89,6 +80,10 @@ class Args:
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
+    reward_model_path: str = "builtin:tiny-rm"
+    """reward model (HF sequence classification, e.g. from rm.py); `builtin:tiny-rm` is rm.py's default run"""
+    critic_model_path: str = ""
+    """initialise the critic from this checkpoint (default: the reward model, as the reference code)"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -106,7 +101,7 @@ class Args:
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
-    # reliability (shared/checkpoint.py; docs/drca.md#reliability)
+    # reliability (shared/checkpoint.py; docs/running.md#reliability)
     save_every: Annotated[int, Ge(0)] = 25
     """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
@@ -120,7 +115,57 @@ class Args:
     best_metric: str = "dev/accuracy"
     """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); dev/reward with --reward_fn none"""
 
-    # algorithm args: DRCA
+    # algorithm args
+    total_episodes: Annotated[int, Ge(1)] = 25600
+    """total completions to sample over the run (steps = total_episodes / batch_size; 50 steps by default)"""
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
+    """policy AdamW learning rate (constant after warm-up)"""
+    critic_learning_rate: Annotated[float, Gt(0)] = 3e-4
+    """critic AdamW learning rate (its own optimizer)"""
+    warmup_steps: Annotated[int, Ge(0)] = 5
+    """linear learning-rate warm-up steps (both optimizers)"""
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
+    """gradient clipping norm (each model)"""
+    num_generations: Annotated[int, Ge(1)] = 8
+    """completions per prompt"""
+    local_num_prompts: Annotated[int, Ge(1)] = 64
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
+    num_minibatches: Annotated[int, Ge(1)] = 2
+    """optimizer steps per pass over the batch"""
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
+    num_iterations: Annotated[int, Ge(1)] = 2
+    """passes over each batch (TRL's PPO and summarize_from_feedback_details: 4)"""
+    temperature: Annotated[float, Gt(0)] = 1.0
+    """sampling temperature; trainer logits are divided by it too"""
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
+    max_new_tokens: Annotated[int, Ge(1)] = 16
+    """completion length limit; completions that hit it are 'truncated'"""
+    stop: tuple[str, ...] = ()
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
+    """GAE discount"""
+    lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
+    """GAE lambda (the reference: 1)"""
+    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
+    epsilon_high: Annotated[float, Ge(0)] = 0.2
+    """upper clip range: ratio <= 1 + epsilon_high"""
+    cliprange_value: Annotated[float, Gt(0)] = 0.5
+    """value clip range around the old values (the reference: 0.5)"""
+    whiten_advantages: bool = True
+    """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
+    beta: Annotated[float, Ge(0)] = 0.01
+    """KL coefficient (the reference: 0.01, fixed); 0 skips the reference model"""
+    non_stop_penalty: bool = False
+    """replace the score of completions without EOS by penalty_reward_value (TRL's missing_eos_penalty)"""
+    penalty_reward_value: Annotated[float, Interval()] = -1.0  # any real number
+    """score given to completions without EOS when non_stop_penalty is on"""
+    ratio_threshold: Annotated[float, Gt(0)] = 10.0
+    """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
+    entropy_coef: Annotated[float, Ge(0)] = 0.0
+    """entropy bonus: entropy_coef * token entropy is subtracted from every token's loss (0: off)"""
     drca_beta: Annotated[float, Interval(ge=0, le=1)] = 0.8
     """share of the reward spread over units (drca_beta * d_k); (1 - drca_beta) * R stays on the last token; 0 = PPO"""
     max_units_per_sequence: Annotated[int, Ge(1)] = 10
@@ -147,52 +192,8 @@ class Args:
     """response tokens before the unit region: -1 = auto (a leading <think>...</think> block and whitespace)"""
     code_compat_regex_offsets: bool = False
     """reproduce the reference's regex offsets (blank lines shift later units one character left)"""
-
-    # algorithm args: PPO
-    total_episodes: Annotated[int, Ge(1)] = 25600
-    """total completions to sample over the run (steps = total_episodes / batch_size; 50 steps by default)"""
-    learning_rate: Annotated[float, Gt(0)] = 1e-4
-    """policy AdamW learning rate (constant after warm-up)"""
-    critic_learning_rate: Annotated[float, Gt(0)] = 3e-4
-    """critic AdamW learning rate (its own optimizer)"""
-    warmup_steps: Annotated[int, Ge(0)] = 5
-    """linear learning-rate warm-up steps (both optimizers)"""
-    max_grad_norm: Annotated[float, Ge(0)] = 1.0
-    """gradient clipping norm (each model)"""
-    num_generations: Annotated[int, Ge(1)] = 8
-    """completions per prompt"""
-    local_num_prompts: Annotated[int, Ge(1)] = 64
-    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
-    num_minibatches: Annotated[int, Ge(1)] = 2
-    """optimizer steps per pass over the batch"""
-    local_micro_batch_size: Annotated[int, Ge(1)] = 64
-    """completions per forward/backward (and reward-model forward) on each rank; memory: docs/performance.md"""
-    num_iterations: Annotated[int, Ge(1)] = 2
-    """passes over each batch (reference DRCA: 1, its PPO baseline: 2)"""
-    temperature: Annotated[float, Gt(0)] = 1.0
-    """sampling temperature; trainer logits are divided by it too"""
-    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
-    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
-    max_new_tokens: Annotated[int, Ge(1)] = 16
-    """completion length limit; completions that hit it are 'truncated'"""
-    stop: tuple[str, ...] = ()
-    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
-    beta: Annotated[float, Ge(0)] = 0.01
-    """eta: coefficient of the per-token k1 KL penalty in the reward (reference 0.01, fixed); 0 skips the reference"""
     reward_clip: Annotated[float, Gt(0)] = 10.0
-    """per-token rewards are clipped to [-reward_clip, reward_clip] before the KL term (reference 10)"""
-    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
-    """GAE discount (reference 1)"""
-    lam: Annotated[float, Interval(ge=0, le=1)] = 1.0
-    """GAE lambda (reference 1)"""
-    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
-    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low"""
-    epsilon_high: Annotated[float, Ge(0)] = 0.2
-    """upper clip range: ratio <= 1 + epsilon_high"""
-    cliprange_value: Annotated[float, Gt(0)] = 0.5
-    """value clip range around the old values (reference 0.5)"""
-    whiten_advantages: bool = True
-    """normalise advantages to zero mean, unit variance over all tokens of the batch (all ranks)"""
+    """per-token rewards are clipped to [-reward_clip, reward_clip] before the KL term (the reference: 10)"""
     eval_every: Annotated[int, Ge(0)] = 10
     """evaluate on the held-out split every this many steps (0: only before and after training)"""
     eval_num_prompts: Annotated[int, Ge(0)] = 500
@@ -200,7 +201,7 @@ class Args:
     dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: train prompts kept out of training (<= 10%), evaluated with the held-out set; picks output_dir/best (0: none)"""
     eval_num_samples: Annotated[int, Ge(1)] = 4
-    """samples per held-out prompt (accuracy = mean correctness, reward = mean RM score)"""
+    """samples per held-out prompt (accuracy = mean correctness; pass@k over them)"""
     eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for evaluation"""
     sample_every: Annotated[int, Ge(0)] = 25
@@ -221,8 +222,7 @@ class Args:
 # ALGO LOGIC: counterfactuals and difference rewards (docs/drca.md: y~_k, credit d_k, r_t)
 def counterfactual_response(response: list[int], start: int, end: int, mode: str, fill_id: int,
                             eos_id: int) -> list[int]:
-    """Response tokens with [start, end) blanked by fill_id: `truncate` ends with EOS right after the unit
-    (length end + 1), `mask` keeps everything after it (leave-one-out)."""
+    """Response tokens with [start, end) blanked: `truncate` ends with EOS after the unit, `mask` keeps the rest."""
     blank = [fill_id] * (end - start)
     if mode == "truncate":
         return response[:start] + blank + [eos_id]
@@ -234,10 +234,9 @@ def counterfactual_response(response: list[int], start: int, end: int, mode: str
 def unit_token_rewards(scores: torch.Tensor, unit_spans: list[list[tuple[int, int]]], credits: list[list[float]],
                        last_action: torch.Tensor, num_actions: int, beta: float,
                        unitless_fallback: str = "terminal") -> torch.Tensor:
-    """Per-action rewards [B, A] before clipping and KL: beta * d_k / |A_k| on every action of unit k (action-space
-    spans [a, b), empty ones skipped), (1 - beta) * R on the last action (assigned, not added), 0 elsewhere.
-    A response without units gets R on its last action (`terminal`); with `zeros` (the reference) it gets nothing,
-    unless no response in the batch has a unit (then the reference falls back to plain PPO for all)."""
+    """Per-action rewards [B, A] before clipping and KL: beta * d_k / |A_k| on the actions [a, b) of unit k, (1 - beta)
+    * R on the last action, 0 elsewhere. A response without units gets R on its last action (`terminal`) or, with
+    `zeros` (the reference), nothing unless no response in the batch has a unit (then all get plain PPO's)."""
     B = scores.shape[0]
     rewards = torch.zeros(B, num_actions, dtype=torch.float32, device=scores.device)
     any_units = any(len(u) > 0 for u in unit_spans)
@@ -261,9 +260,10 @@ def shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Te
     return (torch.clamp(rewards, -reward_clip, reward_clip) - beta * kl) * mask, kl
 
 
-# ALGO LOGIC: PPO (as ppo.py)
+# ALGO LOGIC: algorithm-local pure functions
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """GAE over the masked positions of [B, T] tensors; returns advantages and returns (A + V), 0 outside the mask."""
+    """GAE over the masked (completion) positions of [B, T] tensors: delta_t = r_t + gamma V_{t+1} - V_t (V after the
+    last completion token is 0); A_t = delta_t + gamma lam A_{t+1}. Returns A and A + V, both 0 outside the mask."""
     values = values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
@@ -273,25 +273,28 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last = (delta + gamma * lam * last) * m
         advantages[:, t] = last
+        # after the completion nothing is bootstrapped (V = 0, A = 0); prompt positions are masked anyway
         next_value = torch.where(m > 0, values[:, t], next_value)
     return advantages, (advantages + values) * mask
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None = None,
-                  var: torch.Tensor | None = None) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over masked entries; mean/var may be given (all-reduced over ranks)."""
+                  var: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over masked entries; mean/var may be given (all-reduced); shift_mean=False keeps it."""
     if mean is None:
         mean = (x * mask).sum() / mask.sum()
     if var is None:
         var = (((x - mean) ** 2) * mask).sum() / mask.sum()
-    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
 
 
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
                       eps_high: float, mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
-    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
-    inf * 0 = NaN in the masked sum)."""
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator; the
+    log-ratio is masked before exp, so padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
     ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -301,14 +304,14 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
-    """Clipped value loss 0.5 max((V - G)^2, (V_clip - G)^2) per token and the clipped indicator."""
+    """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) per token and the clipped indicator."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
 def init_value_head(model) -> None:
-    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (when the critic does not start from a reward model)."""
+    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (as vwxyzjn/summarize_from_feedback_details and VinePPO)."""
     layer = head(model)
     torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
     if layer.bias is not None:
@@ -316,16 +319,14 @@ def init_value_head(model) -> None:
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-action values [B, L-1], normalised by the stored reward stats when the critic is a reward model
-    (the reference's `--normalize_reward` critic): V = (v - mu) / sigma."""
+    """Per-action values [B, L-1]; a critic initialised from a reward model carries the RM's score stats, and its
+    values are normalised with them, V = (v - mu) / sigma, the units of the normalised rewards it predicts."""
     return normalized(token_values(critic, input_ids, attention_mask)[:, :-1], critic)
 
 
 def effective_scorer(args: Args) -> str:
     """--scorer auto: the per-line grader on the built-in task (module docstring), the reward model elsewhere."""
-    if args.scorer != "auto":
-        return args.scorer
-    return "line_grader" if builtin_task.is_builtin(args.dataset) else "rm"
+    return args.scorer if args.scorer != "auto" else "line_grader" if builtin_task.is_builtin(args.dataset) else "rm"
 
 
 def validate(args: Args) -> None:
@@ -354,18 +355,19 @@ def main(args: Args) -> str:
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
-    local_seed = args.seed + info.rank * 100003
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
 
-    # data, validated before anything is written (one line per error); the grader: None with --reward_fn none
+    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path")
     critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_same_tokenizer(rm_path, tokenizer)
+    # train / held-out / dev prompts and the grader (None with --reward_fn none: no accuracy, best/ by dev/reward)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path,
                                                                   graded=False if args.reward_fn == "none" else None)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
-    headlines = ["eval/accuracy", "eval/reward"] if reward_fn else ["eval/reward"]  # printed at start and end
+    headline = "eval/reward"  # printed at start and end: the reward model's mean normalised score, held out
     # held-out slip pairs of the built-in task: is the lowest credit on the slipped line? (shared/localisation.py)
     slips = load_slips(args, tokenizer) if args.localisation_num_pairs and builtin_task.is_builtin(args.dataset) else None
     fill_id, eos_id = blank_token_id(tokenizer), tokenizer.eos_token_id  # a counterfactual blanks a unit with fill_id
@@ -377,12 +379,10 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions; scored by "
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size) + "; scored by "
                   f"{'the per-line grader' if args.scorer == 'line_grader' else args.reward_model_path}")
 
-    # models and optimizers: policy, critic (from the RM, own optimizer), frozen reference and reward model
+    # models and optimizers: policy, critic (own optimizer), frozen reference and reward model
     dtype = default_dtype(info.device)
     schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
@@ -402,7 +402,8 @@ def main(args: Args) -> str:
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
                                           args.max_grad_norm, dtype)
-    ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.beta > 0 else None
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
+    ref_policy = load_reference(policy, model_path, dtype, info, False) if args.beta > 0 else None
     reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
@@ -415,73 +416,62 @@ def main(args: Args) -> str:
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
-    micro = args.local_micro_batch_size
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
         """Normalised RM scores in micro-batches (shared/scalar.py), or the per-line grader's (--scorer line_grader)."""
         if args.scorer == "line_grader":
-            grades = [builtin_task.line_grade(tokenizer.decode(p, skip_special_tokens=True), decode(r))
-                      for p, r in zip(prompts, responses)]
-            return torch.tensor(grades, dtype=torch.float32, device=info.device)
-        return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, micro)
+            return torch.tensor([builtin_task.line_grade(tokenizer.decode(p, skip_special_tokens=True), decode(r))
+                                 for p, r in zip(prompts, responses)], dtype=torch.float32, device=info.device)
+        return score_sequences(reward_model, prompts, responses, tokenizer.pad_token_id, info, args.local_micro_batch_size)
 
-    def unit_credits(prompts, responses, entropies):
-        """Units of each response (none when `entropies` is None) and their credits d_k = R - R~_k: one scorer call
-        per response and one per unit (its counterfactual). Returns units, R, credits, the number of counterfactuals."""
+    def unit_credits(prompts, responses, entropies, scores):
+        """Units of each response (none when `entropies` is None) and their credits d_k = R - R~_k (R: `scores`): one
+        scorer call per unit (its counterfactual). Returns units, credits and the number of counterfactuals."""
         units = ([response_units(r, e, tokenizer, decode, **unit_flags) for r, e in zip(responses, entropies)]
                  if entropies is not None else [[] for _ in responses])
-        cf_owner, cf_prompts, cf_responses = [], [], []
-        for i in range(len(responses)):
-            for s, e in units[i]:
-                cf_owner.append(i)
-                cf_prompts.append(prompts[i])
-                cf_responses.append(counterfactual_response(responses[i], s, e, args.counterfactual, fill_id, eos_id))
-        scores, cf_scores = rm_scores(prompts, responses), rm_scores(cf_prompts, cf_responses)
+        cfs = [(i, counterfactual_response(responses[i], s, e, args.counterfactual, fill_id, eos_id))
+               for i in range(len(responses)) for s, e in units[i]]  # (owner, counterfactual response)
         credits = [[] for _ in responses]
-        for i, cf_score in zip(cf_owner, cf_scores.tolist()):
+        for (i, _), cf_score in zip(cfs, rm_scores([prompts[i] for i, _ in cfs], [r for _, r in cfs]).tolist()):
             credits[i].append(scores[i].item() - cf_score)
-        return units, scores, credits, len(cf_responses)
+        return units, credits, len(cfs)
 
     def slip_credits(prompts, responses):
         """Units and credits of held-out slip responses as in training (entropies from --entropy_source)."""
         source = ref_policy if args.entropy_source == "reference" and ref_policy is not None else policy
-        entropies = (response_entropies(source, prompts, responses, tokenizer.pad_token_id, micro, args.temperature,
-                                        info.device) if args.unit_extraction == "entropy" else [None] * len(responses))
-        units, _, credits, _ = unit_credits(prompts, responses, entropies)
-        return units, credits
+        entropies = (response_entropies(source, prompts, responses, tokenizer.pad_token_id, args.local_micro_batch_size,
+                                        args.temperature, info.device)
+                     if args.unit_extraction == "entropy" else [None] * len(responses))
+        return unit_credits(prompts, responses, entropies, rm_scores(prompts, responses))[:2]
 
-    def evaluate(step: int) -> dict:
-        """Grader accuracy / pass@k and the mean RM score of the same samples (eval, dev); slip localisation."""
+    def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
         metrics = evaluate_accuracy(generator, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,
                                     args.eval_num_samples, args.eval_temperature, args.max_new_tokens,
                                     seed=eval_seed(args.seed), reward_model=reward_model,
-                                    pad_id=tokenizer.pad_token_id, micro_batch_size=micro)
-        if slips is not None:
+                                    pad_id=tokenizer.pad_token_id, micro_batch_size=args.local_micro_batch_size)
+        if slips is not None:  # eval/localisation: the lowest credit on the slipped line (shared/localisation.py)
             metrics |= localisation_metrics(slips, info, decode, slip_credits)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
-    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, first evaluation
+    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, the KL coefficient
     engines = {"policy": policy, "critic": critic}
-    start_step, state = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
-    first = state.get("first_eval", {})
+    resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
+    start_step, state = ckpt.restore(engines, **resumable)
+    beta, first_eval = state.get("beta", args.beta), state.get("first_eval")  # beta: --beta, fixed
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        first = dict(metrics)
-        tracker.write("[step 0] held-out " + ", ".join(f"{k[5:]} {metrics[k]:.3f}" for k in headlines))
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     critic.train()
-    B = args.local_batch_size
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
-        # 1. rollout: this rank's slice of the global prompt batch
+        ckpt.step_start(tracker, **resumable, beta=beta, first_eval=first_eval)
+        # 1. rollout: this rank's slice of the global prompt batch, G samples each
         with timer("generate"):
             global_idx = sampler.next_indices(args.num_prompts)
             local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
@@ -489,41 +479,47 @@ def main(args: Args) -> str:
                                       temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
                                       index_offset=info.rank * args.local_num_prompts)
-            generator.sleep(level=2)  # --vllm_enable_sleep: weights discarded, the sync after the update reloads them
+            generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU for training (the sync replaces the weights)
         comps = [c for group in outs for c in group]
         responses = [c.token_ids for c in comps]
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, responses, tokenizer.pad_token_id, info.device)
-        mask = resp[:, 1:].float()  # action t emits token t+1: 1 on completion tokens, EOS included
+        mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
         last_action = (mask * torch.arange(mask.shape[1], device=info.device)).argmax(1)
         finished = torch.tensor([c.finished for c in comps], device=info.device)
 
-        # 2. log-probs, entropies and values before the update (no grad): old policy, reference, critic
-        old_logp, ref_logp, old_values, entropy = [torch.zeros_like(mask) for _ in range(4)]
+        # 2. scores R: the reward model's normalised score of prompt + completion, or the per-line grader's (--scorer)
+        with timer("reward"):
+            texts = [decode(c.token_ids) for c in comps]
+            scores = rm_scores(prompts, responses)
+            if args.non_stop_penalty:  # before the credits: d_k = R - R~_k with the penalised R
+                scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
+
+        # 3. log-probs and values before the update (no grad): old policy, reference, critic
+        old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)
+        entropy_sum = torch.zeros(args.local_batch_size, device=info.device)
+        unit_entropy = torch.zeros_like(mask)  # per token, of --entropy_source: where entropy units start
         with timer("logprob"), torch.no_grad():
-            for s in range(0, B, micro):
-                sl = slice(s, s + micro)
-                old_logp[sl], entropy[sl] = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl],
-                                                             args.temperature, True)
+            for s in range(0, args.local_batch_size, args.local_micro_batch_size):
+                sl = slice(s, s + args.local_micro_batch_size)
+                old_logp[sl], ent = forward_logprobs(policy, input_ids[sl], attn[sl], resp[sl], args.temperature, True)
+                entropy_sum[sl], unit_entropy[sl] = (ent * mask[sl]).sum(1), ent
                 if ref_policy is not None:
                     ref_logp[sl], ref_ent = forward_logprobs(ref_policy, input_ids[sl], attn[sl], resp[sl],
                                                              args.temperature, args.entropy_source == "reference")
-                    if args.entropy_source == "reference":
-                        entropy[sl] = ref_ent
+                    unit_entropy[sl] = ref_ent if args.entropy_source == "reference" else unit_entropy[sl]
                 old_values[sl] = critic_values(critic, input_ids[sl], attn[sl])
         old_values = old_values * mask
 
-        # 3. units and counterfactual credits: R from the scorer, then one scorer call per unit, d_k = R - R~_k
-        with timer("reward"):  # beta = 0 is plain PPO: no unit is needed
-            entropies = [entropy[i, len(prompts[i]) - 1 :].cpu() for i in range(B)] if args.drca_beta > 0 else None
-            units, scores, credits, num_counterfactuals = unit_credits(prompts, responses, entropies)
-
-        # 4. per-token rewards: drca_beta * d_k / |unit| on unit k, (1 - drca_beta) R last; clip; minus beta * k1
-        action_units = [[(len(prompts[i]) + s - 1, len(prompts[i]) + e - 1) for s, e in units[i]] for i in range(B)]
+        # 4. rewards: units, credits d_k = R - R~_k (a scorer call per counterfactual), r_t as in the module docstring
+        with timer("reward"):  # drca_beta = 0 is plain PPO: no unit is needed
+            entropies = [unit_entropy[i, len(p) - 1 :].cpu() for i, p in enumerate(prompts)] if args.drca_beta else None
+            units, credits, num_counterfactuals = unit_credits(prompts, responses, entropies, scores)
+        action_units = [[(len(p) + s - 1, len(p) + e - 1) for s, e in u] for p, u in zip(prompts, units)]
         raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
                                          args.unitless_fallback)
-        rewards, kl_k1 = shaped_rewards(raw_rewards, old_logp, ref_logp if ref_policy is not None else old_logp,
-                                        mask, args.beta, args.reward_clip)
+        rewards, kl_k1 = shaped_rewards(raw_rewards, old_logp, ref_logp if ref_policy is not None else old_logp, mask,
+                                        beta, args.reward_clip)
 
         # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
         advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
@@ -534,23 +530,30 @@ def main(args: Args) -> str:
             var = sums[1] / sums[2] - mean**2
             advantages = masked_whiten(advantages, mask, mean.float().to(info.device), var.float().to(info.device))
 
-        # 6. update: num_iterations passes x num_minibatches steps of the policy, then the critic, on the same minibatch
+        # 6. update: num_iterations passes x num_minibatches steps of the policy, then the critic, on each minibatch
         stats = defaultdict(list)  # metric name -> one value per micro-batch
         grad_norms, critic_norms = [], []
         with timer("train"):
             for _ in range(args.num_iterations):
-                perm = torch.randperm(B)
+                perm = torch.randperm(args.local_batch_size)
                 for mb in range(args.num_minibatches):
                     mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
                     mb_tokens = mask[mb_idx].sum()
                     global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
                     for idx in data_utils.micro_batches(mb_idx.tolist(), [], args.gradient_accumulation_steps, "padded"):
                         m_mask = mask[idx]
-                        # policy: token mean of the clipped surrogate over the minibatch (all ranks)
-                        logp, _ = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature)
+                        # policy: token mean of the clipped surrogate over the step (all ranks)
+                        logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature,
+                                                         args.entropy_coef > 0)
                         pg, is_clipped, ratio = clipped_surrogate(logp, old_logp[idx], advantages[idx],
                                                                   args.epsilon_low, args.epsilon_high, m_mask)
-                        guard.backward(policy, (pg * m_mask).sum() * info.world_size / max(global_tokens, 1))
+                        per_token = pg
+                        if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
+                            per_token = per_token - args.entropy_coef * entropy
+                        loss = (per_token * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
+                        skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
+                        guard.backward(policy, loss * (0.0 if skip else 1.0))
                         norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                         grad_norms += [norm] if norm is not None else []
                         # critic: clipped value regression on the GAE returns
@@ -559,88 +562,85 @@ def main(args: Args) -> str:
                         guard.backward(critic, (vf * m_mask).sum() * info.world_size / max(global_tokens, 1))
                         norm = guard.step(critic)
                         critic_norms += [norm] if norm is not None else []
-                        with torch.no_grad():
+                        with torch.no_grad():  # masked token means for logging
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
                             for k, v in {"loss/policy_avg": mm(pg), "loss/value_avg": mm(vf),
-                                         "policy/clipfrac_avg": mm(is_clipped), "val/clipfrac_avg": mm(vclipped),
+                                         "policy/clipfrac_avg": mm(is_clipped),
                                          "policy/approxkl_avg": mm(0.5 * (logp - old_logp[idx]) ** 2),
-                                         "val/ratio": mm(ratio)}.items():
+                                         "val/clipfrac_avg": mm(vclipped), "val/ratio": mean_ratio,
+                                         "val/ratio_var": mm((ratio - mean_ratio) ** 2), "val/skipped_frac": float(skip)}.items():
                                 stats[k].append(v)
 
-        # 7. weight sync
+        # 7. weight sync: push the updated policy into the generation engine
         with timer("sync"):
             generator.wake_up()
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
         lengths = mask.sum(1)
-        flat_credits = [d for c in credits for d in c]
-        with_units = [i for i in range(B) if units[i]]
-        # sum_a r_a = drca_beta * sum_k d_k + (1 - drca_beta) R, before clipping (0 up to rounding), max over ranks
-        identity_err = max([abs(raw_rewards[i].sum().item() - args.drca_beta * sum(credits[i])
-                                - (1 - args.drca_beta) * scores[i].item()) for i in with_units], default=0.0)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
-        avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-        local = {
+        flat, avg = [d for c in credits for d in c], lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+        local = {k: sum(v) / len(v) for k, v in stats.items()}
+        local.update({
             "objective/scores": scores.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
-            "objective/non_score_reward": -(args.beta * kl_k1).sum(1).mean().item(),
-            "objective/entropy": ((entropy * mask).sum(1) / lengths.clamp(min=1)).mean().item(),
-            "drca/units_per_seq": sum(len(u) for u in units) / B,
-            "drca/unitless_frac": 1 - len(with_units) / B,
-            "drca/credit_mean": avg(flat_credits),
-            "drca/credit_std": max(avg([d * d for d in flat_credits]) - avg(flat_credits) ** 2, 0.0) ** 0.5,
-            "drca/rm_calls": float(B + num_counterfactuals),
-            "drca/token_reward_clipfrac": ((raw_rewards.abs() > args.reward_clip).float() * mask).sum().item()
-            / mask.sum().item(),
-            **{k: avg(v) for k, v in stats.items()},
+            "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item(),
+            "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
             "val/sequence_lengths": lengths.mean().item(),
             "val/stop_rate": finished.float().mean().item(),
-            "optim/grad_norm": avg(grad_norms), "optim/critic_grad_norm": avg(critic_norms),
-        }
+            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
+            "drca/units_per_seq": sum(len(u) for u in units) / len(units),
+            "drca/unitless_frac": 1 - sum(1 for u in units if u) / len(units),
+            "drca/credit_mean": avg(flat), "drca/credit_std": max(avg([d * d for d in flat]) - avg(flat) ** 2, 0.0) ** 0.5,
+            "drca/rm_calls": float(len(prompts) + num_counterfactuals),  # scorer calls: responses + counterfactuals
+            "drca/token_reward_clipfrac": ((raw_rewards.abs() > args.reward_clip).float() * mask).sum().item()
+            / mask.sum().item(),
+        })
         metrics = info.mean_over_ranks(local)
         metrics["drca/rm_calls"] *= info.world_size  # per step, all ranks
-        metrics["drca/sum_identity_err"] = max(info.gather_objects(identity_err))
+        # sum_a r_a = drca_beta * sum_k d_k + (1 - drca_beta) R before clipping (0 up to rounding), max over ranks
+        metrics["drca/sum_identity_err"] = max(info.gather_objects(max([abs(raw_rewards[i].sum().item() - args.drca_beta
+            * sum(credits[i]) - (1 - args.drca_beta) * scores[i].item()) for i in range(len(units)) if units[i]], default=0.0)))
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
-                        "lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
-                        "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
+                        "objective/kl_coef": beta, "lr": scheduler.get_last_lr()[0],
+                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
+        # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
-            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, sampler=sampler, guard=guard,
-                                               best=best, first_eval=first):
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, beta=beta,
+                                               first_eval=first_eval):
                 metrics.update(evaluate(step))
             metrics.update(timer.pop())
         tracker.log(metrics, step)
         tracker.progress(1, reward=metrics["objective/scores"], units=metrics["drca/units_per_seq"])
         if args.sample_every and step % args.sample_every == 0:
-            tracker.log_samples([{"prompt": decode(prompts[i]), "completion": decode(responses[i]),
-                                  "score": scores[i].item(), "units": [decode(responses[i][s:e]) for s, e in units[i]],
+            tracker.log_samples([{"prompt": decode(prompts[i]), "completion": texts[i], "score": scores[i].item(),
+                                  "units": [decode(responses[i][s:e]) for s, e in units[i]],
                                   "credits": [round(d, 4) for d in credits[i]], "finish_reason": comps[i].finish_reason}
-                                 for i in range(0, B, args.num_generations)][:8], step)
+                                 for i in range(0, args.local_batch_size, args.num_generations)][:8], step)
 
         # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
         if ckpt.step_end(step):
-            ckpt.save(step, engines, tracker, sampler=sampler, guard=guard, best=best, first_eval=first)
+            ckpt.save(step, engines, tracker, **resumable, beta=beta, first_eval=first_eval)
             if ckpt.stopping:
                 break
     if ckpt.stopping:
         return ckpt.stop(tracker)
 
-    with ckpt.user_code(args.num_steps, engines, tracker, trained=True,
-                        sampler=sampler, guard=guard, best=best, first_eval=first):
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, beta=beta,
+                        first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    # output_dir/final and output_dir/critic (scripts/value_prediction.py), saved before the end-of-run checks
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
         save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write("held-out " + ", ".join(f"{k[5:]} {first[k]:.3f} -> {metrics[k]:.3f}" for k in headlines)
-                  + f" in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final

@@ -40,17 +40,17 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final, save_hf
 from shared.cli import derive_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                prepare, prepare_frozen, seed_everything)
+                                full_named_parameters, init_distributed, load_causal_lm, load_reference,
+                                load_tokenizer, prepare, prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.logprobs import forward_logprobs
 from shared.mismatch import mismatch_metrics
-from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.prompts import load_prompt_task
+from shared.lora import add_lora, check_lora
+from shared.prompts import load_prompt_task, task_summary
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -389,9 +389,8 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions; scored by {args.reward_model_path}")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size) + "; scored by "
+                  f"{args.reward_model_path}")
 
     # models and optimizers: policy, critic (own optimizer), frozen reference and reward model
     dtype = default_dtype(info.device)
@@ -415,10 +414,8 @@ def main(args: Args) -> str:
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
                                           args.max_grad_norm, dtype)
-    ref_policy = None
-    if args.beta > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
-        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
-                                                                                  info, dtype)
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
@@ -450,12 +447,8 @@ def main(args: Args) -> str:
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out {headline.split('/')[1]} {metrics[headline]:.3f}")
-        first_eval = metrics[headline]
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     critic.train()
     local_idx: list[int] = []
@@ -623,15 +616,13 @@ def main(args: Args) -> str:
                         first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    # output_dir/final and output_dir/critic (scripts/value_prediction.py), saved before the end-of-run checks
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
+        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out {headline.split('/')[1]} {first_eval:.3f} -> {metrics[headline]:.3f} "
-                  f"in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final

@@ -133,10 +133,8 @@ CHOICES = {
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
 }
-# the variant files: dapo.py keeps grpo.py's choices but the estimators, GSPO and CISPO; the async files generate
-# with vLLM only
-CHOICES["dapo"] = {k: v for k, v in CHOICES["grpo"].items()
-                   if k not in ("advantage_estimator", "importance_level", "policy_loss")}
+# the variant files: dapo.py keeps grpo.py's choices; the async files generate with vLLM only
+CHOICES["dapo"] = CHOICES["grpo"]
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}

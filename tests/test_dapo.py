@@ -53,10 +53,29 @@ def test_clipped_surrogate_is_grpos_token_level_one():
     assert clipped.tolist() == [[1.0, 1.0]]
 
 
+def test_overlong_penalty_hand_computed_and_as_verls():
+    """DAPO's soft overlong punishment (§3.4, Eq. 13) with L_max = max_new_tokens = 16 and L_cache = 4: 0 up to 12
+    tokens, then -(|y| - 12) / 4, -1 at 16; verl's DAPO reward manager computes it as below (penalty_factor 1)."""
+    lengths = torch.tensor([3, 12, 13, 14, 16])
+    got = dapo.overlong_penalty(lengths, 16, 4)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
+
+    def verl(valid_response_length, max_resp_len=16, overlong_buffer_len=4, overlong_penalty_factor=1.0):
+        expected_len = max_resp_len - overlong_buffer_len  # verl/workers/reward_manager/dapo.py
+        exceed_len = valid_response_length - expected_len
+        return min(-exceed_len / overlong_buffer_len * overlong_penalty_factor, 0)
+
+    assert got.tolist() == [verl(n) for n in lengths.tolist()]
+    # an all-wrong group of different lengths stays uninformative: the filter reads the rewards before the penalty
+    assert not dapo.informative_groups(torch.zeros(1, 5)).item()
+    assert dapo.informative_groups(torch.zeros(1, 5) + got).item()  # (on shaped rewards it would be kept)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max_refill_rounds", "-1"], "error: max_refill_rounds: must be in [0, inf), got -1\n"),
     (["--num_generations", "1"], "error: num_generations: GRPO needs at least 2 completions per prompt"),
-    (["--policy_loss", "cispo"], "error: --policy_loss: unknown flag; see --help\n"),  # CISPO is grpo.py's
+    (["--overlong_buffer_len", "-2"], "error: overlong_buffer_len: must be in [0, inf), got -2\n"),
+    (["--advantage_estimator", "maxrl", "--overlong_buffer_len", "4"], "error: advantage_estimator: maxrl needs rewards"),
 ])
 def test_bad_flags_exit_2_before_anything_is_written(argv, message, tmp_path, monkeypatch, capsys):
     from shared.cli import run_cli
@@ -95,8 +114,10 @@ def _sampling_counts_add_up(r: dict, num_prompts: int) -> None:
 @pytest.mark.slow
 def test_dynamic_sampling_refills_the_batch(tmp_path):
     """The SFT warm start solves some prompts of the built-in task: dynamic sampling drops the all-equal groups,
-    samples extra rounds when needed, and its counts add up."""
-    run([sys.executable, "algorithms/dapo.py", "--output_dir", str(tmp_path), *TINY_RUN, "--max_refill_rounds", "3"])
+    samples extra rounds when needed, and its counts add up (with the soft overlong penalty on the last 8 of the 16
+    tokens: it shapes the trained rewards, not the filter, so the counts are the filter's)."""
+    run([sys.executable, "algorithms/dapo.py", "--output_dir", str(tmp_path), *TINY_RUN, "--max_refill_rounds", "3",
+         "--overlong_buffer_len", "8"])
     steps = [r for r in metrics(tmp_path) if "loss/policy_avg" in r]
     assert len(steps) == 2
     for r in steps:
