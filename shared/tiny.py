@@ -48,6 +48,9 @@ RECIPES = {
     "tiny-rm": ("rm.py", "tiny-sft", ()),
     # 256,000 pairs (9 epochs): starting from an RM that already ranks whole responses, it learns the counterfactuals
     "tiny-cf-rm": ("rm.py", "tiny-rm", ("--dataset", "builtin:counterfactual", "--total_episodes", "256000")),
+    # the committed data file (its targets come from tiny-sft's own samples; the gold answers are not used)
+    "tiny-lc-sft": ("sft.py", "tiny-sft", ("--dataset", "shared/builtin_models/lc_sft/sums.jsonl", "--reward_fn",
+                                           "algorithms.calibration:reader_accuracy", "--max_new_tokens", "32")),
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
@@ -188,6 +191,10 @@ def builtin_tiny_sft() -> Path:
 def builtin_tiny_rm() -> Path:
     """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
     return builtin_model("tiny-rm")
+
+
+def builtin_tiny_lc_sft() -> Path:
+    return builtin_model("tiny-lc-sft")
 
 
 def builtin_tiny_cf_rm() -> Path:

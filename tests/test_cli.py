@@ -137,6 +137,7 @@ CHOICES = {
 # with vLLM only
 CHOICES["dapo"] = {k: v for k, v in CHOICES["grpo"].items()
                    if k not in ("advantage_estimator", "importance_level", "policy_loss")}
+CHOICES["calibration"] = {**CHOICES["dapo"], "reader": ("parser", "lm")}  # grpo.py's choices as dapo.py keeps them
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
