@@ -58,6 +58,7 @@ EXPECTED_SHA256 = {
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",
     "tiny-cf-rm": "b71ffa025fda562642ac7c12ee590d4afa394d070a387e27d4863a92091e7c0e",
+    "tiny-lc-sft": "9e7c9924ab3c3e62b11b7d922013c7bad751295ea95a6c360b94fc930d60ed67",
 }
 COMMITTED = Path(__file__).resolve().parent / "builtin_models"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

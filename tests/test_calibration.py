@@ -147,6 +147,28 @@ def test_lm_reader_parses_its_extraction_and_forecasts_a_probability():
     assert all(0 < p < 1 for p in forecasts[0].values())
 
 
+def test_the_update_is_grpo_s_the_reward_aside():
+    """calibration.py's advantages and per-token loss are grpo.py's defaults on the same numbers (only the reward
+    differs, which `diff algorithms/grpo.py algorithms/calibration.py` shows)."""
+    import torch
+
+    from algorithms import calibration as lc
+    from algorithms import grpo
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(4, 8, generator=g)
+    for scaling in ("group", "batch", "none"):
+        assert torch.equal(lc.compute_advantages(rewards, scaling), grpo.compute_advantages(rewards, scaling))
+    logp, old = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    adv, mask = torch.randn(6, 1, generator=g).expand(6, 5), (torch.rand(6, 5, generator=g) > 0.3).float()
+    for a, b in zip(lc.clipped_surrogate(logp, old, adv, 0.2, 0.28, mask), grpo.clipped_surrogate(logp, old, adv, 0.2,
+                                                                                                   0.28, mask)):
+        assert torch.equal(a, b)
+    loss = lc.clipped_surrogate(logp, old, adv, 0.2, 0.28, mask)[0]
+    assert torch.equal(lc.aggregate_loss(loss, mask, "global_token", 6, 20, 20, 1, 5),
+                       grpo.aggregate_loss(loss, mask, "global_token", 6, 20, 20, 1, 5))
+
+
 # ---- runs -----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
