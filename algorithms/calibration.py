@@ -376,7 +376,7 @@ def ece(confidence, correct, n_bins: int = 10, binning: str = "equal_width") -> 
     else:
         raise ValueError(f"binning: expected equal_width or equal_count, got {binning!r}")
     gaps = [(abs(corr[m].mean() - conf[m].mean()), len(corr[m])) for m in bins if len(corr[m])]
-    return sum(g * n for g, n in gaps) / sum(n for _, n in gaps) if gaps else float("nan")
+    return float(sum(g * n for g, n in gaps) / sum(n for _, n in gaps)) if gaps else float("nan")
 
 
 def calibration_metrics(forecasts: list[Forecast], golds: list[str], p_golds: list[float], correct: list[bool],

@@ -129,6 +129,7 @@ def test_brier_log_loss_and_empty_extractions_by_hand():
     assert m["brier_multi"] == pytest.approx(((0.3**2 + 0.3**2) + (0.6**2 + 0.8**2) + 1 + (1 + 1)) / 4)
     assert m["log_loss"] == pytest.approx(-(math.log(0.7) + math.log(0.2) + 2 * math.log(1e-4)) / 4)
     assert m["ece"] == pytest.approx((abs(0 - 0.6) + abs(1 - 0.7) + 2 * abs(0 - 1)) / 4)
+    assert all(type(v) is float for v in m.values())  # plain floats: they go into checkpoints (best.json's value)
 
 
 def test_lm_reader_parses_its_extraction_and_forecasts_a_probability():
