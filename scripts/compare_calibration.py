@@ -101,6 +101,7 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "calibration")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "calibration_reliability.png")
     a = p.parse_args()
+    a.plot = a.plot.resolve()
     env = bc.environment()
     runs, pairs, commands = {arm: {} for arm in ARMS}, {arm: [] for arm in ARMS}, {}
     for seed in a.seeds:
@@ -122,7 +123,7 @@ def main() -> None:
     diagram(pairs, a.plot)
     result = {"benchmark": "calibration", "env": env, "command": bc.invocation(), "seeds": a.seeds,
               "total_episodes": a.total_episodes, "start": START, "train_commands": commands, "runs": runs,
-              "plot": str(a.plot.relative_to(ROOT))}
+              "plot": str(a.plot.relative_to(ROOT)) if ROOT in a.plot.parents else str(a.plot)}
     path = bc.write_result("calibration", result, a.results, latest=False)
     print(f"[calibration] wrote {path}", flush=True)
 

@@ -1161,7 +1161,8 @@ def calibration_compare(d: dict) -> str:
         lines.append("")
     seeds = ", ".join(map(str, d["seeds"]))
     train = "; ".join(f"`{c}`" for c in d["train_commands"].values())
-    lines.append(f"500 held-out prompts; seeds {seeds}, mean (min-max); {d['total_episodes']:,} episodes per run. "
+    seeds = f"seeds {seeds}, mean (min-max)" if len(d["seeds"]) > 1 else f"seed {seeds}"
+    lines.append(f"500 held-out prompts; {seeds}; {d['total_episodes']:,} episodes per run. "
                  f"Trained by {train}. `{d['command']}`, {d['env']['device']}.")
     return "\n".join(lines)
 
