@@ -19,7 +19,7 @@ reward model's, and the held-out evaluation reports calibration (accuracy of the
 log-loss: calibration_metrics). The paper runs PPO; here the group is the baseline (C cancels in A_i).
 
 Launch:
-    python algorithms/calibration.py                           # CPU, built-in task, tiny model, about 10 minutes
+    python algorithms/calibration.py                           # CPU, built-in task, tiny model, about 15 minutes
     python algorithms/calibration.py --generator hf            # HF generate instead of vLLM
     python algorithms/calibration.py --model_name_or_path builtin:smollm2-135m --chat_template --reader lm \
         --prompt_template "{prompt} Sum the digits. End with one line like 13@70;14@30 (answer@percent)."
