@@ -1,22 +1,16 @@
 """Linguistic calibration: decision-based RL against a frozen reader. Docs: docs/calibration.md
 
-Paper: Linguistic Calibration of Long-Form Generations (Band et al., ICML 2024, https://arxiv.org/abs/2404.00474);
-reference code tatsu-lab/linguistic_calibration (`rl_trainer.py`, `process_eval_results.py`).
-The policy states how sure it is in its text; a frozen *reader* turns the text into a forecast: ExtractAnswers (the
-answers the text allows, A) and ForecastProbs (a probability p_a for each, and for the gold answer). The reward is the
-log-score of the reader's forecast of the gold answer, minus a penalty when the forecasts over A do not sum to 1:
+Paper: Band et al., ICML 2024, https://arxiv.org/abs/2404.00474; reference code tatsu-lab/linguistic_calibration.
+A frozen *reader* turns the policy's text into a forecast: ExtractAnswers (the answers A the text allows) and
+ForecastProbs (p_a for each, and p_gold for the gold answer). Default objective: GRPO's (algorithms/grpo.py) with
     R = log clip(p_gold, eps, 1) - lambda * |sum_{a in A} p_a - 1| + C        eps = 1e-4, lambda = 5, C = 5
+    A_i = (R_i - mean_G R) / (std_G R + 1e-4)      (the paper runs PPO; C cancels here)
 Built-in reader (`--reader parser`): a deterministic parser of the last line `13@70;14@30` (answer@percent, tens);
-`--reader lm`: a frozen LM prompted for both steps (zero-shot, docs/calibration.md). Stage 1 (summary-distillation
-SFT) is scripts/lc_sft_data.py + algorithms/sft.py, which built the default start `builtin:tiny-lc-sft`.
+`--reader lm`: a frozen LM prompted for both steps (zero-shot). Stage 1 (summary-distillation SFT):
+scripts/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
 
-Default objective: GRPO's (algorithms/grpo.py), with R as the reward of each completion:
-    J(theta) = 1/sum_i |o_i| * sum_i sum_t w_it * min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
-    A_i = (R_i - mean_G R) / (std_G R + 1e-4)
-
-Delta from GRPO (algorithms/grpo.py): the reward is the reader's (lc_reward, read_confidence), not a grader's or a
-reward model's, and the held-out evaluation reports calibration (accuracy of the reader's top answer, ECE, Brier,
-log-loss: calibration_metrics). The paper runs PPO; here the group is the baseline (C cancels in A_i).
+Delta from GRPO (algorithms/grpo.py): the reader's reward (lc_reward, read_confidence) and a held-out evaluation of
+calibration (calibration_metrics); grpo.py's other estimators, GSPO, CISPO and DPPO are not carried (as dapo.py).
 
 Launch:
     python algorithms/calibration.py                           # CPU, built-in task, tiny model, about 15 minutes
@@ -30,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -257,10 +251,8 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float, low: float = 0.0) -> torch.Tensor:
-    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached, as
-    grpo.py's (docs/mismatch.md): rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t)) truncated at C (token_truncate) or
-    kept only in [lo, C] (token_mask); sequence_*: the same with rho_seq = prod_t rho_t on every token (log clamped to
-    [-20, 20]); geometric_mask: 1 where lo <= exp(mean_t log rho_t) <= C, else 0. lo = low, or 1/C when low = 0."""
+    """Importance weights w = pi_train_old / pi_sampler against sampler/trainer mismatch, detached, as grpo.py's
+    (docs/mismatch.md): truncated at C or masked outside [lo, C], per token, per completion or by the geometric mean."""
     log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
     lo = low or 1 / cap
     if mode == "none":
@@ -281,13 +273,8 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the optimizer-step loss; num_seqs / num_tokens count the whole optimizer step on
-    this rank, num_tokens_global on all ranks. Summed over micro-batches and averaged over ranks (as DeepSpeed does
-    with gradients) this gives:
-      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
-      token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
-      global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
-      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO"""
+    """This micro-batch's share of the optimizer-step loss, as grpo.py's: seq_mean (GRPO), token_mean (per rank),
+    global_token (DAPO: over the step's tokens on all ranks), constant (Dr. GRPO: B * max_new_tokens)."""
     if mode == "seq_mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if mode == "token_mean":
@@ -309,15 +296,14 @@ def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_tr
 
 
 # ---- linguistic calibration: the reader, the reward and the calibration metrics -----------------------------------
-CONFIDENCE_LINE = re.compile(r"[0-9]+@(?:100|[1-9]?0)(?:;[0-9]+@(?:100|[1-9]?0)){0,3}")  # <= 4 candidates, tens of percent
+CONFIDENCE_LINE = re.compile(r"[0-9]+@(?:100|[1-9]?0)(?:;[0-9]+@(?:100|[1-9]?0)){0,3}")  # <= 4 answers, tens of %
 Forecast = dict  # answer -> the reader's probability, the extracted answers A in the text's order
 
 
 def read_confidence(text: str, finished: bool = True) -> Forecast:
-    """The built-in reader's ExtractAnswers + ForecastProbs on a completion: its last non-empty line, read as
-    `13@70;14@30` -> {"13": 0.7, "14": 0.3} (an answer listed twice keeps its first percentage, as the reference
-    deduplicates A) or as a bare number `13` -> {"13": 1.0} (a text without confidence statements states certainty).
-    Anything else, and a truncated completion, is the reference's "No Answer": {} (never raises)."""
+    """The built-in reader (ExtractAnswers + ForecastProbs) on a completion's last non-empty line: `13@70;14@30` ->
+    {"13": 0.7, "14": 0.3} (a repeated answer keeps its first percentage: A is deduplicated), a bare number `13` ->
+    {"13": 1.0} (certainty); anything else, and a truncated completion, is "No Answer": {} (never raises)."""
     lines = [line.strip() for line in text.split("\n") if line.strip()]
     if not finished or not lines:
         return {}
@@ -335,36 +321,29 @@ def read_confidence(text: str, finished: bool = True) -> Forecast:
 
 def lc_reward(forecast: Forecast, p_gold: float, eps: float = 1e-4, lam: float = 5.0, offset: float = 5.0) -> float:
     """R = log clip(p_gold, eps, 1) - lam * |sum_{a in A} p_a - 1| + offset (reference `compute_cross_entropy`,
-    `compute_answer_extractor_normalization`, `reward_offset`). p_gold is the reader's forecast for the gold answer,
-    scored on its own: it counts in the sum only if the gold answer was also extracted. No answer: sum 0, penalty lam."""
+    `compute_answer_extractor_normalization`, `reward_offset`); p_gold counts in the sum only if gold is in A."""
     return math.log(min(max(p_gold, eps), 1.0)) - lam * abs(sum(forecast.values()) - 1.0) + offset
 
 
 def top_answer(forecast: Forecast) -> tuple[str | None, float]:
     """The reader's prediction and confidence: the answer with the largest forecast (the first on ties); an empty
     forecast is (None, 1.0), counted incorrect with confidence 1 (the reference's worst case for accuracy and ECE)."""
-    if not forecast:
-        return None, 1.0
-    best = max(forecast, key=lambda a: forecast[a])  # max keeps the first of equal values
-    return best, forecast[best]
+    best = max(forecast, key=lambda a: forecast[a]) if forecast else None  # max keeps the first of equal values
+    return (best, forecast[best]) if forecast else (None, 1.0)
 
 
 def summary_line(answers: list[str | None], max_candidates: int = 4) -> str:
     """Summary distillation's confidence line from M = 10 sampled answers: distinct answers by count, descending
-    (ties: first seen), at most max_candidates, each with 10 * count percent (`13@70;14@30`); None (no answer) skipped."""
-    counts: dict[str, int] = {}
-    for a in answers:
-        if a is not None:
-            counts[a] = counts.get(a, 0) + 1
-    ranked = sorted(counts, key=lambda a: -counts[a])[:max_candidates]  # sorted is stable: ties stay in first-seen order
+    (ties: first seen), at most max_candidates, each with 10 * count percent (`13@70;14@30`); None skipped."""
+    counts = Counter(a for a in answers if a is not None)  # in first-seen order
+    ranked = sorted(counts, key=lambda a: -counts[a])[:max_candidates]  # stable: ties stay in first-seen order
     return ";".join(f"{a}@{round(100 * counts[a] / len(answers))}" for a in ranked)
 
 
 def ece(confidence, correct, n_bins: int = 10, binning: str = "equal_width") -> float:
     """Expected calibration error sum_b |acc_b - conf_b| * n_b / sum_b n_b, binned as the reference's `compute_ece`:
-    `equal_width`: bins from np.digitize(conf, np.linspace(0, 1, n_bins + 1)) - 1, confidence 1 in the last bin,
-    empty bins skipped; `equal_count`: sorted by confidence (stable), n_bins bins of len // n_bins examples each,
-    the len % n_bins most confident examples in no bin."""
+    `equal_width`: np.digitize(conf, np.linspace(0, 1, n_bins + 1)) - 1, confidence 1 in the last bin, empty bins
+    skipped; `equal_count`: sorted (stable), n_bins bins of len // n_bins, the len % n_bins most confident in none."""
     conf, corr = np.asarray(confidence, dtype=np.float64), np.asarray(correct, dtype=np.float64)
     if binning == "equal_width":
         idx = np.digitize(conf, np.linspace(0, 1, n_bins + 1)) - 1
@@ -381,10 +360,9 @@ def ece(confidence, correct, n_bins: int = 10, binning: str = "equal_width") -> 
 
 def calibration_metrics(forecasts: list[Forecast], golds: list[str], p_golds: list[float], correct: list[bool],
                         eps: float = 1e-4) -> dict:
-    """Held-out metrics of the reader's forecasts, one per completion: accuracy of the top answer; ece (10 equal-width
-    bins, the headline) and ece_20eq (the reference's 20 equal-count bins) of its confidence; brier = mean
-    (conf - correct)^2; brier_multi = mean [sum_{a in A, a != gold} p_a^2 + (1 - p_gold)^2] (mass on no listed answer
-    counts against the gold); log_loss = -mean log clip(p_gold, eps, 1)."""
+    """Held-out metrics of the reader's forecasts: accuracy of the top answer; ece (10 equal-width bins) and ece_20eq
+    (20 equal-count) of its confidence; brier = mean (conf - correct)^2; brier_multi = mean [sum_{a in A, a != gold}
+    p_a^2 + (1 - p_gold)^2]; log_loss = -mean log clip(p_gold, eps, 1)."""
     conf = [top_answer(f)[1] for f in forecasts]
     multi = [sum(p * p for a, p in f.items() if a != g) + (1 - pg) ** 2 for f, g, pg in zip(forecasts, golds, p_golds)]
     return {"accuracy": float(np.mean(correct)), "ece": ece(conf, correct, 10, "equal_width"),
@@ -395,8 +373,8 @@ def calibration_metrics(forecasts: list[Forecast], golds: list[str], p_golds: li
 
 
 def reader_accuracy(prompts, completions, answers, finished, rows=None, **_) -> list[float]:
-    """1.0 where the built-in reader's top answer is the gold answer: a `--reward_fn` for sft.py's held-out accuracy and
-    for grpo.py's accuracy-only baseline on the confidence format (`--reward_fn algorithms/calibration.py:reader_accuracy`)."""
+    """1.0 where the built-in reader's top answer is the gold one: `--reward_fn algorithms.calibration:reader_accuracy`
+    for sft.py's held-out accuracy and grpo.py's accuracy-only baseline on the confidence format."""
     return [float(top_answer(read_confidence(c, f))[0] == str(a).strip())
             for c, a, f in zip(completions, answers, finished)]
 
@@ -413,18 +391,16 @@ def evaluate_calibration(generator, data, read, reward_fn, decode, info, num_sam
     and seeded as every script's evaluation (shared/evaluation.py); the reader's top answer is graded by reward_fn."""
     chunks = prompt_chunks(len(data.rows))
     mine = shard(chunks, info.rank, info.world_size)
-    idx = [i for c in mine for i in c]
     outs = generate_chunks(generator, data.prompt_ids, mine, num_samples, temperature, 1.0, max_new_tokens, seed,
                            num_calls=math.ceil(len(chunks) / info.world_size))
-    rows = [data.rows[i] for i in idx for _ in range(num_samples)]
+    rows = [data.rows[i] for c in mine for i in c for _ in range(num_samples)]
     comps = [c for group in outs for c in group]
     forecasts, p_golds = read(rows, [decode(c.token_ids) for c in comps], [c.finished for c in comps])
     tops = [top_answer(f)[0] for f in forecasts]
     correct = compute_rewards(reward_fn, [x["prompt"] for x in rows], [t or "" for t in tops],
                               [x["answer"] for x in rows], [t is not None for t in tops], rows) if rows else []
     mine_out = [(f, str(r["answer"]).strip(), p, c > 0.5) for f, r, p, c in zip(forecasts, rows, p_golds, correct)]
-    everything = sum(info.gather_objects(mine_out), [])
-    metrics = calibration_metrics(*map(list, zip(*everything)), eps=eps)
+    metrics = calibration_metrics(*map(list, zip(*sum(info.gather_objects(mine_out), []))), eps=eps)  # every rank's
     return {f"{prefix}/{k}": v for k, v in metrics.items()}
 
 
@@ -534,9 +510,8 @@ def main(args: Args) -> str:
         lc = {"lc/reward": sum(scores) / n - args.lc_offset,
               "lc/log_p_gold": sum(math.log(min(max(p, args.lc_eps), 1.0)) for p in p_golds) / n,
               "lc/norm_penalty": sum(abs(sum(f.values()) - 1) for f in forecasts) / n,
-              "lc/num_answers": sum(len(f) for f in forecasts) / n,
-              "lc/no_answer_frac": sum(not f for f in forecasts) / n,
-              "lc/mean_confidence": sum(top_answer(f)[1] for f in forecasts if f) / max(sum(bool(f) for f in forecasts), 1)}
+              "lc/num_answers": sum(map(len, forecasts)) / n, "lc/no_answer_frac": sum(not f for f in forecasts) / n,
+              "lc/mean_confidence": sum(top_answer(f)[1] for f in forecasts if f) / max(sum(map(bool, forecasts)), 1)}
         return comps, texts, scores, lc
 
     # training loop
@@ -631,7 +606,7 @@ def main(args: Args) -> str:
             w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
             w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
             local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
-        local.update({**completion_metrics(scores, comps), **lc,  # objective/scores(_std), val/sequence_lengths, stop_rate
+        local.update({**completion_metrics(scores, comps), **lc,  # objective/scores, val/sequence_lengths, stop_rate
                       "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)})
         metrics = info.mean_over_ranks(local)
         metrics.update({"val/frac_reward_zero_std": zero_std_groups, "val/advantages_mean": all_adv.mean().item(),
