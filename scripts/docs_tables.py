@@ -1143,6 +1143,30 @@ def drca_localisation(d: dict) -> str:
     return "\n".join(lines)
 
 
+def calibration_compare(d: dict) -> str:
+    """scripts/compare_calibration.py: the summary-distillation start, grpo.py (accuracy reward) and calibration.py,
+    held-out accuracy, ECE, Brier and log-loss by the built-in reader: mean (min-max) over seeds."""
+    names = {"start": f"start (`{d['start']}`, no RL)", "grpo": "grpo.py, accuracy reward",
+             "calibration": "calibration.py, the reader's log-score"}
+    keys = ("accuracy", "ece", "ece_20eq", "brier", "brier_multi", "log_loss")
+
+    def cell(arm: str, mode: str, key: str) -> str:
+        xs = [r[mode][key] for r in d["runs"][arm].values()]
+        return f"{sum(xs) / len(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+    lines = []
+    for mode, what in (("sampled", "one sample per prompt at T = 1"), ("greedy", "greedy")):
+        lines += [f"| arm ({mode}) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        lines += [f"| {names[arm]} | " + " | ".join(cell(arm, mode, k) for k in keys) + " |" for arm in names]
+        lines.append("")
+    seeds = ", ".join(map(str, d["seeds"]))
+    train = "; ".join(f"`{c}`" for c in d["train_commands"].values())
+    seeds = f"seeds {seeds}, mean (min-max)" if len(d["seeds"]) > 1 else f"seed {seeds}"
+    lines.append(f"500 held-out prompts; {seeds}; {d['total_episodes']:,} episodes per run. "
+                 f"Trained by {train}. `{d['command']}`, {d['env']['device']}.")
+    return "\n".join(lines)
+
+
 def sums_calibration(d: dict) -> str:
     """scripts/calibrate_sums.py: sampled held-out accuracy of builtin:sums-N after the SFT recipe, per N."""
     lines = ["| task | steps per response | held-out accuracy after SFT | minutes |", "|---|---|---|---|"]
@@ -1332,7 +1356,7 @@ def mismatch_bench(d: dict) -> str:
                  + _provenance(d, "python scripts/bench_mismatch.py"))
     return "\n".join(lines)
 
-RENDERERS = {"async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "results_overview": results_overview, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,

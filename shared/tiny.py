@@ -48,6 +48,9 @@ RECIPES = {
     "tiny-rm": ("rm.py", "tiny-sft", ()),
     # 256,000 pairs (9 epochs): starting from an RM that already ranks whole responses, it learns the counterfactuals
     "tiny-cf-rm": ("rm.py", "tiny-rm", ("--dataset", "builtin:counterfactual", "--total_episodes", "256000")),
+    # the committed data file (its targets come from tiny-sft's own samples; the gold answers are not used)
+    "tiny-lc-sft": ("sft.py", "tiny-sft", ("--dataset", "shared/builtin_models/lc_sft/sums.jsonl", "--reward_fn",
+                                           "algorithms.calibration:reader_accuracy", "--max_new_tokens", "32")),
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
@@ -55,6 +58,7 @@ EXPECTED_SHA256 = {
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",
     "tiny-cf-rm": "b71ffa025fda562642ac7c12ee590d4afa394d070a387e27d4863a92091e7c0e",
+    "tiny-lc-sft": "9e7c9924ab3c3e62b11b7d922013c7bad751295ea95a6c360b94fc930d60ed67",
 }
 COMMITTED = Path(__file__).resolve().parent / "builtin_models"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +192,10 @@ def builtin_tiny_sft() -> Path:
 def builtin_tiny_rm() -> Path:
     """Path of the Bradley-Terry reward model trained by `algorithms/rm.py` (defaults) from `builtin:tiny-sft`."""
     return builtin_model("tiny-rm")
+
+
+def builtin_tiny_lc_sft() -> Path:
+    return builtin_model("tiny-lc-sft")
 
 
 def builtin_tiny_cf_rm() -> Path:

@@ -118,6 +118,11 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
                              "--max_prompt_length", "24", "--reward_fn", "builtin", *LORA], 2),
         "grpo_lora": ("grpo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes",
                                "80", "--num_generations", "4", "--beta", "0.05", *LORA], 3),
+        # the reader's reward on the confidence format of builtin:tiny-lc-sft (tests/test_calibration.py)
+        "calibration": ("calibration", [*with_flag(with_flag(RL_SMALL, "--model_name_or_path", "builtin:tiny-lc-sft"),
+                                                   "--max_new_tokens", "24"), "--dataset", d["prompts"],
+                                        "--reward_fn", "builtin", "--total_episodes", "64", "--num_generations", "4",
+                                        "--beta", "0.05"], 2),
         "repulse": ("repulse", ["--total_episodes", "240", "--num_generations", "20", "--local_micro_batch_size", "20",
                                 "--eval_num_samples", "40", "--eval_every", "2", "--sample_every", "2"], 3),
     }

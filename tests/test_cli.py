@@ -133,8 +133,12 @@ CHOICES = {
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
 }
-# the variant files: dapo.py keeps grpo.py's choices; the async files generate with vLLM only
+# the variant files: dapo.py keeps grpo.py's choices; calibration.py leaves out the estimators, GSPO and CISPO; the
+# async files generate with vLLM only
 CHOICES["dapo"] = CHOICES["grpo"]
+CHOICES["calibration"] = {**{k: v for k, v in CHOICES["grpo"].items()
+                             if k not in ("advantage_estimator", "importance_level", "policy_loss")},
+                          "reader": ("parser", "lm")}
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}

@@ -1,0 +1,649 @@
+"""Linguistic calibration: decision-based RL against a frozen reader. Docs: docs/calibration.md
+
+Paper: Band et al., ICML 2024, https://arxiv.org/abs/2404.00474; reference code tatsu-lab/linguistic_calibration.
+A frozen *reader* turns the policy's text into a forecast: ExtractAnswers (the answers A the text allows) and
+ForecastProbs (p_a for each, and p_gold for the gold answer). Default objective: GRPO's (algorithms/grpo.py) with
+    R = log clip(p_gold, eps, 1) - lambda * |sum_{a in A} p_a - 1| + C        eps = 1e-4, lambda = 5, C = 5
+    A_i = (R_i - mean_G R) / (std_G R + 1e-4)      (the paper runs PPO; C cancels here)
+Built-in reader (`--reader parser`): a deterministic parser of the last line `13@70;14@30` (answer@percent, tens);
+`--reader lm`: a frozen LM prompted for both steps (zero-shot). Stage 1 (summary-distillation SFT):
+scripts/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
+
+Delta from GRPO (algorithms/grpo.py): the reader's reward (lc_reward, read_confidence) and a held-out evaluation of
+calibration (calibration_metrics); grpo.py's other estimators, GSPO, CISPO and DPPO are not carried (grpo.py has them).
+
+Launch:
+    python algorithms/calibration.py                           # CPU, built-in task, tiny model, about 15 minutes
+    python algorithms/calibration.py --generator hf            # HF generate instead of vLLM
+    python algorithms/calibration.py --model_name_or_path builtin:smollm2-135m --chat_template --reader lm \
+        --prompt_template "{prompt} Sum the digits. End with one line like 13@70;14@30 (answer@percent)."
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+import tyro
+from annotated_types import Ge, Gt, Interval
+
+from shared import data as data_utils
+from shared.checkpoint import BestModel, Checkpointer, save_final
+from shared.cli import derive_sizes, run_cli
+from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
+                                load_causal_lm, load_reference, load_tokenizer, prepare, seed_everything)
+from shared.evaluation import eval_seed, generate_chunks, prompt_chunks, shard
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
+from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
+from shared.mismatch import mismatch_metrics
+from shared.lora import add_lora, check_lora
+from shared.prompts import load_prompt_task, task_summary
+from shared.reader import LMReader
+from shared.rewards import compute_rewards
+from shared.models import resolve_model_path
+from shared.tracking import Timer, Tracker
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = "calibration"
+    """the name of this experiment (prefix of the run name)"""
+    seed: Annotated[int, Interval(ge=0, le=2**31 - 1)] = 1  # numpy takes seeds < 2**32; each rank adds rank * 100003
+    """seed of the experiment (init, data order, sampling)"""
+    output_dir: str = "runs/calibration"
+    """where metrics.jsonl, samples.jsonl and the final HF checkpoint (output_dir/final) are written"""
+    model_name_or_path: str = "builtin:tiny-lc-sft"
+    """hub name or local path of the policy; `builtin:tiny-lc-sft`: builtin:tiny-sft after summary-distillation SFT"""
+    dataset: str = "builtin"
+    """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
+    train_split: str = "train"
+    """dataset split to train on"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    prompt_key: str = "prompt"
+    """dataset column holding the prompt"""
+    answer_key: str = "answer"
+    """dataset column of the gold answer (the reader's forecast of it is the reward)"""
+    prompt_template: str = "{prompt}"
+    """template applied to the prompt; `{prompt}` is replaced (VinePPO: `[MATH_TASK] Problem:\\n{prompt}\\n\\nSolution:`)"""
+    chat_template: bool = False
+    """wrap the prompt with the tokenizer's chat template (as a user turn)"""
+    max_prompt_length: Annotated[int, Ge(1)] = 256
+    """prompts longer than this many tokens are dropped (and counted)"""
+    reward_fn: str = "auto"
+    """grader that decides whether the reader's top answer is correct: `auto` (by dataset), `builtin`, or `module:function`"""
+    report_to: Literal["none", "wandb", "trackio"] = "none"
+    """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
+    project: str = "cleanrlhf"
+    """wandb / trackio project name"""
+    verbose: bool = False
+    """show library INFO/WARNING logs (vLLM, transformers, DeepSpeed, accelerate)"""
+    generator: Literal["vllm", "hf"] = "vllm"
+    """generation backend: `vllm` (colocated in-process engine) or `hf` (model.generate)"""
+    vllm_gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
+    """fraction of GPU memory vLLM may take (GPU only)"""
+    vllm_enable_sleep: bool = False
+    """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    gradient_checkpointing: bool = True
+    """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
+    lora_r: Annotated[int, Ge(0)] = 0
+    """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: Annotated[int, Ge(1)] = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """how vLLM gets a LoRA policy: merged weights (`merged`) or the adapter alone, served by vLLM's LoRA (`adapter`); docs/lora.md"""
+    save_model: bool = True
+    """save the final policy as an HF checkpoint in output_dir/final"""
+
+    # reliability (shared/checkpoint.py; docs/grpo.md#reliability)
+    save_every: Annotated[int, Ge(0)] = 25
+    """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
+    keep_checkpoints: Annotated[int, Ge(1)] = 2
+    """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
+    resume: str = "auto"
+    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
+    stop_after_steps: Annotated[int, Ge(0)] = 0
+    """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
+    max_nonfinite_steps: Annotated[int, Ge(0)] = 10
+    """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
+    best_metric: str = "dev/log_loss:min"
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none)"""
+
+    # algorithm args
+    total_episodes: Annotated[int, Ge(1)] = 102400
+    """total completions to sample over the run (steps = total_episodes / batch_size)"""
+    learning_rate: Annotated[float, Gt(0)] = 1e-4
+    """AdamW learning rate (constant after warm-up)"""
+    warmup_steps: Annotated[int, Ge(0)] = 5
+    """linear learning-rate warm-up steps"""
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
+    """gradient clipping norm"""
+    num_generations: Annotated[int, Ge(1)] = 8
+    """G: completions per prompt (the group); must be > 1"""
+    local_num_prompts: Annotated[int, Ge(1)] = 64
+    """prompts per rank per step (local_batch_size = local_num_prompts * num_generations completions)"""
+    num_minibatches: Annotated[int, Ge(1)] = 2
+    """optimizer steps per pass over the batch"""
+    local_micro_batch_size: Annotated[int, Ge(1)] = 64
+    """completions per forward/backward on each rank (HF `per_device_train_batch_size`); memory: docs/performance.md"""
+    micro_batching: Literal["padded", "sorted", "packed"] = "padded"
+    """rows of a forward: `padded` (to the batch's longest), `sorted` (by length) or `packed` (several per row); docs/grpo.md"""
+    num_iterations: Annotated[int, Ge(1)] = 2
+    """mu: passes over each batch; >1 reuses samples with the clipped ratio against the sampling-time log-probs"""
+    temperature: Annotated[float, Gt(0)] = 1.0
+    """sampling temperature; trainer logits are divided by it too"""
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
+    """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
+    max_new_tokens: Annotated[int, Ge(1)] = 32
+    """completion length limit; a completion that hits it has no answer for the reader (the lowest reward)"""
+    stop: tuple[str, ...] = ()
+    """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
+    advantage_scaling: Literal["group", "batch", "none"] = "group"
+    """`group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
+    """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
+    epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound)"""
+    epsilon_high: Annotated[float, Ge(0)] = 0.28
+    """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    beta: Annotated[float, Ge(0)] = 0.0
+    """KL loss coefficient; 0 skips the reference model entirely"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
+        "token_truncate"
+    """sampler/trainer mismatch correction: `none`, per token, per completion or by its geometric mean; docs/mismatch.md"""
+    tis_cap: Annotated[float, Gt(0)] = 2.0
+    """C: cap of the truncated weight w = pi_train_old / pi_sampler, upper bound of the masks' kept range [lo, C]"""
+    tis_mask_low: Annotated[float, Ge(0)] = 0.0
+    """lo: lower bound of the masks' kept range (0: 1/C)"""
+    entropy_coef: Annotated[float, Ge(0)] = 0.0
+    """entropy bonus: entropy_coef * token entropy is subtracted from every token's loss (0: off)"""
+    eval_every: Annotated[int, Ge(0)] = 25
+    """evaluate on the held-out split every this many steps (0: only before and after training)"""
+    eval_num_prompts: Annotated[int, Ge(0)] = 500
+    """held-out prompts per evaluation (a fixed-seed sample of the eval split, the same for every run)"""
+    dev_num_prompts: Annotated[int, Ge(0)] = 100
+    """dev slice: train prompts kept out of training (<= 10%), evaluated with the held-out set; picks output_dir/best (0: none)"""
+    eval_num_samples: Annotated[int, Ge(1)] = 1
+    """samples per held-out prompt (every sample is one forecast in the metrics)"""
+    eval_temperature: Annotated[float, Ge(0)] = 1.0
+    """sampling temperature for evaluation"""
+    sample_every: Annotated[int, Ge(0)] = 25
+    """log a table of sample completions every this many steps"""
+    reader: Literal["parser", "lm"] = "parser"
+    """`parser`: the built-in reader of `answer@percent;...` last lines; `lm`: a frozen LM prompted to extract and forecast"""
+    reader_model_path: str = ""
+    """the LM reader (`--reader lm`); empty: the policy's starting model, frozen"""
+    reader_max_new_tokens: Annotated[int, Ge(1)] = 32
+    """`--reader lm`: token limit of the answer extraction"""
+    lc_eps: Annotated[float, Interval(gt=0, lt=1)] = 1e-4
+    """eps: the reader's probability of the gold answer is clipped to [eps, 1] before the log"""
+    lc_lambda: Annotated[float, Ge(0)] = 5.0
+    """lambda: weight of the penalty |sum of the reader's probabilities over the extracted answers - 1|"""
+    lc_offset: Annotated[float, Ge(0)] = 5.0
+    """C: constant added to every reward (the reference's reward offset; no effect on group-centred advantages)"""
+
+    # to be filled at runtime
+    world_size: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    num_prompts: tyro.conf.Suppress[int] = 0
+    local_minibatch_size: tyro.conf.Suppress[int] = 0
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 0
+    num_steps: tyro.conf.Suppress[int] = 0
+
+
+# ALGO LOGIC: algorithm-local pure functions
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G], one per completion: (r_i - mean_G r) / (std + eps), std Bessel-corrected
+    (TRL `nanstd`) of the group (`group`, DeepSeekMath §4.1.2) or of the batch (`batch`), or no division
+    (`none`, Dr. GRPO). A group whose rewards are all equal gets exactly zero advantage (no NaN)."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if scaling == "none":
+        return centered
+    if scaling == "group":
+        return centered / (rewards.std(dim=1, keepdim=True) + eps)
+    if scaling == "batch":
+        return centered / (rewards.std() + eps)
+    raise ValueError(f"advantage_scaling: expected group, batch or none, got {scaling!r}")
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
+    d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
+
+
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                      eps_high: float, mask: torch.Tensor | None = None):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
+    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
+    inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
+    return loss, is_clipped.float(), ratio
+
+
+def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
+                cap: float, low: float = 0.0) -> torch.Tensor:
+    """Importance weights w = pi_train_old / pi_sampler against sampler/trainer mismatch, detached, as grpo.py's
+    (docs/mismatch.md): truncated at C or masked outside [lo, C], per token, per completion or by the geometric mean."""
+    log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
+    lo = low or 1 / cap
+    if mode == "none":
+        return torch.ones_like(log_w)
+    if mode == "geometric_mask":
+        g = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+        return ((g >= lo) & (g <= cap)).float()
+    if mode.startswith("sequence_"):
+        log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
+    w = torch.exp(log_w)
+    if mode.endswith("_truncate"):
+        return w.clamp(max=cap)
+    if mode.endswith("_mask"):
+        return w * ((w <= cap) & (w >= lo)).float()
+    raise ValueError("tis: expected none, token_truncate, token_mask, sequence_truncate, sequence_mask or "
+                     f"geometric_mask, got {mode!r}")
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
+                   num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the optimizer-step loss, as grpo.py's: seq_mean (GRPO), token_mean (per rank),
+    global_token (DAPO: over the step's tokens on all ranks), constant (Dr. GRPO: B * max_new_tokens)."""
+    if mode == "seq_mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    if mode == "token_mean":
+        return (loss * mask).sum() / max(num_tokens, 1)
+    if mode == "global_token":
+        return (loss * mask).sum() * world_size / max(num_tokens_global, 1)
+    if mode == "constant":
+        return (loss * mask).sum() / (num_seqs * max_new_tokens)
+    raise ValueError(f"loss_aggregation: expected seq_mean, token_mean, global_token or constant, got {mode!r}")
+
+
+def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """[B, L-1] loss mask aligned with forward_logprobs (position t predicts token t+1): 1 on completion tokens,
+    EOS included; rows of truncated completions (no EOS) are zeroed when mask_truncated (DAPO overlong filter)."""
+    mask = response_mask[:, 1:].float()
+    if mask_truncated:
+        mask = mask * finished.float().to(mask.device)[:, None]
+    return mask
+
+
+# ---- linguistic calibration: the reader, the reward and the calibration metrics -----------------------------------
+CONFIDENCE_LINE = re.compile(r"[0-9]+@(?:100|[1-9]?0)(?:;[0-9]+@(?:100|[1-9]?0)){0,3}")  # <= 4 answers, tens of %
+Forecast = dict  # answer -> the reader's probability, the extracted answers A in the text's order
+
+
+def read_confidence(text: str, finished: bool = True) -> Forecast:
+    """The built-in reader (ExtractAnswers + ForecastProbs) on a completion's last non-empty line: `13@70;14@30` ->
+    {"13": 0.7, "14": 0.3} (a repeated answer keeps its first percentage: A is deduplicated), a bare number `13` ->
+    {"13": 1.0} (certainty); anything else, and a truncated completion, is "No Answer": {} (never raises)."""
+    lines = [line.strip() for line in text.split("\n") if line.strip()]
+    if not finished or not lines:
+        return {}
+    last = lines[-1]
+    if re.fullmatch(r"[0-9]+", last):
+        return {str(int(last)): 1.0}
+    if not CONFIDENCE_LINE.fullmatch(last):
+        return {}
+    out: Forecast = {}
+    for item in last.split(";"):
+        answer, percent = item.split("@")
+        out.setdefault(str(int(answer)), int(percent) / 100)
+    return out
+
+
+def lc_reward(forecast: Forecast, p_gold: float, eps: float = 1e-4, lam: float = 5.0, offset: float = 5.0) -> float:
+    """R = log clip(p_gold, eps, 1) - lam * |sum_{a in A} p_a - 1| + offset (reference `compute_cross_entropy`,
+    `compute_answer_extractor_normalization`, `reward_offset`); p_gold counts in the sum only if gold is in A."""
+    return math.log(min(max(p_gold, eps), 1.0)) - lam * abs(sum(forecast.values()) - 1.0) + offset
+
+
+def top_answer(forecast: Forecast) -> tuple[str | None, float]:
+    """The reader's prediction and confidence: the answer with the largest forecast (the first on ties); an empty
+    forecast is (None, 1.0), counted incorrect with confidence 1 (the reference's worst case for accuracy and ECE)."""
+    best = max(forecast, key=lambda a: forecast[a]) if forecast else None  # max keeps the first of equal values
+    return (best, forecast[best]) if forecast else (None, 1.0)
+
+
+def summary_line(answers: list[str | None], max_candidates: int = 4) -> str:
+    """Summary distillation's confidence line from M = 10 sampled answers: distinct answers by count, descending
+    (ties: first seen), at most max_candidates, each with 10 * count percent (`13@70;14@30`); None skipped."""
+    counts = Counter(a for a in answers if a is not None)  # in first-seen order
+    ranked = sorted(counts, key=lambda a: -counts[a])[:max_candidates]  # stable: ties stay in first-seen order
+    return ";".join(f"{a}@{round(100 * counts[a] / len(answers))}" for a in ranked)
+
+
+def ece(confidence, correct, n_bins: int = 10, binning: str = "equal_width") -> float:
+    """Expected calibration error sum_b |acc_b - conf_b| * n_b / sum_b n_b, binned as the reference's `compute_ece`:
+    `equal_width`: np.digitize(conf, np.linspace(0, 1, n_bins + 1)) - 1, confidence 1 in the last bin, empty bins
+    skipped; `equal_count`: sorted (stable), n_bins bins of len // n_bins, the len % n_bins most confident in none."""
+    conf, corr = np.asarray(confidence, dtype=np.float64), np.asarray(correct, dtype=np.float64)
+    if binning == "equal_width":
+        idx = np.digitize(conf, np.linspace(0, 1, n_bins + 1)) - 1
+        idx[conf == 1] = n_bins - 1
+        bins = [idx == b for b in range(n_bins)]
+    elif binning == "equal_count":
+        order, size = np.argsort(conf, kind="stable"), len(conf) // n_bins
+        bins = [order[b * size : (b + 1) * size] for b in range(n_bins)] if size else []
+    else:
+        raise ValueError(f"binning: expected equal_width or equal_count, got {binning!r}")
+    gaps = [(abs(corr[m].mean() - conf[m].mean()), len(corr[m])) for m in bins if len(corr[m])]
+    return float(sum(g * n for g, n in gaps) / sum(n for _, n in gaps)) if gaps else float("nan")
+
+
+def calibration_metrics(forecasts: list[Forecast], golds: list[str], p_golds: list[float], correct: list[bool],
+                        eps: float = 1e-4) -> dict:
+    """Held-out metrics of the reader's forecasts: accuracy of the top answer; ece (10 equal-width bins) and ece_20eq
+    (20 equal-count) of its confidence; brier = mean (conf - correct)^2; brier_multi = mean [sum_{a in A, a != gold}
+    p_a^2 + (1 - p_gold)^2]; log_loss = -mean log clip(p_gold, eps, 1)."""
+    conf = [top_answer(f)[1] for f in forecasts]
+    multi = [sum(p * p for a, p in f.items() if a != g) + (1 - pg) ** 2 for f, g, pg in zip(forecasts, golds, p_golds)]
+    return {"accuracy": float(np.mean(correct)), "ece": ece(conf, correct, 10, "equal_width"),
+            "ece_20eq": ece(conf, correct, 20, "equal_count"),
+            "brier": float(np.mean([(c - float(k)) ** 2 for c, k in zip(conf, correct)])),
+            "brier_multi": float(np.mean(multi)),
+            "log_loss": float(np.mean([-math.log(min(max(p, eps), 1.0)) for p in p_golds]))}
+
+
+def reader_accuracy(prompts, completions, answers, finished, rows=None, **_) -> list[float]:
+    """1.0 where the built-in reader's top answer is the gold one: `--reward_fn algorithms.calibration:reader_accuracy`
+    for sft.py's held-out accuracy and grpo.py's accuracy-only baseline on the confidence format."""
+    return [float(top_answer(read_confidence(c, f))[0] == str(a).strip())
+            for c, a, f in zip(completions, answers, finished)]
+
+
+def parser_reader(rows: list[dict], texts: list[str], finished: list[bool]) -> tuple[list[Forecast], list[float]]:
+    """`--reader parser`: read_confidence on every completion; ForecastProbs(gold) = its percentage, 0 if not listed."""
+    forecasts = [read_confidence(t, f) for t, f in zip(texts, finished)]
+    return forecasts, [f.get(str(r["answer"]).strip(), 0.0) for f, r in zip(forecasts, rows)]
+
+
+def evaluate_calibration(generator, data, read, reward_fn, decode, info, num_samples: int, temperature: float,
+                         max_new_tokens: int, seed: int, eps: float, prefix: str) -> dict:
+    """calibration_metrics of the reader's forecasts on one held-out set (`eval`, `dev`), its prompts cut into chunks
+    and seeded as every script's evaluation (shared/evaluation.py); the reader's top answer is graded by reward_fn."""
+    chunks = prompt_chunks(len(data.rows))
+    mine = shard(chunks, info.rank, info.world_size)
+    outs = generate_chunks(generator, data.prompt_ids, mine, num_samples, temperature, 1.0, max_new_tokens, seed,
+                           num_calls=math.ceil(len(chunks) / info.world_size))
+    rows = [data.rows[i] for c in mine for i in c for _ in range(num_samples)]
+    comps = [c for group in outs for c in group]
+    forecasts, p_golds = read(rows, [decode(c.token_ids) for c in comps], [c.finished for c in comps])
+    tops = [top_answer(f)[0] for f in forecasts]
+    correct = compute_rewards(reward_fn, [x["prompt"] for x in rows], [t or "" for t in tops],
+                              [x["answer"] for x in rows], [t is not None for t in tops], rows) if rows else []
+    mine_out = [(f, str(r["answer"]).strip(), p, c > 0.5) for f, r, p, c in zip(forecasts, rows, p_golds, correct)]
+    metrics = calibration_metrics(*map(list, zip(*sum(info.gather_objects(mine_out), []))), eps=eps)  # every rank's
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def validate(args: Args) -> None:
+    """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
+    if args.num_generations < 2:
+        raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
+
+
+def main(args: Args) -> str:
+    # TRY NOT TO MODIFY: derived sizes (local_* is per rank)
+    validate(args)
+    info = init_distributed()
+    derive_sizes(args, info.world_size)  # batch_size, local_minibatch_size, num_steps, ... (shared/cli.py)
+
+    # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
+    seed_everything(args.seed)
+    local_seed = args.seed + info.rank * 100003  # a prime offset per rank, as vwxyzjn/summarize_from_feedback_details
+
+    # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
+    model_path = resolve_model_path(args.model_name_or_path)
+    reader_path = resolve_model_path(args.reader_model_path or args.model_name_or_path, "reader_model_path")
+    tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
+    # train / held-out / dev prompts with gold answers, and the grader of the reader's top answer
+    train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
+    sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    headline = "eval/ece"  # the held-out number printed at start and end
+
+    # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
+    ckpt = Checkpointer(args, info)
+    run_name = info.broadcast_object(f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
+                      args.project, resume=ckpt.tracker_state)
+    if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
+                      "val/sampler_kl and the TIS ratios show how much")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
+
+    # models and optimizer
+    dtype = default_dtype(info.device)
+    policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    if args.micro_batching == "packed":  # a model that cannot pack: one line now, not wrong gradients later
+        check_packing(policy, train_data.prompt_ids)
+    policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
+                                           args.gradient_accumulation_steps, args.max_grad_norm, dtype)
+    read = parser_reader  # the frozen reader: (rows, texts, finished) -> (forecasts over A, p_gold)
+    if args.reader == "lm":
+        read = LMReader(load_causal_lm(reader_path, dtype).to(info.device), load_tokenizer(reader_path),
+                        args.reader_max_new_tokens)
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
+    seed_everything(local_seed)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
+    best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
+
+    # generation engine
+    generator = make_generator(args.generator, model_path=model_path, model=policy.module, tokenizer=tokenizer,
+                               dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                               world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep, lora_sync=args.lora_sync)
+    decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
+
+    def evaluate(step: int) -> dict:  # the reader's accuracy, ECE, Brier and log-loss on eval and dev
+        metrics = {}
+        for prefix, data in {"eval": eval_data, "dev": dev_data}.items():
+            if data.rows:
+                metrics |= evaluate_calibration(generator, data, read, reward_fn, decode, info, args.eval_num_samples,
+                                                args.eval_temperature, args.max_new_tokens, eval_seed(args.seed),
+                                                args.lc_eps, prefix)
+        return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
+
+    # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG
+    engines = {"policy": policy}
+    resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
+    start_step, state = ckpt.restore(engines, **resumable)
+    first_eval = state.get("first_eval")
+    if start_step:  # the engine was built from model_path: give it the resumed weights
+        generator.sync_weights(full_named_parameters(policy, info))
+
+    def rollout(step: int) -> tuple[list[int], list, list[str], list[float], dict]:
+        """1. rollout and 2. reward: this rank's slice of the next num_prompts prompts, G samples each (global prompt i
+        seeded by index i), scored. Returns its prompt indices, completions ([P_local * G]), texts and rewards."""
+        with timer("generate"):
+            global_idx = sampler.next_indices(args.num_prompts)
+            local_idx = global_idx[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
+            outs = generator.generate([train_data.prompt_ids[i] for i in local_idx], n=args.num_generations,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed * 7_919 + step,
+                                      index_offset=info.rank * args.local_num_prompts)
+            generator.sleep(level=2)  # --vllm_enable_sleep: free the GPU for training (the sync replaces the weights)
+        return (local_idx, *score(step, local_idx, outs))
+
+    def score(step: int, local_idx: list[int], outs: list) -> tuple[list, list[str], list[float], dict]:
+        """2. reward of a rollout's samples: completions (prompt-major: [P_local * G]), texts, rewards, lc/ metrics."""
+        comps = [c for group in outs for c in group]  # prompt-major: [P_local * G]
+        rows = [train_data.rows[i] for i in local_idx for _ in range(args.num_generations)]
+        with timer("reward"):  # the frozen reader's forecasts, then R = log clip(p_gold) - lambda |sum - 1| + C
+            texts = [decode(c.token_ids) for c in comps]
+            forecasts, p_golds = read(rows, texts, [c.finished for c in comps])
+            scores = [lc_reward(f, p, args.lc_eps, args.lc_lambda, args.lc_offset) for f, p in zip(forecasts, p_golds)]
+        n = max(len(comps), 1)
+        lc = {"lc/reward": sum(scores) / n - args.lc_offset,
+              "lc/log_p_gold": sum(math.log(min(max(p, args.lc_eps), 1.0)) for p in p_golds) / n,
+              "lc/norm_penalty": sum(abs(sum(f.values()) - 1) for f in forecasts) / n,
+              "lc/num_answers": sum(map(len, forecasts)) / n, "lc/no_answer_frac": sum(not f for f in forecasts) / n,
+              "lc/mean_confidence": sum(top_answer(f)[1] for f in forecasts if f) / max(sum(map(bool, forecasts)), 1)}
+        return comps, texts, scores, lc
+
+    # training loop
+    timer = Timer()
+    start = time.time()
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
+    policy.train()
+    local_idx: list[int] = []
+    for step in range(start_step + 1, args.num_steps + 1):
+        ckpt.step_start(tracker, **resumable, first_eval=first_eval)
+        # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
+        local_idx, comps, texts, scores, lc = rollout(step)
+
+        # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+        input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
+                                                     info.device)
+        lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
+
+        # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
+        mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
+        all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
+        all_scores = all_scores.view(args.num_prompts, args.num_generations)
+        all_adv = compute_advantages(all_scores, args.advantage_scaling)
+        zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
+        adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
+        adv_tok = adv.to(info.device)[:, None].expand_as(mask)
+
+        # 5. log-probs before the update: old (for the ratio and TIS) and reference (for the KL term)
+        reuse = args.num_iterations > 1 or args.num_minibatches > 1  # else pi_old is the update's own log-probs
+        with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
+            old_logp, ref_logp = batch_logprobs([policy if reuse else None, ref_policy], input_ids, attn, resp, lengths,
+                                                args.local_batch_size // args.local_micro_batch_size,
+                                                args.micro_batching, args.temperature)
+
+        # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
+        stats = defaultdict(list)  # metric name -> one value per micro-batch
+        grad_norms = []
+        with timer("train"):
+            for _ in range(args.num_iterations):
+                perm = torch.randperm(args.local_batch_size)
+                for mb in range(args.num_minibatches):
+                    mb_idx = perm[mb * args.local_minibatch_size : (mb + 1) * args.local_minibatch_size]
+                    mb_tokens = mask[mb_idx].sum()
+                    global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
+                    # exactly gradient_accumulation_steps micro-batches (DeepSpeed's boundary; ZeRO-3's collectives)
+                    for idx in data_utils.micro_batches(mb_idx.tolist(), lengths, args.gradient_accumulation_steps,
+                                                        args.micro_batching):
+                        m_mask = mask[idx]
+                        logp, entropy = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
+                                                             args.micro_batching, args.temperature, True)
+                        logp_old = old_logp[idx] if reuse else logp.detach()
+                        if not reuse:
+                            old_logp[idx] = logp_old  # for the step's mismatch metrics
+                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                  args.epsilon_high, m_mask)
+                        # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
+                        w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
+                        per_token = pg * w
+                        if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
+                            per_token = per_token - args.entropy_coef * entropy
+                        kl = torch.zeros_like(logp)
+                        if ref_policy is not None:
+                            kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator, m_mask)
+                            per_token = per_token + args.beta * kl  # KL in the loss, same aggregator as the PG term
+                        loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
+                                              int(mb_tokens.item()), int(global_tokens), info.world_size,
+                                              args.max_new_tokens)
+                        guard.backward(policy, loss)
+                        norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
+                        grad_norms += [norm] if norm is not None else []
+                        with torch.no_grad():  # masked token means for logging
+                            n = m_mask.sum().clamp(min=1)
+                            mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
+                            for k, v in {"loss/policy_avg": mm(pg), "policy/clipfrac_avg": mm(is_clipped),
+                                         "policy/approxkl_avg": mm(0.5 * (logp - logp_old) ** 2),
+                                         "objective/kl": (kl * m_mask).sum(1).mean(), "objective/entropy": mm(entropy),
+                                         "val/ratio": mm(ratio), "val/ratio_var": mm((ratio - mm(ratio)) ** 2)}.items():
+                                stats[k].append(v.item())
+
+        # 7. weight sync: push the updated policy into the generation engine
+        with timer("sync"):
+            generator.wake_up()
+            generator.sync_weights(full_named_parameters(policy, info))
+
+        # 8. log (reduced over ranks once per step)
+        local = {k: sum(v) / len(v) for k, v in stats.items()}
+        with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
+        local.update({**completion_metrics(scores, comps), **lc,  # objective/scores, val/sequence_lengths, stop_rate
+                      "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1)})
+        metrics = info.mean_over_ranks(local)
+        metrics.update({"val/frac_reward_zero_std": zero_std_groups, "val/advantages_mean": all_adv.mean().item(),
+                        "val/advantages_std": all_adv.std().item(), "lr": scheduler.get_last_lr()[0],
+                        "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
+        # evaluation: the engine holds this step's weights (synced above)
+        if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
+            with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable, first_eval=first_eval):
+                metrics.update(evaluate(step))
+            metrics.update(timer.pop())
+        tracker.log(metrics, step)
+        tracker.progress(1, reward=metrics["objective/scores"])  # and the last held-out accuracy
+        if args.sample_every and step % args.sample_every == 0:
+            tracker.log_samples([{"prompt": decode(train_data.prompt_ids[local_idx[i // args.num_generations]]),
+                                  "completion": texts[i], "reward": scores[i], "finish_reason": comps[i].finish_reason}
+                                 for i in range(0, len(comps), args.num_generations)][:8], step)
+
+        # TRY NOT TO MODIFY: checkpoint every save_every steps, at stop_after_steps, and on SIGTERM/SIGINT
+        if ckpt.step_end(step):
+            ckpt.save(step, engines, tracker, **resumable, first_eval=first_eval)
+            if ckpt.stopping:
+                break
+    if ckpt.stopping:
+        return ckpt.stop(tracker)
+
+    with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
+        metrics = evaluate(args.num_steps)
+    metrics["time/total"] = time.time() - start
+    # output_dir/final, saved before the end-of-run checks, so a failure there loses nothing
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
+    metrics.update(check_ranks(policy, info, local_idx))
+    metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
+    ckpt.finish()
+    tracker.close()
+    return final
+
+
+if __name__ == "__main__":
+    run_cli(main, Args)
