@@ -132,6 +132,7 @@ CHOICES = {
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
+    "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short")},
 }
 # the variant files: dapo.py keeps grpo.py's choices but the estimators, GSPO and CISPO; the async files generate
 # with vLLM only
