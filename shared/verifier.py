@@ -97,8 +97,10 @@ class GenerativeVerifier:
         cut = lambda parts: torch.cat(parts)[: len(contexts)].cpu() if parts else torch.zeros(0)  # noqa: E731
         return cut(yes), (cut(no) if with_no else None)
 
-    def rationales(self, prompts: list[list[int]], responses: list[list[int]], info, seed: int | None = None) -> list:
-        """K sampled rationales per (prompt, response) after the CoT prompt, [N][K] Completions (stop: the question)."""
+    def rationales(self, prompts: list[list[int]], responses: list[list[int]], info, seed: int | None = None,
+                   index_offset: int = 0) -> list:
+        """K sampled rationales per (prompt, response) after the CoT prompt, [N][K] Completions (stop: the question);
+        the random stream is seeded by `seed` and the first response's index (shared/generation.py)."""
         from shared.generation import HFGenerator
 
         stop = (self.question_text.strip(),)
@@ -106,7 +108,7 @@ class GenerativeVerifier:
         contexts = [p + r + self.cot_prompt for p, r in zip(prompts, responses)]
         return generator.generate(contexts, n=self.num_rationales, temperature=self.temperature, top_p=1.0,
                                   max_new_tokens=self.max_rationale_tokens,
-                                  seed=self.seed if seed is None else seed)
+                                  seed=self.seed if seed is None else seed, index_offset=index_offset)
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int, info, micro_batch_size: int,
               with_no: bool = False, seed: int | None = None) -> dict:
@@ -115,7 +117,10 @@ class GenerativeVerifier:
             contexts = [p + r + self.question for p, r in zip(prompts, responses)]
             p_yes, p_no = self.verdict_probs(contexts, pad_id, info, micro_batch_size, with_no)
             return {"p_yes": p_yes, "p_no": p_no, "no_verdict": torch.zeros(len(prompts))}
-        groups = self.rationales(prompts, responses, info, seed)
+        groups = []  # K rationales per response, micro_batch_size responses per generate call (as many on every rank)
+        for b in range(_batched(len(prompts), micro_batch_size, info)):
+            chunk = slice(b * micro_batch_size, (b + 1) * micro_batch_size)
+            groups += self.rationales(prompts[chunk], responses[chunk], info, seed, b * micro_batch_size)
         contexts, owner, ended = [], [], []
         for i, (p, r, group) in enumerate(zip(prompts, responses, groups)):
             for c in group:
