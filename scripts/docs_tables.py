@@ -1371,7 +1371,10 @@ def bon(d: dict) -> str:
     lines += ["", f"{d['num_prompts']} held-out prompts of the built-in task x {d['num_samples']} samples of "
                   f"`{d['policy']}` at T = 1 (the same samples for every seed); best-of-N and votes in the "
                   f"{d['num_samples']} // N disjoint blocks of N, averaged; verifiers trained by their default runs "
-                  f"with seeds {', '.join(d['seeds'])}. Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
+                  f"with seeds {', '.join(d['seeds'])}"
+                  + (f" ({' '.join(d['train_flags'])} for genrm.py)" if d.get("train_flags") else "")
+                  + (f"; the Bradley-Terry RM is `{d['rm_path']}` for every seed" if d.get("rm_path") else "")
+                  + f". Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
                   + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
     learned = [v for v in d["verifiers"] if all(v in s.get("learning", {}) for s in seeds)]
     if learned:  # the verifiers' own default runs: held-out AUROC and p(Yes) by label, first -> last evaluation
