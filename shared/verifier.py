@@ -78,6 +78,7 @@ class GenerativeVerifier:
         self.question = text_ids(tokenizer, config.genrm_question)
         self.yes, self.no = text_ids(tokenizer, config.genrm_yes), text_ids(tokenizer, config.genrm_no)
         self.question_text = config.genrm_question
+        self.question_tail = text_ids(tokenizer, config.genrm_question[len(config.genrm_question.rstrip()):])
         self.cot_prompt = text_ids(tokenizer, getattr(config, "genrm_cot_prompt", ""))
         self.num_rationales = int(getattr(config, "genrm_num_rationales", 1))
         self.temperature = float(getattr(config, "genrm_temperature", 0.7))
@@ -126,8 +127,8 @@ class GenerativeVerifier:
             for c in group:
                 ok = has_question(self.tokenizer, c.token_ids, self.question_text)
                 ended.append(ok)
-                if ok:
-                    contexts.append(p + r + self.cot_prompt + c.token_ids)
+                if ok:  # generation stopped at the question's last visible character: its trailing blanks follow
+                    contexts.append(p + r + self.cot_prompt + c.token_ids + self.question_tail)
                     owner.append(i)
         p_yes, p_no = self.verdict_probs(contexts, pad_id, info, micro_batch_size, with_no)
         return {"p_yes": cot_mean(p_yes, owner, len(prompts), self.num_rationales),

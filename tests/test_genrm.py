@@ -67,7 +67,7 @@ def test_cot_scoring_of_the_tiny_model_equals_a_manual_forward_per_rationale():
     path = resolve_model_path("builtin:tiny-sft")
     tok, info = load_tokenizer(path), init_distributed()
     model = load_causal_lm(path, torch.float32)
-    config = SimpleNamespace(genrm_mode="cot", genrm_question="1", genrm_yes="\n", genrm_no="2",  # digits: often
+    config = SimpleNamespace(genrm_mode="cot", genrm_question="1 ", genrm_yes="\n", genrm_no="2",  # digits: often
                              genrm_cot_prompt="=", genrm_num_rationales=3, genrm_temperature=1.0,
                              genrm_max_rationale_tokens=6, genrm_seed=5)
     v = GenerativeVerifier(model, tok, config)
@@ -76,7 +76,9 @@ def test_cot_scoring_of_the_tiny_model_equals_a_manual_forward_per_rationale():
     out = v.score(prompts, responses, tok.pad_token_id, info, 4)
     groups = v.rationales(prompts, responses, info)
     for i, group in enumerate(groups):
-        ps = [continuation_logprob(model, [prompts[i] + responses[i] + v.cot_prompt + c.token_ids], v.yes,
+        # the sampled rationale stops at "1"; the question's trailing blank follows it, then the verdict
+        ps = [continuation_logprob(model, [prompts[i] + responses[i] + v.cot_prompt + c.token_ids + text_ids(tok, " ")],
+                                   v.yes,
                                    tok.pad_token_id, info.device).exp().item()
               if has_question(tok, c.token_ids, "1") else 0.0 for c in group]
         assert math.isclose(out["p_yes"][i].item(), sum(ps) / 3, rel_tol=1e-5, abs_tol=1e-7)
