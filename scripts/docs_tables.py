@@ -1378,7 +1378,7 @@ def bon(d: dict) -> str:
                   + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
     learned = [v for v in d["verifiers"] if all(v in s.get("learning", {}) for s in seeds)]
     if learned:  # the verifiers' own default runs: held-out AUROC and p(Yes) by label, first -> last evaluation
-        lines += ["", "| default run | AUROC: start -> end | p(Yes) correct, end | p(Yes) incorrect, end | minutes |",
+        lines += ["", "| default run | AUROC: start -> end | p(Yes) correct, end | p(Yes) incorrect, end | minutes (run clock) |",
                   "|---|---|---|---|---|"]
         for v in learned:
             get = lambda key, i: [s["learning"][v][key][i] for s in seeds]  # noqa: E731
