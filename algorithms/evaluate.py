@@ -7,6 +7,9 @@ or drca run saved and that run's settings, `eval/accuracy` and `eval/pass@<n>` e
   pass@k    Chen et al. 2021 (https://arxiv.org/abs/2107.03374), Eq. 1: 1 - C(n-c, k) / C(n, k), c = correct samples
   maj@k     majority vote over the extracted answers of k samples, averaged over the n // k disjoint blocks of k;
             ties count the fraction of the tied answers that are correct
+  bon       best-of-k with each of --verifiers (a GenRM, an implicit PRM or a scalar reward model): in each of the
+            n // k disjoint blocks the top-scored sample, ties to the first; wvote: the weighted vote (an answer's
+            weight is the sum of its samples' p(Yes), or of sigmoid(score) for the other verifiers)
   CI        percentile bootstrap over prompts (--num_bootstrap resamples, seed --seed)
 Every completion goes to output_dir/completions.jsonl with its extracted answer and grade, the metrics to
 summary.json. Interrupted (a kill, --stop_after_prompts), the same command continues: finished prompts are read
@@ -16,6 +19,7 @@ Launch:
     python algorithms/evaluate.py                                                # builtin:tiny-sft, built-in task
     python algorithms/evaluate.py --model_name_or_path runs/grpo/final --output_dir runs/grpo/eval --k 1 4
     python algorithms/evaluate.py --model_name_or_path runs/grpo/final --generator hf    # HF generate, no vLLM
+    python algorithms/evaluate.py --num_samples 16 --k 1 4 16 --verifiers genrm=runs/genrm/final rm=runs/rm/final
     accelerate launch --config_file scripts/accelerate/zero0.yaml --num_processes 8 algorithms/evaluate.py \
         --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --chat_template --dataset openai/gsm8k:main \
         --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --num_samples 16 --k 1 4 16 \
@@ -40,8 +44,8 @@ from annotated_types import Ge, Gt, Interval
 from shared import data as data_utils
 from shared.cli import run_cli
 from shared.distributed import default_dtype, init_distributed, load_causal_lm, load_tokenizer, seed_everything
-from shared.evaluation import (EVAL_CHUNK, bootstrap_ci, eval_seed, generate_chunks, maj_at_k, pass_at_k,
-                               prompt_chunks)
+from shared.evaluation import (EVAL_CHUNK, best_of_n, bootstrap_ci, eval_seed, generate_chunks, maj_at_k, pass_at_k,
+                               prompt_chunks, weighted_vote_at_k)
 from shared.generation import completion_decoder, make_generator
 from shared.models import resolve_model_path
 from shared.rewards import compute_rewards, load_answer_fn, load_reward_fn, probe_reward_fn
@@ -105,6 +109,10 @@ class Args:
     """prompts per generate call, saved after each; the seeding unit: completions depend on it (64, as the training scripts)"""
     stop_after_prompts: Annotated[int, Ge(0)] = 0
     """stop after about this many prompts of this invocation, at the end of a call (0: run to the end); rerun to continue"""
+    verifiers: tuple[str, ...] = ()
+    """best-of-k selectors, `name=path` each: a GenRM or implicit-PRM checkpoint, or a scalar reward model (rm.py)"""
+    verifier_micro_batch_size: Annotated[int, Ge(1)] = 64
+    """samples per verifier forward"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0
@@ -114,7 +122,7 @@ class Args:
 # flags that change the completions: a resumed evaluation must keep them (the others only change the summary)
 RESULT_FLAGS = ("model_name_or_path", "model_files", "dataset", "split", "num_prompts", "prompt_key", "answer_key",
                 "prompt_template", "chat_template", "max_prompt_length", "reward_fn", "stop", "generator",
-                "num_samples", "temperature", "top_p", "max_new_tokens", "greedy", "seed", "chunk_size")
+                "num_samples", "temperature", "top_p", "max_new_tokens", "greedy", "seed", "chunk_size", "verifiers")
 
 
 # ALGO LOGIC: the metrics, from the per-prompt records
@@ -139,6 +147,14 @@ def summarize(records: list[dict], ks: list[int], votes: bool, num_bootstrap: in
         answers = [[s["answer"] if s["finish_reason"] == "stop" else None for s in r["samples"]] for r in records]
         for k in ks:
             per_prompt[f"eval/maj@{k}"] = np.array([maj_at_k(a, c, k) for a, c in zip(answers, correct)])
+    for name in records[0]["samples"][0].get("scores", {}):  # best-of-k and weighted vote of every verifier
+        scores = [[s["scores"][name] for s in r["samples"]] for r in records]
+        weights = [[s["weights"][name] for s in r["samples"]] for r in records]
+        for k in ks:
+            per_prompt[f"eval/bon/{name}@{k}"] = np.array([best_of_n(v, c, k) for v, c in zip(scores, correct)])
+            if votes:
+                per_prompt[f"eval/wvote/{name}@{k}"] = np.array([weighted_vote_at_k(a, w, c, k) for a, w, c
+                                                                 in zip(answers, weights, correct)])
     metrics = {name: float(v.mean()) for name, v in per_prompt.items()}
     metrics["eval/accuracy"] = (grades.sum() / grades.numel()).item()
     ci = bootstrap_ci(per_prompt, num_bootstrap, confidence, seed) if num_bootstrap else {}
@@ -149,6 +165,12 @@ def validate(args: Args) -> None:
     """One-line errors naming the flag, before anything is written (check_args has checked the ranges)."""
     if not args.k:
         raise ValueError("k: give at least one k (e.g. --k 1 4)")
+    names = [v.partition("=")[0] for v in args.verifiers]
+    for v in args.verifiers:
+        if not v.partition("=")[0] or not v.partition("=")[2]:
+            raise ValueError(f"verifiers: expected name=path, got {v!r}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"verifiers: a name is given twice ({', '.join(names)})")
     for k in args.k:
         if not 1 <= k <= args.num_samples:
             raise ValueError(f"k: {k} is not in [1, num_samples={args.num_samples}] (pass@k and maj@k need k <= n "
@@ -278,6 +300,13 @@ def main(args: Args) -> dict | None:
                                    max_model_len=args.max_prompt_length + args.max_new_tokens,
                                    world_size=info.world_size, zero_stage=0,
                                    gpu_memory_utilization=args.vllm_gpu_memory_utilization, stop=args.stop)
+    verifiers = {}
+    for spec in args.verifiers if calls else ():  # frozen, each scores every sample of a call (shared/verifier.py)
+        from shared.scalar import load_reward_model
+
+        name, _, path = spec.partition("=")
+        verifiers[name] = load_reward_model(resolve_model_path(path, "verifiers"), tokenizer, info,
+                                            default_dtype(info.device))
 
     # the loop: generate -> grade -> append; every rank appends to its own file, rank 0 merges at the end
     bar = None
@@ -293,7 +322,8 @@ def main(args: Args) -> dict | None:
         lines, error = [], None
         if call is not None:
             try:
-                lines = run_call(generator, data, call, done, args, sampling_seed, reward_fn, answer_fn, decode)
+                lines = run_call(generator, data, call, done, args, sampling_seed, reward_fn, answer_fn, decode,
+                                 verifiers, tokenizer.pad_token_id, info)
             except ValueError as e:  # the grader raised: every rank still joins the all_reduce below, then all raise
                 error = e
         if lines:
@@ -353,8 +383,9 @@ def main(args: Args) -> dict | None:
 
 
 def run_call(generator, data, call: range, done: set[int], args: Args, seed: int, reward_fn, answer_fn,
-             decode) -> list[dict]:
-    """Greedy and sampled completions of the prompts of one call, graded: one record per prompt not yet done."""
+             decode, verifiers: dict | None = None, pad_id: int = 0, info=None) -> list[dict]:
+    """Greedy and sampled completions of the prompts of one call, graded (and scored by each verifier): one record
+    per prompt not yet done."""
     greedy = (generate_chunks(generator, data.prompt_ids, [call], 1, 0.0, 1.0, args.max_new_tokens, seed)
               if args.greedy else [[] for _ in call])
     sampled = generate_chunks(generator, data.prompt_ids, [call], args.num_samples, args.temperature, args.top_p,
@@ -365,13 +396,28 @@ def run_call(generator, data, call: range, done: set[int], args: Args, seed: int
     texts = [decode(c.token_ids) for c in comps]
     grades = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
                              [c.finished for c in comps], rows)
-    records, pos = [], 0
+    scored = {}  # name -> (scores, vote weights) of the sampled completions, in order
+    if verifiers:
+        from shared.scalar import score_sequences
+        from shared.verifier import GenerativeVerifier
+
+        flat = [(data.prompt_ids[i], c.token_ids) for i, group in keep for c in group[1 if args.greedy else 0:]]
+        for name, verifier in verifiers.items():
+            v = score_sequences(verifier, [p for p, _ in flat], [r for _, r in flat], pad_id, info,
+                                args.verifier_micro_batch_size).double().cpu()
+            weights = v if isinstance(verifier, GenerativeVerifier) else torch.sigmoid(v)
+            scored[name] = (v.tolist(), weights.tolist())
+    records, pos, spos = [], 0, 0
     for i, group in keep:
         entries = []
-        for c in group:
+        for j, c in enumerate(group):
             answer = answer_fn(rows[pos]["prompt"], texts[pos]) if answer_fn is not None else None
             entries.append({"completion": texts[pos], "answer": answer, "grade": grades[pos],
                             "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)})
+            if scored and (j > 0 or not args.greedy):
+                entries[-1]["scores"] = {name: v[0][spos] for name, v in scored.items()}
+                entries[-1]["weights"] = {name: v[1][spos] for name, v in scored.items()}
+                spos += 1
             pos += 1
         record = {"index": i, "prompt": data.rows[i]["prompt"], "gold": data.rows[i]["answer"]}
         if args.greedy:

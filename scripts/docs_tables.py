@@ -248,12 +248,13 @@ def _minus(x: float, f: str = ".2f") -> str:
 
 # --- README's results table: one row per training script's default run --------------------------------------------
 OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
-            "restem", "repulse")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
+            "restem", "repulse", "genrm")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
 OVERVIEW_METRIC = {"sft": "held-out accuracy, 1 sample per prompt", "grpo": ACC4_SHORT, "dpo": ACC4_SHORT,
                    "rm": "held-out pairwise accuracy", "drca": ACC4_SHORT, "dapo": ACC4_SHORT,
                    "grpo_async": ACC4_SHORT, "ppo": ACC4_SHORT,
                    "ppo_rlhf": "held-out score of `builtin:tiny-rm`, 4 samples", "ppo_async": ACC4_SHORT,
-                   "vineppo": ACC4_SHORT, "restem": ACC4_SHORT}  # repulse's default run measures log P(bad)
+                   "vineppo": ACC4_SHORT, "restem": ACC4_SHORT,
+                   "genrm": "held-out AUROC of p(Yes)"}  # repulse's default run measures log P(bad)
 OVERVIEW_LEGEND = ("Accuracy: the task's grader, mean over the held-out prompts and samples; dpo.py's default loss is "
                    "DPO-Positive (`--loss_type dpop`); drca.py's default scorer on the built-in task is its per-line "
                    "grader (`--scorer auto`); ppo_rlhf.py trains on the reward model it is scored by. Minutes: the "
@@ -1356,6 +1357,64 @@ def mismatch_bench(d: dict) -> str:
                  + _provenance(d, "python scripts/bench_mismatch.py"))
     return "\n".join(lines)
 
+def bon(d: dict) -> str:
+    """docs/genrm.md: best-of-N with every verifier on the same policy samples (scripts/bench_bon.py). Selectors that do
+    not depend on the verifier's training seed (first sample, majority vote, pass@N) are one number; the others are
+    the mean (min to max) over the seeds."""
+    seeds = list(d["seeds"].values())
+    ks = d["k"]
+    one = lambda key: f"{seeds[0]['metrics'][key]:.3f}" if key in seeds[0]["metrics"] else "n/a"  # noqa: E731
+
+    def spread(key: str) -> str:
+        xs = [s["metrics"][key] for s in seeds if key in s["metrics"]]
+        if not xs:
+            return "not measured"
+        return f"{sum(xs) / len(xs):.3f} ({min(xs):.3f} to {max(xs):.3f})"
+
+    names = {"rm": "rm.py Bradley-Terry RM", "genrm_direct": "GenRM direct", "genrm_cot": "GenRM-CoT",
+             "implicit_prm": "implicit PRM (min over lines)"}
+    lines = ["| selector | " + " | ".join(f"N = {k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|",
+             "| first sample | " + " | ".join(one("eval/pass@1") for _ in ks) + " |",
+             "| majority vote | " + " | ".join(one(f"eval/maj@{k}") for k in ks) + " |"]
+    for v in d["verifiers"]:
+        lines.append(f"| best-of-N, {names.get(v, v)} | " + " | ".join(spread(f"eval/bon/{v}@{k}") for k in ks) + " |")
+    for v in d["verifiers"]:
+        lines.append(f"| weighted vote, {names.get(v, v)} | "
+                     + " | ".join(spread(f"eval/wvote/{v}@{k}") for k in ks) + " |")
+    if "implicit_prm" not in d["verifiers"]:
+        lines.append("| best-of-N, implicit PRM | " + " | ".join("not measured" for _ in ks) + " |")
+    lines.append("| pass@N (ceiling) | " + " | ".join(one(f"eval/pass@{k}") for k in ks) + " |")
+    k = max(ks)
+    first, ceiling = seeds[0]["metrics"]["eval/pass@1"], seeds[0]["metrics"][f"eval/pass@{k}"]
+    closed = []
+    for v in d["verifiers"]:
+        xs = [(s["metrics"][f"eval/bon/{v}@{k}"] - first) / (ceiling - first) for s in seeds
+              if f"eval/bon/{v}@{k}" in s["metrics"]]
+        if xs and ceiling > first:
+            closed.append(f"{names.get(v, v)} {sum(xs) / len(xs):+.2f} ({min(xs):+.2f} to {max(xs):+.2f})")
+    lines += ["", f"{d['num_prompts']} held-out prompts of the built-in task x {d['num_samples']} samples of "
+                  f"`{d['policy']}` at T = 1 (the same samples for every seed); best-of-N and votes in the "
+                  f"{d['num_samples']} // N disjoint blocks of N, averaged; verifiers trained by their default runs "
+                  f"with seeds {', '.join(d['seeds'])}"
+                  + (f" ({' '.join(d['train_flags'])} for genrm.py)" if d.get("train_flags") else "")
+                  + (f"; the Bradley-Terry RM is `{d['rm_path']}` for every seed" if d.get("rm_path") else "")
+                  + f". Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
+                  + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
+    learned = [v for v in d["verifiers"] if all(v in s.get("learning", {}) for s in seeds)]
+    if learned:  # the verifiers' own default runs: held-out AUROC and p(Yes) by label, first -> last evaluation
+        lines += ["", "| default run | AUROC: start -> end | p(Yes) correct, end | p(Yes) incorrect, end | minutes (run clock) |",
+                  "|---|---|---|---|---|"]
+        for v in learned:
+            get = lambda key, i: [s["learning"][v][key][i] for s in seeds]  # noqa: E731
+            mm = lambda xs: f"{sum(xs) / len(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
+            mins = [s["train_minutes"][v] for s in seeds if v in s.get("train_minutes", {})]
+            lines.append(f"| `python algorithms/genrm.py{' --verifier cot' if v == 'genrm_cot' else ''}` | "
+                         f"{sum(get('eval/auroc', 0)) / len(seeds):.3f} -> {mm(get('eval/auroc', 1))} | "
+                         f"{mm(get('eval/p_yes_correct', 1))} | {mm(get('eval/p_yes_incorrect', 1))} | "
+                         f"{(sum(mins) / len(mins)) if mins else float('nan'):.1f} |")
+    return "\n".join(lines)
+
+
 RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "results_overview": results_overview, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
@@ -1369,7 +1428,7 @@ RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_be
              "repulse_toy_cost": repulse_toy_cost,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
-             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "packing": packing, "bon": bon}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 

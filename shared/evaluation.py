@@ -102,6 +102,39 @@ def maj_at_k(answers: list, correct: list[bool], k: int) -> float:
     return sum(blocks) / len(blocks)
 
 
+def best_of_n(scores: list[float], correct: list, k: int) -> float:
+    """Best-of-k accuracy from n >= k scored samples: in each of the floor(n/k) disjoint blocks of k consecutive
+    samples (as maj_at_k) the highest-scoring sample is selected, ties to the lowest index; the mean of the selected
+    samples' correctness."""
+    n = len(scores)
+    if not 1 <= k <= n:
+        raise ValueError(f"best-of-k: needs 1 <= k <= n, got n={n}, k={k}")
+    picks = [max(range(s, s + k), key=lambda i: (scores[i], -i)) for s in range(0, n - k + 1, k)]
+    return sum(float(bool(correct[i])) for i in picks) / len(picks)
+
+
+def weighted_vote_at_k(answers: list, scores: list[float], correct: list, k: int) -> float:
+    """Weighted majority vote in each disjoint block of k samples: every answer (None: no vote) gets the sum of its
+    samples' weights, the heaviest answer is selected (ties: the answer of the lowest-index sample among them) and
+    counts as its first sample's correctness; the mean over blocks. Weights: a probability as it is, or sigmoid of a
+    log-ratio score (the caller's choice)."""
+    n = len(answers)
+    if not 1 <= k <= n:
+        raise ValueError(f"weighted vote: needs 1 <= k <= n, got n={n}, k={k}")
+    out = []
+    for s in range(0, n - k + 1, k):
+        totals: dict = {}  # answer -> [weight, first index, correct]
+        for i in range(s, s + k):
+            if answers[i] is not None:
+                entry = totals.setdefault(answers[i], [0.0, i, bool(correct[i])])
+                entry[0] += scores[i]
+        if not totals:
+            out.append(0.0)
+            continue
+        out.append(float(max(totals.values(), key=lambda e: (e[0], -e[1]))[2]))
+    return sum(out) / len(out)
+
+
 def bootstrap_ci(values: dict[str, np.ndarray], num_bootstrap: int, confidence: float, seed: int) -> dict:
     """Percentile bootstrap confidence interval of the mean of each per-prompt array in `values` (all of one length
     P): `num_bootstrap` resamples of P prompts with replacement, the same resamples for every metric, from

@@ -47,10 +47,15 @@ def head(model) -> torch.nn.Module:
 
 def load_reward_model(path: str, tokenizer, info, dtype: torch.dtype):
     """A frozen reward model scoring the policy's completions (checked to share its tokenizer), prepared like a
-    frozen reference (partitioned under ZeRO-3); it scores at the last non-pad token, normalised as above."""
+    frozen reference (partitioned under ZeRO-3); it scores at the last non-pad token, normalised as above. A causal LM
+    whose config.json names a verifier (a GenRM or an implicit PRM, shared/verifier.py) loads as that verifier, and
+    `score_sequences` scores with it."""
     from shared.distributed import prepare_frozen
+    from shared.verifier import load_verifier, verifier_kind
 
     check_same_tokenizer(path, tokenizer)
+    if verifier_kind(path):
+        return load_verifier(path, tokenizer, info, dtype)
     return prepare_frozen(load_scalar_model(path, dtype), info, dtype)
 
 
@@ -84,8 +89,13 @@ def normalized(values: torch.Tensor, model) -> torch.Tensor:
 def score_sequences(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, info,
                     micro_batch_size: int) -> torch.Tensor:
     """Normalised scores of prompt + response pairs, [N], in right-padded micro-batches (no grad). Every rank runs
-    the same number of forwards (a dummy one when it has run out), as a ZeRO-3-partitioned model requires."""
+    the same number of forwards (a dummy one when it has run out), as a ZeRO-3-partitioned model requires. A
+    verifier loaded by `load_reward_model` gives its own score (shared/verifier.py: p(yes), or a line reward)."""
     from shared.data import pad_batch
+    from shared.verifier import GenerativeVerifier, ImplicitPRM, verifier_scores
+
+    if isinstance(model, (GenerativeVerifier, ImplicitPRM)):
+        return verifier_scores(model, prompts, responses, pad_id, info, micro_batch_size)
 
     n_local = torch.tensor([math.ceil(len(responses) / micro_batch_size)])
     n_batches = int(info.all_reduce(n_local, "max").item())

@@ -132,6 +132,7 @@ CHOICES = {
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
+    "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short")},
 }
 # the variant files: dapo.py keeps grpo.py's choices; calibration.py leaves out the estimators, GSPO and CISPO; the
 # async files generate with vLLM only
@@ -305,12 +306,13 @@ EXPECTED_RANGES = {
 def test_declared_ranges_equal_the_former_registrys():
     from shared.cli import declared_ranges
 
+    own = {("genrm", "local_micro_batch_size"): (2, True, None, False)}  # half Yes, half No: at least 2 rows
     seen = set()
     for script in SCRIPTS:
         ranges = declared_ranges(importlib.import_module(f"algorithms.{script}").Args)
         for name, expected in EXPECTED_RANGES.items():
             if name in ranges:
-                assert ranges[name] == expected, (script, name, ranges[name])
+                assert ranges[name] == own.get((script, name), expected), (script, name, ranges[name])
                 seen.add(name)
     assert seen == set(EXPECTED_RANGES), set(EXPECTED_RANGES) - seen
 

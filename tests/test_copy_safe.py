@@ -67,6 +67,10 @@ ONE_STEP = {
                 "4", "--num_epochs", "1", "--local_micro_batch_size", "16", "--max_new_tokens", "8",
                 "--eval_num_prompts", "8", "--eval_num_samples", "2", "--dev_num_prompts", "8", "--save_every", "0"],
                "metrics.jsonl"),
+    "genrm": (["--local_num_prompts", "8", "--num_generations", "2", "--total_episodes", "16",
+               "--local_micro_batch_size", "16", "--max_new_tokens", "12", "--eval_num_prompts", "4",
+               "--eval_num_samples", "2", "--dev_num_prompts", "4", "--eval_every", "0", "--save_every", "0"],
+              "metrics.jsonl"),
     # an evaluation tool, not a trainer: a few prompts, no training; its metrics go to summary.json
     "evaluate": (["--generator", "hf", "--num_prompts", "4", "--num_samples", "2", "--k", "1", "2",
                   "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),

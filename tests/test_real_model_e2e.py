@@ -243,3 +243,33 @@ def test_every_saved_policy_reloads_in_transformers_and_vllm(sft_run, grpo_run, 
         vl = [g[0].token_ids for g in engine.generate(prompts, **kw)]
         assert hf == vl and all(len(ids) > 0 for ids in hf), d
         assert sha256(d / "model.safetensors") != base["weights_sha256"], d  # trained: not the base weights
+
+
+@pytest.fixture(scope="module")
+def genrm_run(runs):
+    """GenRM on the chat model, labels from a reward that varies between samples (the chat model solves no built-in
+    sum in 16 tokens, and GenRM needs both labels)."""
+    out = runs / "genrm"
+    reward = runs / "length_reward.py"
+    reward.write_text("def odd_length(prompts, completions, **kwargs):\n"
+                      "    return [float(len(c) % 2) for c in completions]\n")
+    script("genrm", out, *SMOL, "--reward_fn", f"{reward}:odd_length", "--local_num_prompts", "4", "--num_generations",
+           "4", "--total_episodes", "8", "--local_micro_batch_size", "4", "--eval_num_prompts", "2",
+           "--eval_num_samples", "2", "--eval_every", "0", "--best_metric", "")
+    return out
+
+
+def test_genrm_two_steps_with_the_paper_s_one_token_verdicts(genrm_run):
+    from shared.distributed import load_tokenizer
+    from shared.verifier import text_ids
+
+    rows = metrics(genrm_run)
+    assert [r["step"] for r in rows if "genrm/loss_verify" in r] == [2]  # two steps, logged at the last
+    assert [r["genrm/verdict_tokens"] for r in rows if "genrm/verdict_tokens" in r] == [1]
+    config = json.loads((genrm_run / "final" / "config.json").read_text())
+    assert (config["genrm_question"], config["genrm_yes"], config["genrm_no"]) == \
+        ("\nVerification: Is the answer correct (Yes/No)?", " Yes", " No")
+    tok = load_tokenizer(str(genrm_run / "final"))
+    assert len(text_ids(tok, " Yes")) == len(text_ids(tok, " No")) == 1
+    last = [r for r in rows if "eval/p_verdict" in r][-1]
+    assert 0 < last["eval/p_verdict"] <= 1
