@@ -132,6 +132,7 @@ CHOICES = {
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
+    "implicit_prm": GENERATOR,
 }
 # the variant files: dapo.py keeps grpo.py's choices but the estimators, GSPO and CISPO; the async files generate
 # with vLLM only
@@ -140,6 +141,10 @@ CHOICES["dapo"] = {k: v for k, v in CHOICES["grpo"].items()
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
+# prime.py: grpo.py's choices without the other estimators, losses, GSPO and LoRA; the PRM's update order
+CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items()
+                       if k not in ("advantage_estimator", "advantage_scaling", "importance_level", "policy_loss",
+                                    "lora_sync")}, "prm_update": ("before", "after")}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
