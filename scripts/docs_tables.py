@@ -441,6 +441,37 @@ GRPO_DEFAULT_BATCH = 512  # grpo.py's default batch in one process, 64 prompts x
 # a headline file from before bench_headline.py stored `samples` per evaluation has only the step
 
 
+def prime_vs_grpo(files: list[dict]) -> str:
+    """docs/prime.md: PRIME's default run (bench_headline.py, the second file) against GRPO's (bench_grpo_variants.py's
+    `default`, the first file) at equal generated samples: held-out accuracy at every sample count both curves hold,
+    mean (min-max) over the seeds both have; the start models must be the same build."""
+    (dg, dp) = files
+    grpo, prime = dg["results"]["default"], dp["results"]["prime"]
+    sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
+    if sha(dg) != sha(dp):
+        raise SystemExit("prime_vs_grpo: the two files started from different builds of builtin:tiny-sft")
+    k = "eval/accuracy"
+    seeds = [s for s in prime["seeds"] if s in grpo["seeds"]]
+    at = lambda run, n: next((pt[k] for pt in run["curve"] if pt.get("generated_samples", pt.get("samples")) == n),  # noqa: E731
+                             None)
+    counts = sorted({pt["samples"] for pt in prime["seeds"][seeds[0]]["curve"]}
+                    & {pt.get("generated_samples", pt.get("samples")) for pt in grpo["seeds"][seeds[0]]["curve"]})
+    lines = ["| generated samples | grpo.py: held-out accuracy | prime.py: held-out accuracy | prime - grpo |",
+             "|---|---|---|---|"]
+    for n in counts:
+        g, q = [at(grpo["seeds"][s], n) for s in seeds], [at(prime["seeds"][s], n) for s in seeds]
+        if None in g or None in q:
+            continue
+        sp = lambda xs: _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})  # noqa: E731
+        lines.append(f"| {n:,} | {sp(g)} | {sp(q)} | {sp([b - a for a, b in zip(g, q)])} |")
+    lines += ["", f"Seeds {', '.join(seeds)}, one start model (builtin:tiny-sft), 4 samples per held-out prompt; "
+                  f"generated samples: every completion sampled for training, those the accuracy filter dropped "
+                  f"included. grpo.py: `python algorithms/grpo.py --seed <k>` ({_provenance(dg, '')[:-1]}); "
+                  f"prime.py: `{prime['command']} --seed <k>` ({_provenance(dp, '')[:-1]}); minutes per run: grpo "
+                  f"{grpo['minutes']['mean']:.1f}, prime {prime['minutes']['mean']:.1f} (other jobs shared the cores)."]
+    return "\n".join(lines)
+
+
 def restem_vs_grpo(files: list[dict]) -> str:
     """docs/restem.md: RestEM (bench_headline.py, the second file) against GRPO's default run (the first file) at equal
     training samples: GRPO's held-out accuracy read off its curve at RestEM's total samples, per seed."""
@@ -1347,8 +1378,9 @@ RENDERERS = {"async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo
              "repulse_toy_cost": repulse_toy_cost,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
-             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "packing": packing}
-MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo"}  # renderers that read several files (a list of their contents)
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing}
+MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
+         "prime_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
 # an absolute path into a checkout's runs/ folder, as a benchmark recorded its command: shown from the repository root
