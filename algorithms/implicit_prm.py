@@ -111,7 +111,7 @@ class Args:
     """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none)"""
 
     # algorithm args
-    total_episodes: Annotated[int, Ge(1)] = 16384
+    total_episodes: Annotated[int, Ge(1)] = 32768
     """labelled responses to consume over the run (epochs = total_episodes / training rows)"""
     local_num_prompts: Annotated[int, Ge(1)] = 1024
     """training prompts sampled on each rank (without --data_path)"""
@@ -119,7 +119,7 @@ class Args:
     """samples per prompt, graded 0/1 (without --data_path); the held-out and dev prompts get as many"""
     beta: Annotated[float, Gt(0)] = 0.05
     """beta of r = beta * log pi_phi(y) / pi_ref(y) (ImplicitPRM's run_ce.sh: 0.05)"""
-    learning_rate: Annotated[float, Gt(0)] = 1e-4
+    learning_rate: Annotated[float, Gt(0)] = 5e-4
     """AdamW peak learning rate (linear warm-up, cosine decay to 10%; ImplicitPRM at 8B: 5e-7)"""
     warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.03
     """fraction of optimizer steps used for linear warm-up"""

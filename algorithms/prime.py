@@ -141,8 +141,8 @@ class Args:
     """... and <= this (verl `accuracy_upper_bound`)"""
     filter_truncated: bool = True
     """a group with a completion that hit max_new_tokens fails the filter (verl `filter_truncate`)"""
-    prm_learning_rate: Annotated[float, Gt(0)] = 1e-4
-    """AdamW learning rate of the implicit PRM (its own optimizer; verl: 1e-6 at 7B, with policy lr 5e-7)"""
+    prm_learning_rate: Annotated[float, Gt(0)] = 5e-4
+    """AdamW learning rate of the implicit PRM (own optimizer; implicit_prm.py's default; verl at 7B: 1e-6, policy 5e-7)"""
     prm_beta: Annotated[float, Gt(0)] = 0.05
     """beta of the PRM: r_t = beta * (log pi_phi - log pi_ref) and its CE loss (verl `beta_train`)"""
     prm_update: Literal["before", "after"] = "before"
