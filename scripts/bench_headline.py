@@ -7,6 +7,7 @@
         # the seeds that file stores are copied, the others run: finished runs carried from session to session
     python scripts/bench_headline.py --algorithms grpo --flags "--lora_r 16 --learning_rate 1e-3" \
         --out runs/bench/lora_learning --results docs/bench/lora_learning   # a variant: the default run + flags
+    python scripts/bench_headline.py --algorithms implicit_prm --seeds 1 2 3   # implicit PRM: slip localisation
     python scripts/bench_headline.py --algorithms restem --flags "--total_episodes 12800 --local_num_prompts 800" \
         --out runs/bench/restem --results docs/bench/restem   # RestEM at GRPO's first evaluation (12,800 samples)
 
@@ -48,6 +49,9 @@ METRICS = {"sft": ["eval/accuracy"], "grpo": ["eval/accuracy", "eval/pass@4"],
 METRICS.update(dapo=METRICS["grpo"], grpo_async=METRICS["grpo"])  # grpo's variant files
 METRICS.update(ppo=METRICS["grpo"], ppo_async=METRICS["grpo"])
 METRICS["ppo_rlhf"] = ["eval/reward", "eval/accuracy"]  # the reward model's held-out score first: what it trains on
+METRICS["prime"] = METRICS["grpo"]
+# implicit_prm.py: slip localisation on held-out slip pairs, then its held-out rows' pair ordering and accuracy
+METRICS["implicit_prm"] = ["prm/localisation", "prm/localisation_chance", "eval/dpo_acc", "eval/acc"]
 
 
 def samples_before(name: str, row: dict, args: dict) -> int | None:
@@ -55,6 +59,8 @@ def samples_before(name: str, row: dict, args: dict) -> int | None:
     grpo: step * batch_size; restem: its evaluations follow whole iterations of num_prompts * K samples."""
     if name in ("grpo", "dapo", "grpo_async"):  # dapo: trained samples (its generated ones: bench_grpo_variants.py)
         return row["step"] * args["batch_size"]
+    if name == "prime":  # every generated sample, the groups the accuracy filter dropped included
+        return row["step"] * args["generated_batch_size"]
     if name == "restem":
         done = row["restem/iteration"] + 1 if "restem/iteration" in row else 0  # step 0: the base, none sampled
         return done * args["num_prompts"] * args.get("num_generations", args.get("num_samples_per_prompt"))

@@ -123,6 +123,15 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
                                                    "--max_new_tokens", "24"), "--dataset", d["prompts"],
                                         "--reward_fn", "builtin", "--total_episodes", "64", "--num_generations", "4",
                                         "--beta", "0.05"], 2),
+        # the PRM and its optimizer are resumed state; 2 prompts sampled per trained prompt (the accuracy filter)
+        "prime": ("prime", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "96",
+                            "--num_generations", "4"], 2),
+        # the labelled rows are sampled again on resume (seeded, from the frozen reference); slip localisation on
+        "implicit_prm": ("implicit_prm", ["--dataset", "builtin", "--generator", "hf", "--total_episodes", "48",
+                                          "--local_num_prompts", "8", "--num_generations", "2",
+                                          "--local_micro_batch_size", "8", "--eval_num_prompts", "8",
+                                          "--max_new_tokens", "8", "--max_prompt_length", "24", "--eval_every", "2",
+                                          "--localisation_num_pairs", "8"], 3),
         "repulse": ("repulse", ["--total_episodes", "240", "--num_generations", "20", "--local_micro_batch_size", "20",
                                 "--eval_num_samples", "40", "--eval_every", "2", "--sample_every", "2"], 3),
     }
@@ -130,7 +139,8 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
 
 # two ranks double the batch: these cases get more episodes, so that K steps stop before the end
 TWO_RANKS = {"sft": "80", "sft_lora": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160",
-             "grpo_lora": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480", "restem": "128"}
+             "grpo_lora": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480", "restem": "128",
+             "prime": "192", "implicit_prm": "96"}
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:
@@ -147,7 +157,7 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     found = {}
-    for sub, name in (("final", "model.safetensors"), ("critic", "model.safetensors"),
+    for sub, name in (("final", "model.safetensors"), ("critic", "model.safetensors"), ("prm", "model.safetensors"),
                       ("final/adapter", "adapter_model.safetensors")):  # a LoRA run's adapter too
         if (out / sub / name).exists():
             found.update({f"{sub}/{k}": v for k, v in load_file(out / sub / name).items()})
@@ -178,7 +188,7 @@ def compare(name: str, script: str, flags: list[str], k: int, base: Path, rank: 
            "weights": sorted({key.split("/")[0] for key in wa}), "adapter": any(".lora_" in key for key in wa),
            "best": (a / "best" / "best.json").exists(),
            "stopped_at": stopped_at, "finished": (b / "checkpoints" / "finished.json").exists(),
-           "first_row": ra[0], "last_row": ra[-1]}
+           "first_row": ra[0], "last_row": ra[-1], "step_row": next((r for r in reversed(ra) if "episode" in r), {})}
     if name == "grpo":  # the comparison can fail: another seed gives other metrics
         run(script, flags, base / name / "seed2", "--seed", "2")
         out["other_seed_rows_differ"] = metric_rows(base / name / "seed2")[1:] != ra[1:]

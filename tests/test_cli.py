@@ -133,6 +133,7 @@ CHOICES = {
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
     "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short")},
+    "implicit_prm": GENERATOR,
 }
 # the variant files: dapo.py keeps grpo.py's choices; calibration.py leaves out the estimators, GSPO and CISPO; the
 # async files generate with vLLM only
@@ -143,6 +144,10 @@ CHOICES["calibration"] = {**{k: v for k, v in CHOICES["grpo"].items()
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
+# prime.py: grpo.py's choices without the other estimators, losses, GSPO and LoRA; the PRM's update order
+CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items()
+                       if k not in ("advantage_estimator", "advantage_scaling", "importance_level", "policy_loss",
+                                    "lora_sync")}, "prm_update": ("before", "after")}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
@@ -306,7 +311,8 @@ EXPECTED_RANGES = {
 def test_declared_ranges_equal_the_former_registrys():
     from shared.cli import declared_ranges
 
-    own = {("genrm", "local_micro_batch_size"): (2, True, None, False)}  # half Yes, half No: at least 2 rows
+    own = {("genrm", "local_micro_batch_size"): (2, True, None, False),  # half Yes, half No: at least 2 rows
+           ("implicit_prm", "beta"): (0, False, None, False)}  # the reward's scale: beta = 0 makes every reward 0
     seen = set()
     for script in SCRIPTS:
         ranges = declared_ranges(importlib.import_module(f"algorithms.{script}").Args)

@@ -71,6 +71,10 @@ ONE_STEP = {
                "--local_micro_batch_size", "16", "--max_new_tokens", "12", "--eval_num_prompts", "4",
                "--eval_num_samples", "2", "--dev_num_prompts", "4", "--eval_every", "0", "--save_every", "0"],
               "metrics.jsonl"),
+    "prime": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--oversample_factor", "1"], "metrics.jsonl"),
+    "implicit_prm": (["--generator", "hf", "--total_episodes", "8", "--local_num_prompts", "4", "--num_generations",
+                      "2", "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "2",
+                      "--dev_num_prompts", "8", "--localisation_num_pairs", "2", "--save_every", "0"], "metrics.jsonl"),
     # an evaluation tool, not a trainer: a few prompts, no training; its metrics go to summary.json
     "evaluate": (["--generator", "hf", "--num_prompts", "4", "--num_samples", "2", "--k", "1", "2",
                   "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),

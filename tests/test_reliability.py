@@ -28,7 +28,7 @@ from shared.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sft", "grpo", "dapo", "grpo_async", "ppo", "ppo_async", "ppo_rlhf", "vineppo", "dpo", "rm", "repulse", "drca",
-           "restem"]
+           "restem", "prime", "implicit_prm"]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
