@@ -49,7 +49,7 @@ from shared.models import resolve_model_path
 from shared.prompts import load_prompt_task
 from shared.rewards import compute_rewards
 from shared.tracking import Timer, Tracker
-from shared.units import char_offsets
+from shared.units import line_spans
 
 
 @dataclass
@@ -161,21 +161,6 @@ def implicit_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Ten
 def ce_loss(d: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """BCE(sigmoid(beta * sum_t d_t), l), mean over rows (ImplicitPRM `CETrainer.loss_fn`), from the logit."""
     return F.binary_cross_entropy_with_logits(beta * (d * mask).sum(1), labels.float())
-
-
-def line_spans(decode, ids: list[int]) -> list[tuple[int, int]]:
-    """Token spans [a, b) of a response's lines: a token belongs to the line its first character is on, so a
-    line's terminating '\\n' is in it; tokens past the text (EOS) and trailing blank lines join the last line."""
-    offsets, text = char_offsets(decode, ids), decode(ids)
-    last = max(0, len(text.rstrip("\n").split("\n")) - 1)
-    line_of = [min(text[: offsets[j]].count("\n"), last) for j in range(len(ids))]
-    spans = []
-    for j, k in enumerate(line_of):
-        if spans and len(spans) - 1 == k:
-            spans[-1] = (spans[-1][0], j + 1)
-        else:
-            spans.append((j, j + 1))
-    return spans
 
 
 def line_rewards(d: list[float], spans: list[tuple[int, int]], beta: float) -> list[float]:

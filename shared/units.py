@@ -6,6 +6,7 @@ steps; the credits and rewards stay in drca.py. Follows the reference's `utils/u
     regex_units(text, pattern, max_units)           character spans: each match of `pattern` starts a unit
     entropy_units(entropy, threshold, max_units)    token spans split at entropy peaks
     char_offsets(decode, ids), char_span_to_tokens  characters <-> tokens
+    line_spans(decode, ids)                         a response's lines as token spans (implicit PRM steps)
     think_prefix_length(pieces)                     tokens of a leading <think>...</think> block (no unit there)
     response_units(response, entropy, ...)          a response's unit token spans (drca.py's unit flags' values)
 """
@@ -59,6 +60,20 @@ def char_offsets(decode, ids: list[int], context: int = 8) -> list[int]:
         for i in range(1, len(ids) + 1):
             offsets[i] = max(offsets[i - 1], clean(decode(ids[:i])))
     return offsets
+
+def line_spans(decode, ids: list[int]) -> list[tuple[int, int]]:
+    """Token spans [a, b) of a response's lines: a token belongs to the line its first character is on, so a
+    line's terminating '\\n' is in it; tokens past the text (EOS) and trailing blank lines join the last line."""
+    offsets, text = char_offsets(decode, ids), decode(ids)
+    last = max(0, len(text.rstrip("\n").split("\n")) - 1)
+    line_of = [min(text[: offsets[j]].count("\n"), last) for j in range(len(ids))]
+    spans = []
+    for j, k in enumerate(line_of):
+        if spans and len(spans) - 1 == k:
+            spans[-1] = (spans[-1][0], j + 1)
+        else:
+            spans.append((j, j + 1))
+    return spans
 
 
 def char_span_to_tokens(offsets: list[int], char_start: int, char_end: int) -> tuple[int, int]:

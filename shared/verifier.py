@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from shared.units import line_spans
+
 
 def verifier_kind(path: str) -> str | None:
     """"genrm", "implicit_prm" or None (a scalar reward model), from the checkpoint's config.json."""
@@ -155,6 +157,7 @@ class ImplicitPRM:
 
     def __init__(self, model, reference, tokenizer, beta: float):
         self.model, self.reference, self.tokenizer, self.beta = model, reference, tokenizer, beta
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # as shared/generation.py decodes
 
     def token_rewards(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
                       info) -> list[torch.Tensor]:
@@ -177,23 +180,15 @@ class ImplicitPRM:
             p = prompts[b * micro_batch_size : (b + 1) * micro_batch_size]
             r = responses[b * micro_batch_size : (b + 1) * micro_batch_size]
             for ids, rewards in zip(r, self.token_rewards(p, r, pad_id, info)):
-                lines = line_rewards(rewards, line_ends(self.tokenizer, ids))
+                lines = line_rewards(rewards, line_spans(self.decode, ids))
                 mins.append(min(lines) if lines else 0.0)
                 sums.append(float(rewards.sum()))
         return {"min": torch.tensor(mins), "sum": torch.tensor(sums)}
 
 
-def line_ends(tokenizer, ids: list[int]) -> list[int]:
-    """Exclusive end index of every line of a response's tokens: after each token whose text holds a newline, and
-    at the end (the last line keeps EOS); every token is in exactly one line."""
-    ends = [t + 1 for t, i in enumerate(ids[:-1]) if "\n" in tokenizer.decode([i])]
-    return ends + [len(ids)] if ids else []
-
-
-def line_rewards(token_rewards: torch.Tensor, ends: list[int]) -> list[float]:
-    """Sum of the token rewards of each line (lines partition the tokens; `ends` as line_ends gives them)."""
-    starts = [0] + ends[:-1]
-    return [float(token_rewards[s:e].sum()) for s, e in zip(starts, ends)]
+def line_rewards(token_rewards: torch.Tensor, spans: list[tuple[int, int]]) -> list[float]:
+    """Sum of the token rewards of each line (the spans of shared/units.py's line_spans partition the tokens)."""
+    return [float(token_rewards[a:b].sum()) for a, b in spans]
 
 
 def load_verifier(path: str, tokenizer, info, dtype: torch.dtype):

@@ -15,7 +15,8 @@ import torch
 from algorithms import genrm
 from shared import task
 from shared.evaluation import best_of_n, weighted_vote_at_k
-from shared.verifier import cot_mean, line_ends, line_rewards, sequence_prob
+from shared.units import line_spans
+from shared.verifier import cot_mean, line_rewards, sequence_prob
 from tests.test_e2e import metrics, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,9 +154,9 @@ def test_line_rewards_partition_the_tokens_and_the_score_is_the_min_over_lines(t
     path = resolve_model_path("builtin:tiny-sft")
     tok, info = load_tokenizer(path), init_distributed()
     ids = text_ids(tok, "7\n12\n13") + [tok.eos_token_id]
-    ends = line_ends(tok, ids)
-    assert ends == [2, 5, 8]  # "7\n" | "12\n" | "13<eos>"
-    assert line_rewards(torch.arange(8.0), ends) == [1.0, 9.0, 18.0]
+    spans = line_spans(lambda x: tok.decode(x, skip_special_tokens=True), ids)
+    assert spans == [(0, 2), (2, 5), (5, 8)]  # "7\n" | "12\n" | "13<eos>"
+    assert line_rewards(torch.arange(8.0), spans) == [1.0, 9.0, 18.0]
     ckpt = tmp_path / "prm"
     shutil.copytree(path, ckpt)
     config = json.loads((ckpt / "config.json").read_text())

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from algorithms.implicit_prm import (ce_loss, dpo_accuracy, held_out_metrics, implicit_rewards, line_rewards,
-                                     line_spans)
+from algorithms.implicit_prm import ce_loss, dpo_accuracy, held_out_metrics, implicit_rewards, line_rewards
 from shared import data
+from shared.units import line_spans
 from shared.generation import completion_decoder
 from shared.logprobs import forward_logprobs
 
