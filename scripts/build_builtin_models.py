@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[build] builtin:{name} from {base or 'random init'} -> {out}", flush=True)
         built[name] = tiny.build_model(name, out, base)
         sha = tiny.weights_sha256(built[name])
-        verdict = ("the committed weights" if sha == tiny.EXPECTED_SHA256[name]
-                   else f"differs from the committed {tiny.EXPECTED_SHA256[name][:12]}")
+        expected = tiny.EXPECTED_SHA256.get(name)  # a new recipe has no committed hash yet
+        verdict = ("no committed hash yet" if expected is None else "the committed weights" if sha == expected
+                   else f"differs from the committed {expected[:12]}")
         print(f"[build] builtin:{name} {sha[:12]}: {verdict}", flush=True)
     if a.write:
         source = (ROOT / "shared" / "tiny.py").read_text()
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tiny.COMMITTED / name, ignore_errors=True)
             shutil.copytree(path, tiny.COMMITTED / name)
             sha = tiny.weights_sha256(path)
+            if name not in tiny.EXPECTED_SHA256:  # a new entry goes at the start of the dict
+                source = source.replace("EXPECTED_SHA256 = {\n", f'EXPECTED_SHA256 = {{\n    "{name}": "{sha}",\n', 1)
             source = re.sub(rf'("{re.escape(name)}": ")[0-9a-f]{{64}}(")', rf"\g<1>{sha}\g<2>", source)
         (ROOT / "shared" / "tiny.py").write_text(source)
         print(f"[build] wrote {', '.join(built)} to {tiny.COMMITTED} and their hashes to shared/tiny.py", flush=True)
