@@ -4,9 +4,9 @@
     python scripts/record_test_suite.py -- -k resume tests/  # a subset: the args after -- go to pytest (recorded)
 
 Writes the command, its exit status, the counts, each failing test with the first line of its message, pytest's
-total time, the 10 slowest tests, the seconds of each test file (setup included; `--dist loadfile` runs a file on
-one worker), the machine (load at start and end) and the uncommitted changes of the tracked tree; then
-`python scripts/docs_tables.py` renders it. Exits with the test command's status.
+total time, the 60 slowest tests (where the time budget goes), the seconds of each test file (setup included;
+`--dist loadfile` runs a file on one worker), the machine (load at start and end) and the uncommitted changes of
+the tracked tree; then `python scripts/docs_tables.py` renders it. Exits with the test command's status.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _first_line(element: ET.Element) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), element.tag)
 
 
-def parse_junit(xml_text: str, slowest: int = 10) -> dict:
+def parse_junit(xml_text: str, slowest: int = 60) -> dict:
     """Counts, failing tests (with their first message line) and the slowest tests of a pytest junit report. A
     testcase with an <error> (e.g. in a fixture) counts as an error, else one with a <failure> as failed, else one with
     <skipped> (xfail included) as skipped, else passed."""

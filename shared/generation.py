@@ -175,6 +175,11 @@ class VLLMGenerator:
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for small models
+            # vLLM's sampler counts each sampled token's rank with a torch.compile'd helper (inductor): on CPU that
+            # is seconds of tracing per engine start (and a C++ build on a fresh machine) for an integer count that
+            # eager mode gives identically. Set before vLLM's sampler is imported; process-wide, and nothing here
+            # compiles on CPU. TORCHDYNAMO_DISABLE=0 in the environment keeps vLLM's compiled helper.
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         threads = torch.get_num_threads()
         from transformers import AutoConfig
         from vllm import LLM
