@@ -250,13 +250,13 @@ def _minus(x: float, f: str = ".2f") -> str:
 
 # --- README's results table: one row per training script's default run --------------------------------------------
 OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
-            "restem", "repulse", "genrm")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
+            "restem", "repulse", "genrm", "prime")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
 OVERVIEW_METRIC = {"sft": "held-out accuracy, 1 sample per prompt", "grpo": ACC4_SHORT, "dpo": ACC4_SHORT,
                    "rm": "held-out pairwise accuracy", "drca": ACC4_SHORT, "dapo": ACC4_SHORT,
                    "grpo_async": ACC4_SHORT, "ppo": ACC4_SHORT,
                    "ppo_rlhf": "held-out score of `builtin:tiny-rm`, 4 samples", "ppo_async": ACC4_SHORT,
                    "vineppo": ACC4_SHORT, "restem": ACC4_SHORT,
-                   "genrm": "held-out AUROC of p(Yes)"}  # repulse's default run measures log P(bad)
+                   "genrm": "held-out AUROC of p(Yes)", "prime": ACC4_SHORT}  # repulse's default run measures log P(bad)
 OVERVIEW_LEGEND = ("Accuracy: the task's grader, mean over the held-out prompts and samples; dpo.py's default loss is "
                    "DPO-Positive (`--loss_type dpop`); drca.py's default scorer on the built-in task is its per-line "
                    "grader (`--scorer auto`); ppo_rlhf.py trains on the reward model it is scored by. Minutes: the "
