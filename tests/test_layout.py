@@ -116,3 +116,58 @@ def test_a_variant_file_is_its_base_plus_its_algorithm(new):
     for name in set(base_flags) - not_carried:
         assert str(new_flags[name].type) == str(base_flags[name].type), name
     assert {f for f in set(base_flags) - not_carried if new_flags[f].default != base_flags[f].default} == defaults_changed
+
+
+# The flags that shared/ reads off a script's Args by their names: the shared vocabulary of docs/running.md. A copy of
+# a script may add flags and rename any other; one of these renamed fails inside shared/ (every other value is passed
+# in by the script). `getattr(args, name, default)` reads are checks that a script without the flag skips.
+VOCABULARY = {
+    "output_dir", "resume", "save_every", "keep_checkpoints", "stop_after_steps", "best_metric", "verbose",  # runs
+    "dataset", "train_split", "eval_split", "prompt_key", "answer_key", "prompt_template", "chat_template",  # data
+    "max_prompt_length", "max_new_tokens", "eval_num_prompts", "dev_num_prompts", "reward_fn",
+    "localisation_num_pairs",
+    "total_episodes", "local_num_prompts", "num_generations", "num_minibatches", "local_micro_batch_size",  # sizes
+    "generator", "top_p", "tis", "tis_cap", "tis_mask_low",  # sampling
+    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync",  # LoRA
+}
+
+
+def flags_read_by_name(path: Path) -> tuple[set[str], set[str]]:
+    """(read, written): the names of `args.x` / `self.args.x` attributes and `getattr(args, "x", ...)` in a file."""
+    read, written = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and (
+                (isinstance(node.value, ast.Name) and node.value.id == "args")
+                or (isinstance(node.value, ast.Attribute) and node.value.attr == "args")):
+            (written if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"
+              and isinstance(node.args[1], ast.Constant)):
+            read.add(node.args[1].value)
+    return read, written
+
+
+def _fields(script: str) -> set[str]:
+    """The flags of a script's Args (fields computed at run time, hidden from --help, left out)."""
+    return {n.target.id for n in ast.walk(ast.parse((ROOT / "algorithms" / f"{script}.py").read_text()))
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "Suppress" not in ast.unparse(n)}
+
+
+def test_the_flags_shared_reads_by_name_are_the_documented_vocabulary():
+    read, written = set(), set()
+    for path in (ROOT / "shared").glob("*.py"):
+        r, w = flags_read_by_name(path)
+        read |= r
+        written |= w
+    flags = read - (written - _fields("grpo"))  # the sizes derive_sizes computes into args are read back, not flags
+    assert flags == VOCABULARY, (f"read by name but not in the vocabulary: {sorted(flags - VOCABULARY)}; "
+                                 f"in the vocabulary but no longer read: {sorted(VOCABULARY - flags)}")
+    page = (ROOT / "docs" / "running.md").read_text()
+    section = page[page.index("Shared vocabulary"):page.index("**Renamed flags**")]
+    assert not [f for f in VOCABULARY if f"`{f}`" not in section], "docs/running.md's vocabulary misses a flag"
+    # a name read by shared/ is a flag of the scripts that use it: every RL script declares the core of it
+    for script in ("grpo", "dapo", "grpo_async", "ppo", "ppo_async", "ppo_rlhf", "vineppo", "drca", "prime"):
+        fields = _fields(script)
+        core = VOCABULARY - {"localisation_num_pairs", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                             "lora_sync", "tis", "tis_cap", "tis_mask_low", "verbose"}
+        assert core <= fields, (script, sorted(core - fields))
