@@ -10,8 +10,8 @@ out); 3. score the counterfactuals: credit d_k = R - R~_k; 4. then PPO as in ppo
           - beta * clamp(k1_t, -10, 10),  drca_beta = 0.8, beta = 0.01, gamma = lambda = 1, eps = 0.2 (the default)
 
 Delta from PPO (algorithms/ppo_rlhf.py): steps 1-3, the reward above (drca_beta = 0: ppo_rlhf.py's), slip localisation
-and `--scorer` (auto: the built-in task's per-line grader); reference bugs are fixed, reproducible with flags. Not
-carried, for the 650-line limit: ppo_rlhf.py's --tis, LoRA, --adaptive_kl and --kl_placement loss (KL in the reward).
+and `--scorer` (auto: the built-in task's per-line grader); reference bugs are fixed, reproducible with flags. Every
+ppo_rlhf.py flag is here (`--tis`, LoRA, `--adaptive_kl`, `--kl_placement loss`), some with the reference's defaults.
 
 Launch:
     python algorithms/drca.py              # CPU, built-in task, a few minutes: held-out accuracy rises (docs/drca.md)
@@ -44,6 +44,8 @@ from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.localisation import load_slips, localisation_metrics
 from shared.logprobs import forward_logprobs, response_entropies
+from shared.mismatch import mismatch_metrics
+from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task, task_summary
 from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
 from shared.units import blank_token_id, response_units, unit_pattern, unit_pattern_name
@@ -98,6 +100,16 @@ class Args:
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
     """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
+    lora_r: Annotated[int, Ge(0)] = 0
+    """LoRA rank: rank-r adapters on the policy and the critic (its value head trains in full), the rest frozen (0: off)"""
+    lora_alpha: Annotated[int, Ge(1)] = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """how vLLM gets a LoRA policy: merged weights (`merged`) or the adapter alone, served by vLLM's LoRA (`adapter`); docs/lora.md"""
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
@@ -156,14 +168,29 @@ class Args:
     """value clip range around the old values (the reference: 0.5)"""
     whiten_advantages: bool = True
     """normalise advantages to zero mean, unit variance over the whole batch (all ranks)"""
+    kl_placement: Literal["reward", "loss"] = "reward"
+    """`reward`: -beta * k1 on every token's reward (RLHF); `loss`: beta * k3 as a loss term (ppo.py)"""
     beta: Annotated[float, Ge(0)] = 0.01
     """KL coefficient (the reference: 0.01, fixed); 0 skips the reference model"""
+    adaptive_kl: bool = False
+    """adapt beta towards kl_target (Ziegler et al.)"""
+    kl_target: Annotated[float, Gt(0)] = 6.0
+    """target per-sequence KL for the adaptive controller"""
+    kl_horizon: Annotated[int, Ge(1)] = 10000
+    """horizon (in episodes) of the adaptive controller"""
     non_stop_penalty: bool = False
     """replace the score of completions without EOS by penalty_reward_value (TRL's missing_eos_penalty)"""
     penalty_reward_value: Annotated[float, Interval()] = -1.0  # any real number
     """score given to completions without EOS when non_stop_penalty is on"""
     ratio_threshold: Annotated[float, Gt(0)] = 10.0
     """skip a policy micro-batch (loss x 0) whose mean ratio exceeds this (VinePPO safety check)"""
+    tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
+        "none"
+    """sampler/trainer mismatch correction: `none`, per token, per completion or by its geometric mean; docs/mismatch.md"""
+    tis_cap: Annotated[float, Gt(0)] = 2.0
+    """C: cap of the truncated weight w = pi_train_old / pi_sampler, upper bound of the masks' kept range [lo, C]"""
+    tis_mask_low: Annotated[float, Ge(0)] = 0.0
+    """lo: lower bound of the masks' kept range (0: 1/C)"""
     entropy_coef: Annotated[float, Ge(0)] = 0.0
     """entropy bonus: entropy_coef * token entropy is subtracted from every token's loss (0: off)"""
     drca_beta: Annotated[float, Interval(ge=0, le=1)] = 0.8
@@ -291,6 +318,22 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
     return out * mask
 
 
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
+
+    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
+    k3 is the GRPO/TRL default."""
+    d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
                       eps_high: float, mask: torch.Tensor | None = None):
     """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator; the
@@ -303,11 +346,51 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
     return loss, is_clipped.float(), ratio
 
 
+def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
+                cap: float, low: float = 0.0) -> torch.Tensor:
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
+
+    token_truncate:    w_t = min(rho_t, C)                      rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if lo <= rho_t <= C, else 0    (IcePop, arXiv 2510.18855)
+    sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
+    geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
+    lo = low, or 1/C when low = 0 (a mask's kept range; the truncate modes have no lower bound). token_* and
+    sequence_* are TRL's `vllm_importance_sampling_mode` with clip_max = C: its *_mask modes with clip_min = lo, its
+    *_truncate modes with clip_min unset (TRL's clip_min would raise a weight below it to clip_min; nothing here
+    does); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
+    drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
+    which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
+    log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
+    lo = low or 1 / cap
+    if mode == "none":
+        return torch.ones_like(log_w)
+    if mode == "geometric_mask":
+        g = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+        return ((g >= lo) & (g <= cap)).float()
+    if mode.startswith("sequence_"):
+        log_w = log_w.sum(1, keepdim=True).clamp(-20.0, 20.0).expand_as(mask)  # log rho_seq on every token
+    w = torch.exp(log_w)
+    if mode.endswith("_truncate"):
+        return w.clamp(max=cap)
+    if mode.endswith("_mask"):
+        return w * ((w <= cap) & (w >= lo)).float()
+    raise ValueError("tis: expected none, token_truncate, token_mask, sequence_truncate, sequence_mask or "
+                     f"geometric_mask, got {mode!r}")
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float):
     """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) per token and the clipped indicator."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def adaptive_kl_update(beta: float, current_kl: float, target: float, n_steps: int, horizon: int) -> float:
+    """Ziegler et al.'s controller: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / horizon."""
+    error = max(-0.2, min(0.2, current_kl / target - 1))
+    return beta * (1 + error * n_steps / horizon)
 
 
 def init_value_head(model) -> None:
@@ -331,6 +414,8 @@ def effective_scorer(args: Args) -> str:
 
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
+    if args.adaptive_kl and args.beta == 0:
+        raise ValueError("adaptive_kl: needs beta > 0 to adapt")
     if not args.reward_model_path:
         raise ValueError("reward_model_path: DRCA needs a reward model (e.g. `builtin:tiny-rm` or one from rm.py)")
     if effective_scorer(args) == "line_grader" and not builtin_task.is_builtin(args.dataset):
@@ -362,6 +447,7 @@ def main(args: Args) -> str:
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path")
     critic_path = resolve_model_path(args.critic_model_path, "critic_model_path") if args.critic_model_path else ""
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     check_same_tokenizer(rm_path, tokenizer)
     # train / held-out / dev prompts and the grader (None with --reward_fn none: no accuracy, best/ by dev/reward)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path,
@@ -386,6 +472,7 @@ def main(args: Args) -> str:
     dtype = default_dtype(info.device)
     schedule = lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))  # noqa: E731
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
+    policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
@@ -397,13 +484,14 @@ def main(args: Args) -> str:
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(critic)
     critic = critic.to(info.device)
+    critic = add_lora(critic, args, seq_cls=True)  # LoRA: adapters on the backbone, the value head in full
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0, fused=True)
     critic, critic_optimizer, _ = prepare(critic, critic_optimizer,
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
                                           args.max_grad_norm, dtype)
-    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
-    ref_policy = load_reference(policy, model_path, dtype, info, False) if args.beta > 0 else None
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
@@ -414,7 +502,7 @@ def main(args: Args) -> str:
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
+                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop, lora_sync=args.lora_sync)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def rm_scores(prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
@@ -453,11 +541,11 @@ def main(args: Args) -> str:
             metrics |= localisation_metrics(slips, info, decode, slip_credits)
         return {**metrics, **best.update(metrics, step, policy)}  # keeps the best policy (on dev) in output_dir/best
 
-    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, the KL coefficient
+    # TRY NOT TO MODIFY: resume: weights, optimizers, LR schedulers, data position, RNG, the adaptive KL coefficient
     engines = {"policy": policy, "critic": critic}
     resumable = {"sampler": sampler, "guard": guard, "best": best}  # saved and restored with each checkpoint
     start_step, state = ckpt.restore(engines, **resumable)
-    beta, first_eval = state.get("beta", args.beta), state.get("first_eval")  # beta: --beta, fixed
+    beta, first_eval = state.get("beta", args.beta), state.get("first_eval")  # beta adapts with --adaptive_kl
     if start_step:  # the engine was built from model_path: give it the resumed weights
         generator.sync_weights(full_named_parameters(policy, info))
 
@@ -487,6 +575,7 @@ def main(args: Args) -> str:
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
         last_action = (mask * torch.arange(mask.shape[1], device=info.device)).argmax(1)
         finished = torch.tensor([c.finished for c in comps], device=info.device)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
         # 2. scores R: the reward model's normalised score of prompt + completion, or the per-line grader's (--scorer)
         with timer("reward"):
@@ -519,7 +608,7 @@ def main(args: Args) -> str:
         raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
                                          args.unitless_fallback)
         rewards, kl_k1 = shaped_rewards(raw_rewards, old_logp, ref_logp if ref_policy is not None else old_logp, mask,
-                                        beta, args.reward_clip)
+                                        beta if args.kl_placement == "reward" else 0.0, args.reward_clip)
 
         # 5. advantages: GAE on the critic's values, whitened over the whole batch (all ranks)
         advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
@@ -542,15 +631,24 @@ def main(args: Args) -> str:
                     global_tokens = info.all_reduce(mb_tokens.clone().cpu()).item()
                     for idx in data_utils.micro_batches(mb_idx.tolist(), [], args.gradient_accumulation_steps, "padded"):
                         m_mask = mask[idx]
-                        # policy: token mean of the clipped surrogate over the step (all ranks)
+                        # policy: token mean of the clipped surrogate over the step (all ranks), + beta * k3 loss
                         logp, entropy = forward_logprobs(policy, input_ids[idx], attn[idx], resp[idx], args.temperature,
                                                          args.entropy_coef > 0)
                         pg, is_clipped, ratio = clipped_surrogate(logp, old_logp[idx], advantages[idx],
                                                                   args.epsilon_low, args.epsilon_high, m_mask)
-                        per_token = pg
+                        # TIS: w = pi_old / pi_sampler (the generator's log-probs of the same weights: its kernels
+                        # and precision differ from the trainer's), truncated or masked at tis_cap
+                        w = tis_weights(old_logp[idx], sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
+                        per_token = pg * w
                         if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
                             per_token = per_token - args.entropy_coef * entropy
                         loss = (per_token * m_mask).sum() * info.world_size / max(global_tokens, 1)
+                        kl_loss = torch.zeros((), device=info.device)
+                        if args.kl_placement == "loss" and ref_policy is not None:
+                            # k3 per token, clamped to [0, 10] as in VinePPO
+                            k3 = torch.clamp(kl_penalty(logp, ref_logp[idx], "k3", m_mask) * m_mask, 0, 10)
+                            kl_loss = beta * k3.sum() / args.local_minibatch_size  # seq-sum, batch-mean
+                            loss = loss + kl_loss
                         mean_ratio = ((ratio * m_mask).sum() / m_mask.sum().clamp(min=1)).item()
                         skip = mean_ratio > args.ratio_threshold  # a wildly off-policy micro-batch: no update
                         guard.backward(policy, loss * (0.0 if skip else 1.0))
@@ -566,7 +664,7 @@ def main(args: Args) -> str:
                             n = m_mask.sum().clamp(min=1)
                             mm = lambda x: ((x * m_mask).sum() / n).item()  # noqa: E731
                             for k, v in {"loss/policy_avg": mm(pg), "loss/value_avg": mm(vf),
-                                         "policy/clipfrac_avg": mm(is_clipped),
+                                         "loss/kl_avg": kl_loss.item(), "policy/clipfrac_avg": mm(is_clipped),
                                          "policy/approxkl_avg": mm(0.5 * (logp - old_logp[idx]) ** 2),
                                          "val/clipfrac_avg": mm(vclipped), "val/ratio": mean_ratio,
                                          "val/ratio_var": mm((ratio - mean_ratio) ** 2), "val/skipped_frac": float(skip)}.items():
@@ -582,10 +680,16 @@ def main(args: Args) -> str:
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
         flat, avg = [d for c in credits for d in c], lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
         local = {k: sum(v) / len(v) for k, v in stats.items()}
+        with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
+                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
+                                                      args.tis_mask_low),
+                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
         local.update({
             "objective/scores": scores.mean().item(),
             "objective/kl": kl_k1.sum(1).mean().item(),
-            "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item(),
+            "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
+            else 0.0,
             "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
@@ -601,6 +705,8 @@ def main(args: Args) -> str:
             / mask.sum().item(),
         })
         metrics = info.mean_over_ranks(local)
+        if args.adaptive_kl:
+            beta = adaptive_kl_update(beta, metrics["objective/kl"], args.kl_target, args.batch_size, args.kl_horizon)
         metrics["drca/rm_calls"] *= info.world_size  # per step, all ranks
         # sum_a r_a = drca_beta * sum_k d_k + (1 - drca_beta) R before clipping (0 up to rounding), max over ranks
         metrics["drca/sum_identity_err"] = max(info.gather_objects(max([abs(raw_rewards[i].sum().item() - args.drca_beta

@@ -310,13 +310,14 @@ DRCA_SMALL = ["--scorer", "rm",  # the RM scores (the built-in task's default, -
 
 
 @pytest.mark.parametrize("generator,extra", [
-    ("vllm", []),
+    ("vllm", ["--lora_r", "4", "--tis", "token_mask", "--kl_placement", "loss", "--adaptive_kl"]),  # ppo_rlhf.py's
     ("hf", ["--unit_extraction", "entropy", "--unit_entropy_threshold", "0.5", "--counterfactual", "mask",
             "--entropy_source", "reference", "--unitless_fallback", "zeros"]),
 ])
 def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extra):
     """Units found, one RM call per unit on top of one per response, the reward identity holds, and the held-out
-    metrics are the grader's accuracy and the RM's mean score."""
+    metrics are the grader's accuracy and the RM's mean score; with the features drca.py shares with ppo_rlhf.py
+    (LoRA, TIS, the KL as a loss term, the adaptive KL coefficient) the same, plus their effects."""
     run([sys.executable, "algorithms/drca.py", "--output_dir", str(tmp_path), "--reward_model_path",
          str(trained_rm / "final"), *DRCA_SMALL, "--generator", generator, *extra])
     rows = metrics(tmp_path)
@@ -336,6 +337,11 @@ def test_drca_with_the_rm_trained_by_rm_py(trained_rm, tmp_path, generator, extr
     assert all(len(x["units"]) == len(x["credits"]) for x in samples) and any(x["units"] for x in samples)
     assert rows[-1]["check/ranks_identical_weights"] == 1.0
     assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "critic" / "config.json").exists()
+    if "--lora_r" in extra:  # adapters exported with the merged models; k3 in the loss, none in the reward; beta adapts
+        assert (tmp_path / "final" / "adapter").is_dir() and (tmp_path / "critic" / "adapter").is_dir()
+        assert all(r["objective/non_score_reward"] == 0.0 and r["loss/kl_avg"] >= 0 for r in steps)
+        assert steps[-1]["loss/kl_avg"] > 0 and steps[-1]["objective/kl_coef"] != steps[0]["objective/kl_coef"]
+        assert all(0 < r["val/tis_weight"] <= 2.0 for r in steps)
 
 
 @pytest.mark.parametrize("mode", ["truncate", "mask"])

@@ -9,7 +9,7 @@ import torch
 
 from shared.mismatch import mismatch_metrics
 
-SCRIPTS = ["grpo", "dapo", "grpo_async", "ppo", "ppo_async", "ppo_rlhf", "vineppo", "prime"]
+SCRIPTS = ["grpo", "dapo", "grpo_async", "ppo", "ppo_async", "ppo_rlhf", "vineppo", "prime", "calibration", "drca"]
 MODES = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"]
 
 
