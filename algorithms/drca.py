@@ -39,7 +39,7 @@ from shared.checkpoint import BestModel, Checkpointer, save_final, save_hf
 from shared.cli import derive_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
                                 full_named_parameters, init_distributed, load_causal_lm, load_reference,
-                                load_tokenizer, prepare, prepare_frozen, seed_everything)
+                                load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, make_generator
 from shared.localisation import load_slips, localisation_metrics
@@ -47,7 +47,9 @@ from shared.logprobs import forward_logprobs, response_entropies
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task, task_summary
-from shared.scalar import check_same_tokenizer, head, load_scalar_model, normalized, score_sequences, token_values
+from shared.scalar import (check_same_tokenizer, head, load_reward_model, load_scalar_model, normalized, score_sequences,
+                           token_values)
+from shared.verifier import verifier_kind
 from shared.units import blank_token_id, response_units, unit_pattern, unit_pattern_name
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -83,9 +85,9 @@ class Args:
     reward_fn: str = "auto"
     """grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
     reward_model_path: str = "builtin:tiny-rm"
-    """reward model (HF sequence classification, e.g. from rm.py); `builtin:tiny-rm` is rm.py's default run"""
+    """reward model: rm.py's (HF sequence classification; `builtin:tiny-rm`: its default run), genrm.py's or implicit_prm.py's"""
     critic_model_path: str = ""
-    """initialise the critic from this checkpoint (default: the reward model, as the reference code)"""
+    """initialise the critic from this checkpoint (default: the reward model, as the reference code; a verifier: the policy)"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
@@ -477,7 +479,7 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
-    critic_path = critic_path or rm_path
+    critic_path = critic_path or (model_path if verifier_kind(rm_path) else rm_path)  # a GenRM has no value head
     critic = load_scalar_model(critic_path, dtype)
     if critic_path == model_path:  # a fresh head on the policy's backbone
         init_value_head(critic)
@@ -492,7 +494,7 @@ def main(args: Args) -> str:
                                           args.max_grad_norm, dtype)
     # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
     ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
-    reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
+    reward_model = load_reward_model(rm_path, tokenizer, info, dtype)  # frozen; a verifier scores as shared/verifier.py
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))

@@ -227,6 +227,14 @@ def test_grpo_takes_a_genrm_checkpoint_as_its_reward_and_evaluate_selects_best_o
     rows = metrics(tmp_path / "grpo")
     scores = [r["objective/scores"] for r in rows if "objective/scores" in r]
     assert scores and all(0 <= s <= 1 for s in scores)  # probabilities, not the grader's 0/1 alone
+    # ppo_rlhf.py takes it too, its critic then a fresh head on the policy (a verifier has no value head)
+    run([sys.executable, "algorithms/ppo_rlhf.py", "--output_dir", str(tmp_path / "ppo"), "--reward_model_path",
+         str(final), "--generator", "hf", "--total_episodes", "16", "--local_num_prompts", "4", "--num_generations", "4",
+         "--local_micro_batch_size", "16", "--max_new_tokens", "12", "--eval_every", "0", "--eval_num_prompts", "4",
+         "--eval_num_samples", "2", "--dev_num_prompts", "4", "--save_every", "0", "--no_save_model"])
+    rows = metrics(tmp_path / "ppo")
+    scores = [r["objective/scores"] for r in rows if "objective/scores" in r]
+    assert scores and all(0 <= s <= 1 for s in scores) and 0 <= rows[-1]["eval/reward"] <= 1
     run([sys.executable, "algorithms/evaluate.py", "--output_dir", str(tmp_path / "ev"), "--generator", "hf",
          "--num_prompts", "4", "--num_samples", "4", "--k", "1", "4", "--num_bootstrap", "10", "--max_new_tokens", "12",
          "--verifiers", f"genrm={final}", "rm=builtin:tiny-rm"])
