@@ -35,7 +35,7 @@ from the processed scores, so they mean the same thing as vLLM's.
 
 Stopping: a completion ends at the first token that is one of `stop_token_ids` (the tokenizer's EOS and every id of
 the checkpoint's `generation_config.eos_token_id`, see `stop_token_ids`), or that completes one of the `stop`
-strings in the completion's text (`--stop`). That last token is kept (finish_reason "stop"): it is the action that
+strings in the completion's text (`--stop`; a `generate` call may pass its own, as shared/tools.py's call stop). That last token is kept (finish_reason "stop"): it is the action that
 ended the turn, so the loss mask, the KL term, the reference log-probs and a reward model all see it, exactly like
 EOS. Reward functions get the text from `completion_decoder`: special tokens skipped and cut before the first stop
 string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`).
