@@ -3,24 +3,23 @@
 grpo.py's algorithm (DeepSeekMath, Shao et al. 2024, https://arxiv.org/abs/2402.03300, Sec. 4.1) on episodes in
 which generation stops at a call, the tool's result is appended and generation goes on (shared/tools.py):
     prompt "3+4+5="  ->  response "<<3+4=" [7>>] "\n<<7+5=" [12>>] "\n12"      [ ]: the tool's tokens, m_it = 0
-The reward grades the final answer (the last line, the task's grader unchanged); only the model's tokens train.
 
-Default objective (maximised), grpo.py's with the model-token mask m_it in every sum (the token mean counts them):
+Default objective (maximised; r_i grades the final answer, the last line), grpo.py's with the model-token mask m_it:
     J(theta) = 1/sum_it m_it * sum_i sum_t m_it w_it min(rho_it A_i, clip(rho_it, 1-eps_low, 1+eps_high) A_i)
     A_i = (r_i - mean_G r) / (std_G r + 1e-4),  rho_it = pi_theta / pi_old,  w_it = min(pi_old / pi_sampler, C)
 
-Delta from GRPO (algorithms/grpo.py): rollouts and evaluation go through shared/tools.py's ToolGenerator (the
-unfinished episodes of a batch generate together, one engine call per round; a malformed call gets `ERR>>`, never an
-exception; --max_tool_calls is the turn limit, 0: no tool); the loss mask leaves out the tool's tokens; the length
-metrics count the model's tokens; tools/* metrics. Defaults: `builtin:sums-10` (sft.py's recipe reaches about 0.1
-held-out accuracy there without a tool) from `builtin:tiny-tools-sft` (sft.py on the task written with calls, the
-results not trained), --max_new_tokens 128 (the tool's tokens count). grpo.py's flags are all here (docs/grpo.md).
+Delta from GRPO (algorithms/grpo.py): rollouts and evaluation go through shared/tools.py's ToolGenerator (unfinished
+episodes generate together, one engine call per round; a malformed call gets `ERR>>`, never an exception;
+--max_tool_calls: the turn limit, 0: no tool; --tool_turns chat: results as chat tool turns); the loss mask and the
+length metrics leave out the tool's tokens; tools/* metrics. Defaults: `builtin:sums-10` (sft.py's recipe reaches
+about 0.1 held-out accuracy there without a tool) from `builtin:tiny-tools-sft` (sft.py on it written with calls,
+results not trained), --max_new_tokens 128 (tool tokens count). grpo.py's flags are all here (docs/grpo.md).
 
 Launch:
     python algorithms/grpo_tools.py                            # CPU, builtin:sums-10 with the calculator, minutes
     python algorithms/grpo_tools.py --max_tool_calls 0         # the same start and task without the tool
-    python algorithms/grpo_tools.py --model_name_or_path builtin:smollm2-135m --chat_template \
-        --dataset builtin:sums-4 --max_new_tokens 64 --learning_rate 1e-6
+    python algorithms/grpo_tools.py --model_name_or_path builtin:smollm2-135m --chat_template --tool_turns chat \
+        --dataset builtin:sums-4 --max_new_tokens 96 --learning_rate 1e-6
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task, task_summary
 from shared.rewards import score_completions
 from shared.scalar import load_reward_model
-from shared.tools import ToolGenerator, episode_metrics, model_token_mask
+from shared.tools import ToolGenerator, chat_tool_turn, episode_metrics, model_token_mask
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -154,6 +153,8 @@ class Args:
     """response length limit, the tool's tokens included; a response that hits it is 'truncated' (reward 0 from the graders)"""
     max_tool_calls: Annotated[int, Ge(0)] = 16
     """turn limit: tool calls per episode; past it an `=` runs no tool, the response is graded as written (0: no tool)"""
+    tool_turns: Literal["inline", "chat"] = "inline"
+    """`inline`: results written into the assistant's text; `chat`: each result comes as a chat `tool` turn (chat models)"""
     stop: tuple[str, ...] = ()
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "maxrl"] = "grpo"
@@ -418,6 +419,8 @@ def main(args: Args) -> str:
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
+    if args.tool_turns == "chat":  # a chat template that cannot give tool turns: one line, before anything is written
+        chat_tool_turn(tokenizer)
     # train / held-out / dev prompts and the grader (None with a reward model and no gold answers: no accuracy)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
@@ -457,7 +460,7 @@ def main(args: Args) -> str:
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                enable_sleep_mode=args.vllm_enable_sleep, lora_sync=args.lora_sync)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
-    episodes = ToolGenerator(generator, tokenizer, args.max_tool_calls, args.stop)  # generate with the calculator
+    episodes = ToolGenerator(generator, tokenizer, args.max_tool_calls, args.stop, args.tool_turns)  # the calculator
 
     def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
         metrics = evaluate_accuracy(episodes, {"eval": eval_data, "dev": dev_data}, reward_fn, decode, info,

@@ -19,6 +19,12 @@ observation text is tokenised (alone). Past `max_tool_calls` calls no tool runs:
 token and the episode generates on (a round in which no episode may call is generated without the `=` stop);
 `max_tool_calls = 0` is plain generation. An observation that does not fit the budget ends the episode as
 truncated ("length"). Seeding: round r of a call uses the call's seed shifted by r (shared/generation.py's rule).
+
+Chat turns (`turns="chat"`, `chat_tool_turn`): the result is not written into the assistant's text but comes as a
+`tool` message (`user` where the template has no tool role): the observation is what the chat template renders after
+the call (the end of the assistant's turn, the tool turn, the next assistant header), found by rendering a short
+conversation with and without the tool message, as TRL's GRPO tool loop does; a template that renders the earlier
+messages differently once a tool message follows (not prefix-preserving) is a start-up error.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -91,6 +98,29 @@ def encode_segments(tokenizer, text: str) -> tuple[list[int], list[int]]:
     return ids + [tokenizer.eos_token_id], mask + [1]
 
 
+def chat_tool_turn(tokenizer) -> Callable[[str], str]:
+    """text -> the observation text that closes the assistant's turn and gives `text` as a tool turn, then opens the
+    next assistant turn (module docstring); checked once here."""
+    base = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<<1+1="}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    role = "tool"
+
+    def render(text: str) -> str:
+        after = tokenizer.apply_chat_template(base + [{"role": role, "content": text}], tokenize=False,
+                                              add_generation_prompt=True)
+        if not after.startswith(before) or text not in after[len(before):]:
+            raise ValueError("tool_turns: the chat template is not prefix-preserving (a tool message after the "
+                             "assistant's changes how the earlier messages render); use --tool_turns inline")
+        return before[before.rindex("<<1+1=") + len("<<1+1="):] + after[len(before):]
+
+    try:
+        render("2>>")
+    except Exception:  # no tool role in the template (it raises, or drops the message): the result as a user turn
+        role = "user"
+        render("2>>")
+    return render
+
+
 @dataclass
 class Episode:
     token_ids: list[int] = field(default_factory=list)  # the response: model and tool tokens in order
@@ -110,8 +140,9 @@ class Episode:
 class ToolGenerator:
     """`generate` with the calculator in the loop (module docstring); `engine` is make_generator's generator."""
 
-    def __init__(self, engine, tokenizer, max_tool_calls: int, stop=()):
+    def __init__(self, engine, tokenizer, max_tool_calls: int, stop=(), turns: str = "inline"):
         self.engine, self.tokenizer, self.max_tool_calls, self.stop = engine, tokenizer, max_tool_calls, tuple(stop)
+        self.wrap = chat_tool_turn(tokenizer) if turns == "chat" else (lambda text: text)  # the observation's text
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, index_offset: int = 0) -> list[list[Episode]]:
@@ -150,7 +181,7 @@ class ToolGenerator:
         if ep.calls >= self.max_tool_calls:  # stopped at an `=` past the limit: an ordinary token, generate on
             return
         text, wellformed = observation(turn)
-        obs = self.tokenizer(text, add_special_tokens=False).input_ids
+        obs = self.tokenizer(self.wrap(text), add_special_tokens=False).input_ids
         ep.calls, ep.malformed = ep.calls + 1, ep.malformed + (not wellformed)
         if len(ep.token_ids) + len(obs) >= max_new_tokens:  # no room for the result and a token after it
             ep.finish_reason, ep.done = "length", True

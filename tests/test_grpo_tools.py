@@ -15,8 +15,8 @@ import torch
 from shared import task
 from shared.data import pad_batch
 from shared.generation import Completion
-from shared.tools import (ToolGenerator, calculate, encode_segments, episode_metrics, model_token_mask, observation,
-                          segments, tool_response)
+from shared.tools import (ToolGenerator, calculate, chat_tool_turn, encode_segments, episode_metrics, model_token_mask,
+                          observation, segments, tool_response)
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = "<eos>"
@@ -59,10 +59,10 @@ class ScriptedEngine:
         return out
 
 
-def run_episodes(tok, prompts: list[str], texts: list[str], max_tool_calls=8, max_new_tokens=128):
+def run_episodes(tok, prompts: list[str], texts: list[str], max_tool_calls=8, max_new_tokens=128, turns="inline"):
     prompt_ids = [tok(p).input_ids for p in prompts]
     engine = ScriptedEngine(tok, texts, len(prompt_ids[0]))
-    out = ToolGenerator(engine, tok, max_tool_calls).generate(prompt_ids, n=1, temperature=1.0, top_p=1.0,
+    out = ToolGenerator(engine, tok, max_tool_calls, turns=turns).generate(prompt_ids, n=1, temperature=1.0, top_p=1.0,
                                                             max_new_tokens=max_new_tokens, seed=1)
     return engine, prompt_ids, [g[0] for g in out]
 
@@ -148,6 +148,34 @@ def test_sft_data_masks_the_tool_results(tok):
     assert [t for t, k in zip(tok.convert_ids_to_tokens(r), keep) if not k] == list("7>>12>>")
     row = json.loads((ROOT / "shared/builtin_models/tools_sft/sums10.train.jsonl").open().readline())
     assert task.grade(row["response"], row["answer"]) == 1.0
+
+
+def test_chat_tool_turns_and_the_prefix_check(tok):
+    """--tool_turns chat: the result comes as a tool turn rendered by the chat template (mask 0 on all of it); a
+    template that is not prefix-preserving is a one-line start-up error."""
+    import copy
+
+    obs = "\n<|tool|>\n7>>\n<|assistant|>\n"  # the tiny template: the assistant turn's end, the tool turn, the header
+    assert chat_tool_turn(tok)("7>>") == obs
+    _, _, (ep,) = run_episodes(tok, ["3+4+5="], ["<<3+4=\n12" + EOS], turns="chat")
+    assert tok.decode(ep.token_ids, skip_special_tokens=True) == "<<3+4=" + obs + "\n12"
+    assert ep.model_mask == [1] * 6 + [0] * len(ids(tok, obs)) + [1] * 4
+    bad = copy.deepcopy(tok)
+    bad.chat_template = "{% for m in messages %}{% if loop.last %}LAST:{% endif %}{{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="not prefix-preserving"):
+        chat_tool_turn(bad)
+
+
+@pytest.mark.real_model
+def test_smollm2_chat_tool_turn():
+    from transformers import AutoTokenizer
+
+    from shared.models import resolve_model_path
+
+    smol = AutoTokenizer.from_pretrained(resolve_model_path("builtin:smollm2-135m"))
+    text = chat_tool_turn(smol)("7>>")
+    assert text == "<|im_end|>\n<|im_start|>tool\n7>><|im_end|>\n<|im_start|>assistant\n"
+    assert smol(text, add_special_tokens=False).input_ids[0] == smol.convert_tokens_to_ids("<|im_end|>")
 
 
 # ---------------------------------------------------------------- end to end: one shared run
