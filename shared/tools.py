@@ -38,7 +38,7 @@ import torch
 
 CALL_OPEN, CALL_STOP, RESULT_CLOSE, ERROR = "<<", "=", ">>", "ERR"
 MAX_EXPRESSION = 32  # characters
-_EXPRESSION = re.compile(r"\d+(?:[-+*]\d+)*")
+_EXPRESSION = re.compile(r"[0-9]+(?:[-+*][0-9]+)*")
 ROUND_SEED = 10_007  # round r of a call samples with seed + r * ROUND_SEED
 
 
