@@ -12,8 +12,8 @@ Delta from GRPO (algorithms/grpo.py): rollouts and evaluation go through shared/
 episodes generate together, one engine call per round; a malformed call gets `ERR>>`, never an exception;
 --max_tool_calls: the turn limit, 0: no tool; --tool_turns chat: results as chat tool turns); the loss mask and the
 length metrics leave out the tool's tokens; tools/* metrics. Defaults: `builtin:sums-10` (sft.py's recipe reaches
-about 0.1 held-out accuracy there without a tool) from `builtin:tiny-tools-sft` (sft.py on it written with calls,
-results not trained), --max_new_tokens 128 (tool tokens count). grpo.py's flags are all here (docs/grpo.md).
+about 0.1 held-out accuracy there without a tool) from `builtin:tiny-tools-sft` (sft.py on it written with one
+call, result not trained), --max_new_tokens 64 (tool tokens count). grpo.py's flags are all here (docs/grpo.md).
 
 Launch:
     python algorithms/grpo_tools.py                            # CPU, builtin:sums-10 with the calculator, minutes
@@ -149,9 +149,9 @@ class Args:
     """sampling temperature; trainer logits are divided by it too"""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling; <1 makes the trainer's log-probs differ from the sampler's"""
-    max_new_tokens: Annotated[int, Ge(1)] = 128
+    max_new_tokens: Annotated[int, Ge(1)] = 64
     """response length limit, the tool's tokens included; a response that hits it is 'truncated' (reward 0 from the graders)"""
-    max_tool_calls: Annotated[int, Ge(0)] = 16
+    max_tool_calls: Annotated[int, Ge(0)] = 4
     """turn limit: tool calls per episode; past it an `=` runs no tool, the response is graded as written (0: no tool)"""
     tool_turns: Literal["inline", "chat"] = "inline"
     """`inline`: results written into the assistant's text; `chat`: each result comes as a chat `tool` turn (chat models)"""

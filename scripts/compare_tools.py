@@ -1,12 +1,12 @@
 """Measurement (not a test): GRPO with the calculator (grpo_tools.py) against GRPO without it (grpo.py), same task.
 
-    python scripts/compare_tools.py                                    # seeds 1 2 3, 7,680 episodes per run
+    python scripts/compare_tools.py                                    # seeds 1 2 3, 10,240 episodes per run
     python scripts/compare_tools.py --seeds 1 --total_episodes 2560    # a quick look
 
 Task: `builtin:sums-10` (10 one-digit terms, 9 running sums; the answer is the last line). Two arms, equal sampled
 episodes per run, each from its own SFT start:
   tools:   grpo_tools.py's defaults from `builtin:tiny-tools-sft` (sft.py on the task written with one calculator
-           call per line, the results not trained), --max_new_tokens 128 (the tool's tokens count), 16 calls at most
+           call on the whole sum, the result not trained), --max_new_tokens 64 (the tool's tokens count)
   no tool: grpo.py from sft.py's no-tool start for the task (scripts/calibrate_sums.py's recipe: sft.py --dataset
            builtin:sums-10 --max_new_tokens 30 --seed 1, built here once), --max_new_tokens 30
 Both: --total_episodes N, --seed s, evaluated before and after training on the 500 held-out prompts (4 samples each
@@ -49,7 +49,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--arms", nargs="+", default=["tools", "no_tool"], choices=["tools", "no_tool"])
-    p.add_argument("--total_episodes", type=int, default=7680)
+    p.add_argument("--total_episodes", type=int, default=10240)
     p.add_argument("--eval_every", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "tools", help="work directory")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "tools")

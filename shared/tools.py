@@ -64,9 +64,12 @@ def observation(turn: str) -> tuple[str, bool]:
     return (ERROR if value is None else str(value)) + RESULT_CLOSE, value is not None
 
 
-def tool_response(terms: list[int]) -> str:
-    """The running sums of `terms` written with one calculator call per line, the answer on its own last line:
-    [3, 4, 5] -> "<<3+4=7>>\\n<<7+5=12>>\\n12" (shared/task.py grades the last line)."""
+def tool_response(terms: list[int], per_line: bool = False) -> str:
+    """The sum of `terms` written with the calculator, the answer on its own last line (shared/task.py grades the
+    last line): one call on the whole expression, [3, 4, 5] -> "<<3+4+5=12>>\n12"; `per_line`: one call per running
+    sum, "<<3+4=7>>\n<<7+5=12>>\n12"."""
+    if not per_line:
+        return f"{CALL_OPEN}{'+'.join(map(str, terms))}{CALL_STOP}{sum(terms)}{RESULT_CLOSE}\n{sum(terms)}"
     lines, total = [], terms[0]
     for t in terms[1:]:
         lines.append(f"{CALL_OPEN}{total}+{t}{CALL_STOP}{total + t}{RESULT_CLOSE}")

@@ -140,7 +140,8 @@ def test_batched_rounds_and_length_metrics_count_model_tokens(tok):
 
 
 def test_sft_data_masks_the_tool_results(tok):
-    text = tool_response([3, 4, 5])
+    assert tool_response([3, 4, 5]) == "<<3+4+5=12>>\n12"
+    text = tool_response([3, 4, 5], per_line=True)
     assert text == "<<3+4=7>>\n<<7+5=12>>\n12"
     assert segments(text) == [("<<3+4=", 1), ("7>>", 0), ("\n<<7+5=", 1), ("12>>", 0), ("\n12", 1)]
     r, keep = encode_segments(tok, text)
@@ -196,7 +197,7 @@ def test_resume_is_exact_and_the_run_logs_tool_metrics(resumed):
     assert r["rows_equal"], f"first differing row: {r['first_diff']}"
     assert r["weights_equal"] and "final" in r["weights"] and r["finished"]
     step = r["step_row"]
-    assert step["tools/calls_per_episode"] > 1 and step["tools/wellformed_frac"] > 0.5
+    assert step["tools/calls_per_episode"] > 0.5 and step["tools/wellformed_frac"] > 0.5
     assert 0 < step["tools/tool_tokens_frac"] < 1
     samples = [json.loads(line) for line in (out / "grpo_tools" / "a" / "samples.jsonl").read_text().splitlines()]
     assert any("<<" in s["completion"] and ">>" in s["completion"] for s in samples)
