@@ -1217,6 +1217,11 @@ def tools_compare(d: dict) -> str:
         mins = f"{sum(minutes) / len(minutes):.1f}" if minutes else "n/a"
         lines.append(f"| {names[arm]} | {', '.join(str(r['seed']) for r in runs)} | {spread(arm, 'start_accuracy')} | "
                      f"{spread(arm, 'final_accuracy')} | {mins} |")
+    if arms == list(names):  # both arms: the difference of the final accuracies, seed by seed
+        final = {(r["arm"], r["seed"]): r["final_accuracy"] for r in d["runs"]}
+        diff = [100 * (final["tools", s] - final["no_tool", s]) for s in d["seeds"] if ("no_tool", s) in final]
+        lines.append(f"| calculator minus no tool, after training (seeds with both arms) | | | "
+                     f"{sum(diff) / len(diff):+.1f} points ({min(diff):+.1f} to {max(diff):+.1f}) | |")
     if "tools" in arms:
         t = d["tools"]
         lines += ["", "| tools arm, over training (mean of the steps of a run; mean (min-max) over seeds) | value |",
