@@ -16,7 +16,7 @@ about 0.1 held-out accuracy there without a tool) from `builtin:tiny-tools-sft` 
 call, result not trained), --max_new_tokens 64 (tool tokens count). grpo.py's flags are all here (docs/grpo.md).
 
 Launch:
-    python algorithms/grpo_tools.py                            # CPU, builtin:sums-10 with the calculator, minutes
+    python algorithms/grpo_tools.py                            # CPU, sums-10 with the calculator, 200 steps (Results)
     python algorithms/grpo_tools.py --max_tool_calls 0         # the same start and task without the tool
     python algorithms/grpo_tools.py --model_name_or_path builtin:smollm2-135m --chat_template --tool_turns chat \
         --dataset builtin:sums-4 --max_new_tokens 96 --learning_rate 1e-6

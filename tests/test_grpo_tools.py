@@ -213,8 +213,10 @@ def test_two_steps_on_smollm2(tmp_path):
     run([sys.executable, "algorithms/grpo_tools.py", "--output_dir", str(out), "--model_name_or_path",
          "builtin:smollm2-135m", "--chat_template", "--dataset", "builtin:sums-4", "--prompt_template",
          "{prompt}\nUse the calculator: write <<a+b= and it appends the result.", "--learning_rate", "1e-5",
-         "--max_new_tokens", "24", "--local_num_prompts", "2", "--num_generations", "2", "--local_micro_batch_size",
-         "4", "--num_minibatches", "1", "--total_episodes", "8", "--eval_num_prompts", "2", "--eval_num_samples", "1",
-         "--eval_every", "0", "--dev_num_prompts", "2", "--save_every", "0", "--no_save_model", "--generator", "hf"])
+         "--max_new_tokens", "16", "--local_num_prompts", "2", "--num_generations", "2", "--local_micro_batch_size",
+         "4", "--num_minibatches", "1", "--num_iterations", "1", "--total_episodes", "8", "--eval_num_prompts", "1",
+         "--eval_num_samples", "1", "--eval_every", "0", "--dev_num_prompts", "0", "--best_metric", "",
+         "--save_every", "0", "--no_save_model", "--generator", "hf", "--sample_every", "1"])
     rows = [r for r in metrics(out) if "tools/calls_per_episode" in r]
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss/policy_avg"])) for r in rows)
+    assert all(0 <= r["tools/tool_tokens_frac"] < 1 and r["val/sequence_lengths"] <= 16 for r in rows)
