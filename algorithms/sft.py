@@ -36,6 +36,7 @@ from shared.generation import completion_decoder, make_generator
 from shared.logprobs import forward_logprobs
 from shared.lora import add_lora, check_lora
 from shared.rewards import load_reward_fn, probe_reward_fn
+from shared.tools import encode_segments, model_token_mask
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -67,6 +68,8 @@ class Args:
     """template applied to the prompt text; `{prompt}` is replaced by the dataset prompt"""
     response_template: str = "{response}"
     """template applied to the response text (VinePPO uses `\\n{response}\\n`)"""
+    tool_results: bool = False
+    """responses in the calculator syntax (`<<3+4=` `7>>`): tool results tokenised alone, not trained (grpo_tools.py)"""
     chat_template: bool = False
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
     max_prompt_length: Annotated[int, Ge(1)] = 256
@@ -201,11 +204,16 @@ def main(args: Args) -> str:
     for row in rows:
         p = data_utils.encode_prompt(tokenizer, data_utils.format_prompt(row["prompt"], args.prompt_template),
                                      args.chat_template)
-        r = data_utils.encode_response(tokenizer, args.response_template.replace("{response}", row["response"]))
+        text = args.response_template.replace("{response}", row["response"])
+        if args.tool_results:  # keep: 1 on trained tokens, 0 on the tool's results
+            r, keep = encode_segments(tokenizer, text)
+        else:
+            r = data_utils.encode_response(tokenizer, text)
+            keep = [1] * len(r)
         if len(p) > args.max_prompt_length or len(p) + len(r) > args.max_seq_length:
             dropped += 1
             continue
-        examples.append((p, r))
+        examples.append((p, r, keep))
     if not examples:
         raise data_utils.DataError(f"dataset {args.dataset!r}: all {len(rows)} examples are longer than "
                                    f"max_prompt_length={args.max_prompt_length} / max_seq_length={args.max_seq_length}")
@@ -280,13 +288,15 @@ def main(args: Args) -> str:
             global_idx = sampler.next_indices(args.batch_size)
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
             batch = [examples[i] for i in local_idx]
-            num_tokens = info.all_reduce(torch.tensor([sum(len(r) for _, r in batch)])).item()  # all ranks
+            num_tokens = info.all_reduce(torch.tensor([sum(sum(keep) for _, _, keep in batch)])).item()  # all ranks
             loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)  # the loss's device (GPU: no sync)
             for m in range(args.gradient_accumulation_steps):
                 micro = batch[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
-                input_ids, attn, resp = data_utils.pad_batch([p for p, _ in micro], [r for _, r in micro],
+                input_ids, attn, resp = data_utils.pad_batch([p for p, _, _ in micro], [r for _, r, _ in micro],
                                                              tokenizer.pad_token_id, info.device)
                 nll, mask = sequence_nll(model, input_ids, attn, resp)
+                if args.tool_results:  # the tool's tokens are context, never targets
+                    mask = mask * model_token_mask(resp, [keep for _, _, keep in micro])[:, 1:].to(mask.dtype)
                 loss = reduce_loss(nll, mask, args.loss_reduction, len(batch), num_tokens, info.world_size)
                 guard.backward(model, loss)
                 grad_norm = guard.step(model)  # a non-finite loss or gradient skips the step (counted)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared import tiny  # noqa: E402
 
-ORDER = ("tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft")
+ORDER = ("tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft", "tiny-tools-sft")
 
 
 def main(argv: list[str] | None = None) -> int:

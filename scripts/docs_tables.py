@@ -1201,6 +1201,48 @@ def calibration_compare(d: dict) -> str:
     return "\n".join(lines)
 
 
+def tools_compare(d: dict) -> str:
+    """scripts/compare_tools.py: grpo_tools.py (calculator) against grpo.py (no tool) on builtin:sums-10 at equal
+    episodes: held-out accuracy before and after, mean (min-max) over seeds; the tools arm's call statistics."""
+    def spread(arm: str, key: str) -> str:
+        xs = [r[key] for r in d["runs"] if r["arm"] == arm]
+        return f"{sum(xs) / len(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+    names = {"tools": "grpo_tools.py, calculator", "no_tool": "grpo.py, no tool"}
+    arms = [a for a in names if any(r["arm"] == a for r in d["runs"])]
+    lines = ["| arm | seeds | held-out accuracy at the start | after training | minutes per run |", "|---|---|---|---|---|"]
+    for arm in arms:
+        runs = [r for r in d["runs"] if r["arm"] == arm]
+        minutes = [r["minutes"] for r in runs if r["minutes"] is not None]
+        mins = f"{sum(minutes) / len(minutes):.1f}" if minutes else "n/a"
+        lines.append(f"| {names[arm]} | {', '.join(str(r['seed']) for r in runs)} | {spread(arm, 'start_accuracy')} | "
+                     f"{spread(arm, 'final_accuracy')} | {mins} |")
+    if arms == list(names):  # both arms: the difference of the final accuracies, seed by seed
+        final = {(r["arm"], r["seed"]): r["final_accuracy"] for r in d["runs"]}
+        diff = [100 * (final["tools", s] - final["no_tool", s]) for s in d["seeds"] if ("no_tool", s) in final]
+        lines.append(f"| calculator minus no tool, after training (seeds with both arms) | | | "
+                     f"{sum(diff) / len(diff):+.1f} points ({min(diff):+.1f} to {max(diff):+.1f}) | |")
+    if "tools" in arms:
+        t = d["tools"]
+        lines += ["", "| tools arm, over training (mean of the steps of a run; mean (min-max) over seeds) | value |",
+                  "|---|---|"]
+        for key, what in (("tools/wellformed_frac", "well-formed calls / all calls"),
+                          ("tools/calls_per_episode", "calls per episode")):
+            x = t[key]
+            lines.append(f"| {what} | {x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f}) |")
+        first = [r["train"][0] for r in d["runs"] if r["arm"] == "tools"]
+        last = [r["train"][-1] for r in d["runs"] if r["arm"] == "tools"]
+        for key, what in (("tools/wellformed_frac", "well-formed calls, first step -> last step"),
+                          ("tools/calls_per_episode", "calls per episode, first step -> last step")):
+            a, b = (sum(x[key] for x in xs) / len(xs) for xs in (first, last))
+            lines.append(f"| {what} | {a:.3f} -> {b:.3f} |")
+    cmds = "; ".join(f"`{r['command']}`" for r in d["runs"] if r["seed"] == d["seeds"][0])
+    lines += ["", f"`{d['task']}`, 500 held-out prompts, 4 samples each at T = 1; {d['total_episodes']:,} sampled "
+                  f"episodes per run. Runs: {cmds} (grpo.py from the no-tool SFT start `{d['no_tool_start']}`). "
+                  f"`{d['command']}`, {d['env']['device']}."]
+    return "\n".join(lines)
+
+
 def sums_calibration(d: dict) -> str:
     """scripts/calibrate_sums.py: sampled held-out accuracy of builtin:sums-N after the SFT recipe, per N."""
     lines = ["| task | steps per response | held-out accuracy after SFT | minutes |", "|---|---|---|---|"]
@@ -1461,7 +1503,8 @@ RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_be
              "repulse_toy_cost": repulse_toy_cost,
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
-             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon}
+             "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
+             "tools_compare": tools_compare}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo"}  # renderers that read several files (a list of their contents)
 

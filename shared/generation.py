@@ -35,7 +35,7 @@ from the processed scores, so they mean the same thing as vLLM's.
 
 Stopping: a completion ends at the first token that is one of `stop_token_ids` (the tokenizer's EOS and every id of
 the checkpoint's `generation_config.eos_token_id`, see `stop_token_ids`), or that completes one of the `stop`
-strings in the completion's text (`--stop`). That last token is kept (finish_reason "stop"): it is the action that
+strings in the completion's text (`--stop`; a `generate` call may pass its own, as shared/tools.py's call stop). That last token is kept (finish_reason "stop"): it is the action that
 ended the turn, so the loss mask, the KL term, the reference log-probs and a reward model all see it, exactly like
 EOS. Reward functions get the text from `completion_decoder`: special tokens skipped and cut before the first stop
 string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`).
@@ -222,11 +222,13 @@ class VLLMGenerator:
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
+                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
+                 stop: tuple[str, ...] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams
 
         if not prompts:
             return []
+        stop = self.stop if stop is None else tuple(stop)  # this call's stop strings (a tool loop's call stop)
         self.wake_up()
         if self.weights_discarded:
             raise RuntimeError("the vLLM engine slept at level 2 (weights discarded) and was not given the weights "
@@ -236,8 +238,8 @@ class VLLMGenerator:
         # given, on those (detokenizing as it goes); `_finish` then cuts with the same rule as the HF backend
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
-                           detokenize=bool(self.stop), stop_token_ids=self.stop_token_ids,
-                           stop=list(self.stop) or None, include_stop_str_in_output=True)
+                           detokenize=bool(stop), stop_token_ids=self.stop_token_ids,
+                           stop=list(stop) or None, include_stop_str_in_output=True)
             for budget in budgets
         ]
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -250,7 +252,7 @@ class VLLMGenerator:
             for o in out.outputs:
                 ids = list(o.token_ids)
                 lps = [d[t].logprob for d, t in zip(o.logprobs, ids)] if o.logprobs else [0.0] * len(ids)
-                group.append(_finish(ids, lps, self.stop_token_ids, self.tokenizer, self.stop, budget))
+                group.append(_finish(ids, lps, self.stop_token_ids, self.tokenizer, stop, budget))
             result.append(group)
         return result
 
@@ -365,16 +367,18 @@ class HFGenerator:
         self.stop = tuple(stop)
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0) -> list[list[Completion]]:
+                 max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
+                 stop: tuple[str, ...] | None = None) -> list[list[Completion]]:
+        stop = self.stop if stop is None else tuple(stop)  # this call's stop strings (a tool loop's call stop)
         if self.synced_gpus:
             # ZeRO-3: every rank must make the same number of `model.generate` calls (each forward gathers the
             # shards from all ranks), whatever its prompts: exactly one per call here, a dummy one when this rank
             # has no prompt, and one budget (the largest) with each row cut to its own afterwards.
             if not prompts:
-                self._generate([[self.pad_token_id]], 1, temperature, top_p, 1, seed, index_offset)
+                self._generate([[self.pad_token_id]], 1, temperature, top_p, 1, seed, index_offset, stop=stop)
                 return []
             budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-            return self._generate(prompts, n, temperature, top_p, max(budgets), seed, index_offset, budgets)
+            return self._generate(prompts, n, temperature, top_p, max(budgets), seed, index_offset, budgets, stop)
         if not prompts:
             return []
         if isinstance(max_new_tokens, list):  # one generate call per distinct budget, results in prompt order
@@ -382,14 +386,15 @@ class HFGenerator:
             for budget in sorted(set(max_new_tokens)):
                 idx = [i for i, b in enumerate(max_new_tokens) if b == budget]
                 for i, group in zip(idx, self._generate([prompts[i] for i in idx], n, temperature, top_p, budget,
-                                                        seed, index_offset + idx[0])):
+                                                        seed, index_offset + idx[0], stop=stop)):
                     out[i] = group
             return out
-        return self._generate(prompts, n, temperature, top_p, max_new_tokens, seed, index_offset)
+        return self._generate(prompts, n, temperature, top_p, max_new_tokens, seed, index_offset, stop=stop)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                  seed: int, index_offset: int = 0, budgets: list[int] | None = None) -> list[list[Completion]]:
+                  seed: int, index_offset: int = 0, budgets: list[int] | None = None,
+                  stop: tuple[str, ...] = ()) -> list[list[Completion]]:
         from transformers import (GenerationConfig, LogitsProcessorList, StoppingCriteriaList,
                                   TemperatureLogitsWarper, TopPLogitsWarper)
 
@@ -417,7 +422,7 @@ class HFGenerator:
         if not greedy and top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p=top_p))
         processors.append(recorder)
-        criteria = StoppingCriteriaList([_StopStrings(self.tokenizer, self.stop, P)] if self.stop else [])
+        criteria = StoppingCriteriaList([_StopStrings(self.tokenizer, stop, P)] if stop else [])
         saved, self.model.generation_config = self.model.generation_config, config  # (HF back-fills from it)
         try:
             with seeded(seed_for(seed, index_offset), device):
@@ -432,7 +437,7 @@ class HFGenerator:
         gen = gen.cpu()
         budgets = budgets or [max_new_tokens] * len(prompts)
         return [[_finish(gen[i * n + k].tolist(), logprobs[i * n + k].tolist(), self.stop_token_ids, self.tokenizer,
-                         self.stop, budgets[i]) for k in range(n)] for i in range(len(prompts))]
+                         stop, budgets[i]) for k in range(n)] for i in range(len(prompts))]
 
     def sync_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass  # generates with the training weights themselves

@@ -4,6 +4,8 @@
     builtin:tiny-sft    builtin:tiny warm-started by `algorithms/sft.py` (its defaults, seed 1) on the built-in task
     builtin:tiny-rm     a Bradley-Terry reward model trained by `algorithms/rm.py` (its defaults) from builtin:tiny-sft
                         on the built-in preference pairs
+    builtin:tiny-tools-sft  builtin:tiny warm-started by sft.py on `builtin:sums-10` written with calculator calls
+                        (grpo_tools.py's start; scripts/tools_sft_data.py)
     builtin:tiny-cf-rm  builtin:tiny-rm trained further by rm.py on the counterfactual-format pairs of
                         `builtin:counterfactual` (shared/task.py): a reward model that can score DRCA's counterfactuals
 
@@ -51,9 +53,13 @@ RECIPES = {
     # the committed data file (its targets come from tiny-sft's own samples; the gold answers are not used)
     "tiny-lc-sft": ("sft.py", "tiny-sft", ("--dataset", "shared/builtin_models/lc_sft/sums.jsonl", "--reward_fn",
                                            "algorithms.calibration:reader_accuracy", "--max_new_tokens", "32")),
+    # builtin:sums-10 written with a calculator call (scripts/tools_sft_data.py), the tool's result not trained
+    "tiny-tools-sft": ("sft.py", "tiny", ("--dataset", "shared/builtin_models/tools_sft/sums10.jsonl",
+                                          "--tool_results", "--reward_fn", "builtin", "--max_new_tokens", "64")),
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
+    "tiny-tools-sft": "63d9635ee189e5ad39898b8031098bd42a910baf24531a7e59d7937ee9115375",
     "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",

@@ -132,6 +132,10 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
                                           "--local_micro_batch_size", "8", "--eval_num_prompts", "8",
                                           "--max_new_tokens", "8", "--max_prompt_length", "24", "--eval_every", "2",
                                           "--localisation_num_pairs", "8"], 3),
+        # calculator episodes on the 10-term task from the SFT start that knows the call syntax
+        "grpo_tools": ("grpo_tools", [*with_flag(with_flag(RL_SMALL, "--model_name_or_path", "builtin:tiny-tools-sft"),
+                                                 "--max_new_tokens", "48"), "--dataset", "builtin:sums-10",
+                                      "--total_episodes", "48", "--num_generations", "4", "--dev_num_prompts", "8"], 2),
         "repulse": ("repulse", ["--total_episodes", "240", "--num_generations", "20", "--local_micro_batch_size", "20",
                                 "--eval_num_samples", "40", "--eval_every", "2", "--sample_every", "2"], 3),
     }

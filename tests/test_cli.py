@@ -139,6 +139,7 @@ CHOICES = {
 # the variant files: dapo.py keeps grpo.py's choices; calibration.py leaves out the estimators, GSPO and CISPO; the
 # async files generate with vLLM only
 CHOICES["dapo"] = CHOICES["grpo"]
+CHOICES["grpo_tools"] = {**CHOICES["grpo"], "tool_turns": ("inline", "chat")}
 CHOICES["calibration"] = {**{k: v for k, v in CHOICES["grpo"].items()
                              if k not in ("advantage_estimator", "importance_level", "policy_loss")},
                           "reader": ("parser", "lm")}

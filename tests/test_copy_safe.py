@@ -50,6 +50,7 @@ ONE_STEP = {
             "metrics.jsonl"),
     "grpo": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "dapo": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--max_refill_rounds", "1"], "metrics.jsonl"),
+    "grpo_tools": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "calibration": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     # the async files generate with vLLM only
     "grpo_async": ([*RL[2:], "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),

@@ -124,7 +124,7 @@ def _documented_defaults(page: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "grpo_async", "drca", "dpo", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
+@pytest.mark.parametrize("name", ["grpo", "dapo", "grpo_tools", "grpo_async", "drca", "dpo", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
                                   "rm", "sft", "repulse", "evaluate", "restem", "calibration", "genrm", "prime",
                                   "implicit_prm"])
 def test_flag_tables_state_the_code_defaults(name):

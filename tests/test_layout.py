@@ -65,6 +65,8 @@ def test_shared_never_imports_an_algorithm_and_no_algorithm_imports_another():
 # changes, base functions it does not carry, its functions whose code differs from the base's)
 VARIANTS = {
     "dapo": ("grpo", 190, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
+    "grpo_tools": ("grpo", 90, set(), {"exp_name", "output_dir", "model_name_or_path", "dataset", "max_new_tokens"},
+                   set(), {"main"}),
     "drca": ("ppo_rlhf", 285, set(),
              {"exp_name", "output_dir", "total_episodes", "lam", "cliprange_value", "beta", "eval_every"},
              {"score_rewards"}, {"main", "validate"}),
@@ -94,11 +96,12 @@ def test_a_variant_file_is_its_base_plus_its_algorithm(new):
     """`diff base new` shows the algorithm (README, "one algorithm variant per file"): every function of the base has
     the same code in the new file but for those the algorithm replaces, every base flag is there with its type and
     default but for the listed ones (drca.py's reference settings), and the diff stays small. The bounds are the
-    changed lines measured when the files were rewritten as copies of their bases (difflib: dapo 177, drca 274) plus
-    about ten: room for a fix, not for drift to creep back. Read line by line (`diff`: 175 and 272 lines), grpo -> dapo
-    is 119 lines of DAPO (docstring, flags, validate, informative_groups, overlong_penalty, the refill rounds, the
-    filler groups, their metrics) and 56 of shorter docstrings of grpo.py's functions (the room for DAPO under 650
-    lines); ppo_rlhf -> drca is about 250 lines of DRCA (with its reference settings) and 22 of shorter docstrings."""
+    changed lines measured when the files were rewritten as copies of their bases (difflib: dapo 177, drca 274,
+    grpo_tools 80) plus about ten: room for a fix, not for drift to creep back. Read line by line (`diff`: 175 and 272
+    lines), grpo -> dapo is 119 lines of DAPO (docstring, flags, validate, informative_groups, overlong_penalty, the
+    refill rounds, the filler groups, their metrics) and 56 of shorter docstrings of grpo.py's functions (the room for
+    DAPO under 650 lines); ppo_rlhf -> drca is about 250 lines of DRCA (with its reference settings) and 22 of shorter
+    docstrings."""
     import dataclasses
     import importlib
 
