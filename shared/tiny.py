@@ -6,6 +6,8 @@
                         on the built-in preference pairs
     builtin:tiny-cf-rm  builtin:tiny-rm trained further by rm.py on the counterfactual-format pairs of
                         `builtin:counterfactual` (shared/task.py): a reward model that can score DRCA's counterfactuals
+    builtin:tiny-grpo   builtin:tiny-sft trained by `algorithms/grpo.py` (its defaults but 51,200 samples, seed 1): the
+                        default teacher of `algorithms/opd.py`, much stronger than tiny-sft on the built-in task
 
 Their weights are committed in shared/builtin_models/<name>/ (2.7 MB each), so that every machine starts from the
 same bits: training is not bit-reproducible across CPUs (the order in which the kernels sum depends on the CPU model
@@ -51,6 +53,9 @@ RECIPES = {
     # the committed data file (its targets come from tiny-sft's own samples; the gold answers are not used)
     "tiny-lc-sft": ("sft.py", "tiny-sft", ("--dataset", "shared/builtin_models/lc_sft/sums.jsonl", "--reward_fn",
                                            "algorithms.calibration:reader_accuracy", "--max_new_tokens", "32")),
+    # the teacher of algorithms/opd.py: grpo.py's defaults from tiny-sft, half its samples (51,200: 100 steps, to keep
+    # the build short), a model much stronger than tiny-sft on the built-in task
+    "tiny-grpo": ("grpo.py", "tiny-sft", ("--total_episodes", "51200")),
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {

@@ -148,6 +148,10 @@ CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
 CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items()
                        if k not in ("advantage_estimator", "advantage_scaling", "importance_level", "policy_loss",
                                     "lora_sync")}, "prm_update": ("before", "after")}
+# opd.py: grpo.py's choices without the other estimators, losses and the KL estimator; the distillation loss
+CHOICES["opd"] = {**{k: v for k, v in CHOICES["grpo"].items()
+                     if k not in ("advantage_estimator", "policy_loss", "kl_estimator")},
+                  "loss": ("pg", "jsd", "fkl_topk")}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
