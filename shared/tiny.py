@@ -59,6 +59,7 @@ RECIPES = {
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
+    "tiny-grpo": "62eb61f7ea20126c86b40b596f868c91259262d16df2c2178165fee6bf61318c",
     "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",
