@@ -2,7 +2,7 @@
 with the teacher's own held-out accuracy measured the same way; rendered on docs/opd.md against grpo.py's stored
 default run (docs/bench/grpo_variants, the same evaluation).
 
-    python scripts/bench_opd.py                              # seeds 1 2 3 (~25 min on 2 cores)
+    python scripts/bench_opd.py                              # seeds 1 2 3 (~20 min on 2 cores)
     python scripts/bench_opd.py --seeds 1 --total_episodes 3072
 
 Three arms, each seed k, every run the script with the flags shown and --seed k (scripts/bench_headline.py's run_one:
@@ -47,23 +47,31 @@ def teacher_accuracy(out: Path, seed: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--total_episodes", type=int, default=15360, help="samples per run (30 steps of 512)")
-    p.add_argument("--eval_every", type=int, default=3, help="held-out evaluation every this many steps")
+    p.add_argument("--total_episodes", type=int, default=10240, help="samples per run (20 steps of 512)")
+    p.add_argument("--eval_every", type=int, default=2, help="held-out evaluation every this many steps")
     p.add_argument("--control_adv", type=float, help="c of the control arm (default: measured, see above)")
+    p.add_argument("--only", choices=["teacher", "opd", "control"], help="run this arm's seeds and stop (no summary): "
+                   "one run per invocation, e.g. under a shared lock; the full command then reads them back")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "opd", help="work directory")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "opd")
     a = p.parse_args()
     flags = f"--total_episodes {a.total_episodes} --eval_every {a.eval_every}"
-    teacher = {str(s): teacher_accuracy(a.out, s) for s in a.seeds}
+    if a.only == "teacher":
+        return print([teacher_accuracy(a.out, s) for s in a.seeds])
+    teacher = {str(s): teacher_accuracy(a.out, s) for s in a.seeds} if not a.only else {}
     arm = lambda name, extra: SimpleNamespace(out=a.out / name, flags=f"{flags} {extra}".strip(),  # noqa: E731
                                               stop_after_steps=0)
-    opd = {str(s): bh.run_one(arm("opd", ""), "opd", s) for s in a.seeds}
+    opd = {str(s): bh.run_one(arm("opd", ""), "opd", s) for s in a.seeds} if a.only != "control" else {}
+    if a.only == "opd":
+        return
     c = a.control_adv
     if c is None:
-        firsts = [bc.read_jsonl(a.out / "opd" / "opd" / f"seed{s}" / "metrics.jsonl") for s in a.seeds]
+        firsts = [bc.read_jsonl(p / "metrics.jsonl") for p in sorted((a.out / "opd" / "opd").glob("seed*"))]
         c = round(sum(next(r["opd/adv_abs_mean"] for r in rows if r.get("step") == 1) for rows in firsts)
                   / len(firsts), 3)
     control = {str(s): bh.run_one(arm("control", f"--control_adv {c}"), "opd", s) for s in a.seeds}
+    if a.only == "control":
+        return
     k = "eval/accuracy"
     out = {"benchmark": "opd", "env": bc.environment(), "command": bc.invocation(),
            "note": f"opd.py from builtin:tiny-sft with teacher {TEACHER}, {a.total_episodes} samples a run, held-out "
