@@ -66,7 +66,7 @@ def main() -> None:
         return
     c = a.control_adv
     if c is None:
-        firsts = [bc.read_jsonl(p / "metrics.jsonl") for p in sorted((a.out / "opd" / "opd").glob("seed*"))]
+        firsts = [bc.read_jsonl(p) for p in sorted((a.out / "opd" / "opd").glob("seed*/metrics.jsonl"))]
         c = round(sum(next(r["opd/adv_abs_mean"] for r in rows if r.get("step") == 1) for rows in firsts)
                   / len(firsts), 3)
     control = {str(s): bh.run_one(arm("control", f"--control_adv {c}"), "opd", s) for s in a.seeds}

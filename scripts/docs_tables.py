@@ -505,7 +505,7 @@ def opd_vs_grpo(files: list[dict]) -> str:
     said = "; ".join(f"{name} {f'{n:,}' if n is not None else 'not within ' + f'{max(max(r) for r in c.values()):,}'}"
                      for (name, n), c in zip(reach.items(), curves.values()))
     g, o = reach["grpo.py"], reach["opd.py"]
-    ratio = f"opd.py needs {o / g:.2f}x grpo.py's samples" if g and o else "no ratio (one of them did not get there)"
+    ratio = f"opd.py needs {o / g:.2f}x grpo.py's samples" if g and o else "so no ratio of the two"
     opd_run = next(iter(do["results"]["opd"]["seeds"].values()))
     lines += ["", f"The teacher `{do['teacher']['model']}`, evaluated the same way: {_spread3(t)}; 90% of it: "
                   f"{target:.3f}. First evaluation at which the mean over seeds reaches it: {said} ({ratio}). "

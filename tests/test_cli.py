@@ -316,7 +316,8 @@ def test_declared_ranges_equal_the_former_registrys():
     from shared.cli import declared_ranges
 
     own = {("genrm", "local_micro_batch_size"): (2, True, None, False),  # half Yes, half No: at least 2 rows
-           ("implicit_prm", "beta"): (0, False, None, False)}  # the reward's scale: beta = 0 makes every reward 0
+           ("implicit_prm", "beta"): (0, False, None, False),  # the reward's scale: beta = 0 makes every reward 0
+           ("opd", "beta"): (0, True, 1, True)}  # GKD's JSD interpolation: 0 forward KL, 1 reverse KL
     seen = set()
     for script in SCRIPTS:
         ranges = declared_ranges(importlib.import_module(f"algorithms.{script}").Args)
