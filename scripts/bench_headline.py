@@ -50,6 +50,7 @@ METRICS.update(dapo=METRICS["grpo"], grpo_async=METRICS["grpo"])  # grpo's varia
 METRICS.update(ppo=METRICS["grpo"], ppo_async=METRICS["grpo"])
 METRICS["ppo_rlhf"] = ["eval/reward", "eval/accuracy"]  # the reward model's held-out score first: what it trains on
 METRICS["prime"] = METRICS["grpo"]
+METRICS["opd"] = METRICS["grpo"]  # scripts/bench_opd.py runs it (and its control) through run_one
 # implicit_prm.py: slip localisation on held-out slip pairs, then its held-out rows' pair ordering and accuracy
 METRICS["implicit_prm"] = ["prm/localisation", "prm/localisation_chance", "eval/dpo_acc", "eval/acc"]
 
@@ -57,7 +58,7 @@ METRICS["implicit_prm"] = ["prm/localisation", "prm/localisation_chance", "eval/
 def samples_before(name: str, row: dict, args: dict) -> int | None:
     """Completions the run had sampled for training when it logged this evaluation row (RL scripts; else None):
     grpo: step * batch_size; restem: its evaluations follow whole iterations of num_prompts * K samples."""
-    if name in ("grpo", "dapo", "grpo_async"):  # dapo: trained samples (its generated ones: bench_grpo_variants.py)
+    if name in ("grpo", "dapo", "grpo_async", "opd"):  # dapo: trained samples (its generated ones: bench_grpo_variants.py)
         return row["step"] * args["batch_size"]
     if name == "prime":  # every generated sample, the groups the accuracy filter dropped included
         return row["step"] * args["generated_batch_size"]

@@ -473,6 +473,54 @@ def prime_vs_grpo(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def opd_vs_grpo(files: list[dict]) -> str:
+    """docs/opd.md: opd.py and its fixed-negative-advantage control (scripts/bench_opd.py, the second file) against
+    grpo.py's default run (bench_grpo_variants.py's `default`, the first file), held-out accuracy against training
+    samples from the same start; the teacher's accuracy measured the same way; samples each needs to reach 90% of it."""
+    dg, do = files
+    sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
+    if sha(dg) != sha(do):
+        raise SystemExit("opd_vs_grpo: the two files started from different builds of builtin:tiny-sft")
+    k = "eval/accuracy"
+    arms = {"grpo.py": dg["results"]["default"], "opd.py": do["results"]["opd"],
+            f"control (`--control_adv {do['control_adv']:g}`)": do["results"]["control"]}
+    curves = {name: {s: {pt.get("generated_samples", pt.get("samples")): pt[k] for pt in run["curve"]}
+                     for s, run in arm["seeds"].items()} for name, arm in arms.items()}
+    mean_at = lambda c, n: (lambda xs: sum(xs) / len(xs) if None not in xs else None)(  # noqa: E731
+        [run.get(n) for run in c.values()])
+    sp = lambda xs: _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})  # noqa: E731
+    counts = sorted({n for c in curves.values() for run in c.values() for n in run})
+    lines = ["| training samples | " + " | ".join(f"{name}: held-out accuracy" for name in arms) + " |",
+             "|---" * (len(arms) + 1) + "|"]
+    for n in counts:
+        cells = [sp([run[n] for run in c.values()]) if all(n in run for run in c.values()) else "" for c in
+                 curves.values()]
+        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    t = do["teacher"][k]
+    target = 0.9 * t["mean"]
+    reach = {}
+    for name, c in curves.items():
+        hit = next((n for n in counts if (m := mean_at(c, n)) is not None and m >= target), None)
+        reach[name] = hit
+    said = "; ".join(f"{name} {f'{n:,}' if n is not None else 'not within ' + f'{max(max(r) for r in c.values()):,}'}"
+                     for (name, n), c in zip(reach.items(), curves.values()))
+    g, o = reach["grpo.py"], reach["opd.py"]
+    ratio = f"opd.py needs {o / g:.2f}x grpo.py's samples" if g and o else "so no ratio of the two"
+    opd_run = next(iter(do["results"]["opd"]["seeds"].values()))
+    lines += ["", f"The teacher `{do['teacher']['model']}`, evaluated the same way: {_spread3(t)}; 90% of it: "
+                  f"{target:.3f}. First evaluation at which the mean over seeds reaches it: {said} ({ratio}). "
+                  f"Seeds {', '.join(curves['opd.py'])}, one start model (builtin:tiny-sft), 500 held-out prompts, 4 "
+                  f"samples each; training samples: completions sampled for training. grpo.py: `python "
+                  f"algorithms/grpo.py --seed <k>` ({_provenance(dg, '')[:-1]}); opd.py and the control: "
+                  f"`{re.sub(r' --seed [0-9]+', '', opd_run['command'])} --seed <k>` and the same with `--control_adv "
+                  f"{do['control_adv']:g}` (c: the mean |A_t| of the opd runs' first batch), teacher: "
+                  f"`python algorithms/evaluate.py --model_name_or_path {do['teacher']['model']} --num_prompts 500 "
+                  f"--seed <k>` ({_provenance(do, '')[:-1]}); minutes per run: grpo "
+                  f"{arms['grpo.py']['minutes']['mean']:.1f}, opd {do['results']['opd']['minutes']['mean']:.1f}, "
+                  f"control {do['results']['control']['minutes']['mean']:.1f} (other jobs shared the cores)."]
+    return "\n".join(lines)
+
+
 def restem_vs_grpo(files: list[dict]) -> str:
     """docs/restem.md: RestEM (bench_headline.py, the second file) against GRPO's default run (the first file) at equal
     training samples: GRPO's held-out accuracy read off its curve at RestEM's total samples, per seed."""
@@ -1504,9 +1552,9 @@ RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_be
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
-             "tools_compare": tools_compare}
+             "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo}
 MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
-         "prime_vs_grpo"}  # renderers that read several files (a list of their contents)
+         "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
 # an absolute path into a checkout's runs/ folder, as a benchmark recorded its command: shown from the repository root

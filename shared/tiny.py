@@ -8,6 +8,8 @@
                         (grpo_tools.py's start; scripts/tools_sft_data.py)
     builtin:tiny-cf-rm  builtin:tiny-rm trained further by rm.py on the counterfactual-format pairs of
                         `builtin:counterfactual` (shared/task.py): a reward model that can score DRCA's counterfactuals
+    builtin:tiny-grpo   builtin:tiny-sft trained by `algorithms/grpo.py` (its defaults but 51,200 samples, seed 1): the
+                        default teacher of `algorithms/opd.py`, much stronger than tiny-sft on the built-in task
 
 Their weights are committed in shared/builtin_models/<name>/ (2.7 MB each), so that every machine starts from the
 same bits: training is not bit-reproducible across CPUs (the order in which the kernels sum depends on the CPU model
@@ -56,10 +58,14 @@ RECIPES = {
     # builtin:sums-10 written with a calculator call (scripts/tools_sft_data.py), the tool's result not trained
     "tiny-tools-sft": ("sft.py", "tiny", ("--dataset", "shared/builtin_models/tools_sft/sums10.jsonl",
                                           "--tool_results", "--reward_fn", "builtin", "--max_new_tokens", "64")),
+    # the teacher of algorithms/opd.py: grpo.py's defaults from tiny-sft, half its samples (51,200: 100 steps, to keep
+    # the build short), a model much stronger than tiny-sft on the built-in task
+    "tiny-grpo": ("grpo.py", "tiny-sft", ("--total_episodes", "51200")),
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
     "tiny-tools-sft": "63d9635ee189e5ad39898b8031098bd42a910baf24531a7e59d7937ee9115375",
+    "tiny-grpo": "62eb61f7ea20126c86b40b596f868c91259262d16df2c2178165fee6bf61318c",
     "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
     "tiny-sft": "895ca454631ffc586b9b86fcbbbf96a5a2dd4d4d3874d63e4600aee60518ea27",
     "tiny-rm": "984800f927191a78db0a819baf1b8402525c66f22be0bc6d7aae0f77ecdc67dc",

@@ -126,6 +126,9 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
         # the PRM and its optimizer are resumed state; 2 prompts sampled per trained prompt (the accuracy filter)
         "prime": ("prime", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "96",
                             "--num_generations", "4"], 2),
+        # the teacher (builtin:tiny-grpo, frozen) is no resumed state; the task reward mixed in (--reward_coef)
+        "opd": ("opd", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "48",
+                        "--num_generations", "4", "--reward_coef", "0.5"], 2),
         # the labelled rows are sampled again on resume (seeded, from the frozen reference); slip localisation on
         "implicit_prm": ("implicit_prm", ["--dataset", "builtin", "--generator", "hf", "--total_episodes", "48",
                                           "--local_num_prompts", "8", "--num_generations", "2",

@@ -150,6 +150,10 @@ CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
 CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items()
                        if k not in ("advantage_estimator", "advantage_scaling", "importance_level", "policy_loss",
                                     "lora_sync")}, "prm_update": ("before", "after")}
+# opd.py: grpo.py's choices without the other estimators, losses and the KL estimator; the distillation loss
+CHOICES["opd"] = {**{k: v for k, v in CHOICES["grpo"].items()
+                     if k not in ("advantage_estimator", "policy_loss", "kl_estimator")},
+                  "loss": ("pg", "jsd", "fkl_topk")}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
@@ -314,7 +318,8 @@ def test_declared_ranges_equal_the_former_registrys():
     from shared.cli import declared_ranges
 
     own = {("genrm", "local_micro_batch_size"): (2, True, None, False),  # half Yes, half No: at least 2 rows
-           ("implicit_prm", "beta"): (0, False, None, False)}  # the reward's scale: beta = 0 makes every reward 0
+           ("implicit_prm", "beta"): (0, False, None, False),  # the reward's scale: beta = 0 makes every reward 0
+           ("opd", "beta"): (0, True, 1, True)}  # GKD's JSD interpolation: 0 forward KL, 1 reverse KL
     seen = set()
     for script in SCRIPTS:
         ranges = declared_ranges(importlib.import_module(f"algorithms.{script}").Args)

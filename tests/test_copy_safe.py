@@ -73,6 +73,7 @@ ONE_STEP = {
                "--eval_num_samples", "2", "--dev_num_prompts", "4", "--eval_every", "0", "--save_every", "0"],
               "metrics.jsonl"),
     "prime": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--oversample_factor", "1"], "metrics.jsonl"),
+    "opd": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "implicit_prm": (["--generator", "hf", "--total_episodes", "8", "--local_num_prompts", "4", "--num_generations",
                       "2", "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "2",
                       "--dev_num_prompts", "8", "--localisation_num_pairs", "2", "--save_every", "0"], "metrics.jsonl"),
