@@ -204,6 +204,26 @@ def test_resume_is_exact_and_the_run_logs_tool_metrics(resumed):
 
 
 @pytest.mark.slow
+def test_two_processes_under_zero2_each_rank_runs_its_own_episodes(tmp_path):
+    """accelerate launch, 2 processes under ZeRO-2 (HF generation): each rank runs its episodes' rounds alone
+    (their numbers may differ), the ranks see different prompts and end with identical weights."""
+    from tests.test_e2e import metrics
+    from tests.test_reliability import launch
+
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+            "algorithms/grpo_tools.py", "--output_dir", str(tmp_path), "--local_num_prompts", "4", "--num_generations",
+            "4", "--local_micro_batch_size", "16", "--total_episodes", "64", "--eval_every", "0", "--eval_num_prompts",
+            "4", "--eval_num_samples", "2", "--dev_num_prompts", "0", "--best_metric", "", "--generator", "hf",
+            "--no_save_model"])
+    rows = metrics(tmp_path)
+    steps = [r for r in rows if "tools/calls_per_episode" in r]
+    assert len(steps) == 2 and all(r["tools/calls_per_episode"] > 0 for r in steps)
+    last = rows[-1]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
+    assert last["check/ranks_shared_prompts"] == 0.0
+
+
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_two_steps_on_smollm2(tmp_path):
     """The same syntax inside SmolLM2's assistant text (its BPE: `=` may end inside a token)."""

@@ -228,6 +228,25 @@ def test_opd_logs_its_metrics_and_the_teacher_disagrees(resumed):
     assert resumed["last_row"]["check/ranks_identical_weights"] == 1.0
 
 
+@pytest.mark.slow
+def test_two_processes_under_zero3_with_the_teacher_partitioned(tmp_path):
+    """accelerate launch, 2 processes, ZeRO-3 (the policy and the frozen teacher partitioned), HF generation:
+    the ranks see different prompts, score them with the gathered teacher and end with identical weights."""
+    from tests.test_e2e import metrics
+
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
+            "algorithms/opd.py", "--output_dir", str(tmp_path), "--local_num_prompts", "4", "--num_generations", "4",
+            "--local_micro_batch_size", "16", "--max_new_tokens", "8", "--total_episodes", "64", "--eval_every", "0",
+            "--eval_num_prompts", "4", "--eval_num_samples", "2", "--dev_num_prompts", "0", "--best_metric", "",
+            "--generator", "hf", "--no_save_model"])
+    rows = metrics(tmp_path)
+    steps = [r for r in rows if "opd/teacher_kl" in r]
+    assert len(steps) == 2 and all(r["opd/teacher_kl"] > 0 and r["opd/adv_min"] < 0 for r in steps)
+    last = rows[-1]
+    assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
+    assert last["check/ranks_shared_prompts"] == 0.0
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_two_steps_on_the_chat_model(tmp_path):
