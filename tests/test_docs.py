@@ -504,3 +504,15 @@ def test_every_algorithm_page_has_the_same_skeleton(name):
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a shell comment is no heading
     assert re.findall(r"^## (.+?)\s*$", text, flags=re.M) == SKELETON
     assert len(page.read_text().splitlines()) <= 300
+
+
+def test_the_pages_name_every_script_that_takes_a_reward_model():
+    """docs/running.md and docs/rm.md list the scripts with `--reward_model_path`: exactly those whose Args have it."""
+    import re
+
+    have = {p.name for p in (ROOT / "algorithms").glob("*.py") if "reward_model_path: str" in p.read_text()}
+    for page in ("running.md", "rm.md"):
+        text = (ROOT / "docs" / page).read_text()
+        start = text.index("`--reward_model_path`")  # its first mention is the list, closed by a parenthesis
+        named = set(re.findall(r"\w+\.py", text[start : text.index(")", start + 25)]))
+        assert named == have, (page, sorted(have ^ named))
