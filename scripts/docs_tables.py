@@ -444,32 +444,41 @@ GRPO_DEFAULT_BATCH = 512  # grpo.py's default batch in one process, 64 prompts x
 
 def prime_vs_grpo(files: list[dict]) -> str:
     """docs/prime.md: PRIME's default run (bench_headline.py, the second file) against GRPO's (bench_grpo_variants.py's
-    `default`, the first file) at equal generated samples: held-out accuracy at every sample count both curves hold,
-    mean (min-max) over the seeds both have; the start models must be the same build."""
-    (dg, dp) = files
-    grpo, prime = dg["results"]["default"], dp["results"]["prime"]
+    `default`, the first file) and, with a third file, grpo.py's RLOO estimator (bench_grpo_variants.py's `rloo`) at
+    equal generated samples: held-out accuracy at every sample count all curves hold, mean (min-max) over the seeds
+    all have; the start models must be the same build."""
+    arms = {"grpo.py": (files[0], files[0]["results"]["default"]), "prime.py": (files[1], files[1]["results"]["prime"])}
+    if len(files) > 2:
+        arms = {"grpo.py": arms["grpo.py"], "grpo.py --advantage_estimator rloo": (files[2], files[2]["results"]["rloo"]),
+                "prime.py": arms["prime.py"]}
     sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
-    if sha(dg) != sha(dp):
-        raise SystemExit("prime_vs_grpo: the two files started from different builds of builtin:tiny-sft")
+    if len({sha(d) for d, _ in arms.values()}) != 1:
+        raise SystemExit("prime_vs_grpo: the files started from different builds of builtin:tiny-sft")
     k = "eval/accuracy"
-    seeds = [s for s in prime["seeds"] if s in grpo["seeds"]]
-    at = lambda run, n: next((pt[k] for pt in run["curve"] if pt.get("generated_samples", pt.get("samples")) == n),  # noqa: E731
-                             None)
-    counts = sorted({pt["samples"] for pt in prime["seeds"][seeds[0]]["curve"]}
-                    & {pt.get("generated_samples", pt.get("samples")) for pt in grpo["seeds"][seeds[0]]["curve"]})
-    lines = ["| generated samples | grpo.py: held-out accuracy | prime.py: held-out accuracy | prime - grpo |",
-             "|---|---|---|---|"]
+    n_of = lambda pt: pt.get("generated_samples", pt.get("samples"))  # noqa: E731
+    seeds = [s for s in arms["prime.py"][1]["seeds"] if all(s in r["seeds"] for _, r in arms.values())]
+    at = lambda run, n: next((pt[k] for pt in run["curve"] if n_of(pt) == n), None)  # noqa: E731
+    counts = sorted(set.intersection(*({n_of(pt) for pt in r["seeds"][seeds[0]]["curve"]} for _, r in arms.values())))
+    others = [name for name in arms if name != "prime.py"]
+    lines = ["| generated samples | " + " | ".join(f"{name}: held-out accuracy" for name in arms) + " | "
+             + " | ".join(f"prime - {name.split(' --advantage_estimator ')[-1].replace('.py', '')}" for name in others)
+             + " |", "|---" * (1 + len(arms) + len(others)) + "|"]
+    sp = lambda xs: _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})  # noqa: E731
     for n in counts:
-        g, q = [at(grpo["seeds"][s], n) for s in seeds], [at(prime["seeds"][s], n) for s in seeds]
-        if None in g or None in q:
+        acc = {name: [at(r["seeds"][s], n) for s in seeds] for name, (_, r) in arms.items()}
+        if any(None in xs for xs in acc.values()):
             continue
-        sp = lambda xs: _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})  # noqa: E731
-        lines.append(f"| {n:,} | {sp(g)} | {sp(q)} | {sp([b - a for a, b in zip(g, q)])} |")
+        diffs = [sp([b - a for a, b in zip(acc[name], acc["prime.py"])]) for name in others]
+        lines.append(f"| {n:,} | " + " | ".join(sp(xs) for xs in acc.values()) + " | " + " | ".join(diffs) + " |")
+    (dg, grpo), (dp, prime) = arms["grpo.py"], arms["prime.py"]
+    rloo = arms.get("grpo.py --advantage_estimator rloo")
     lines += ["", f"Seeds {', '.join(seeds)}, one start model (builtin:tiny-sft), 4 samples per held-out prompt; "
                   f"generated samples: every completion sampled for training, those the accuracy filter dropped "
                   f"included. grpo.py: `python algorithms/grpo.py --seed <k>` ({_provenance(dg, '')[:-1]}); "
-                  f"prime.py: `{prime['command']} --seed <k>` ({_provenance(dp, '')[:-1]}); minutes per run: grpo "
-                  f"{grpo['minutes']['mean']:.1f}, prime {prime['minutes']['mean']:.1f} (other jobs shared the cores)."]
+                  + (f"RLOO: `{rloo[1]['command']} --seed <k>` ({_provenance(rloo[0], '')[:-1]}); " if rloo else "")
+                  + f"prime.py: `{prime['command']} --seed <k>` ({_provenance(dp, '')[:-1]}); minutes per run: grpo "
+                  f"{grpo['minutes']['mean']:.1f}, " + (f"rloo {rloo[1]['minutes']['mean']:.1f}, " if rloo else "")
+                  + f"prime {prime['minutes']['mean']:.1f} (other jobs shared the cores)."]
     return "\n".join(lines)
 
 
@@ -1335,10 +1344,14 @@ def packing(d: dict) -> str:
     return "\n".join(lines)
 
 
-def grpo_variants(d: dict) -> str:
+def grpo_variants(files: list[dict]) -> str:
     """scripts/bench_grpo_variants.py: held-out accuracy of each grpo.py variant against the default run, equal
-    samples, mean (min-max) over seeds, and each seed's difference to the default run of the same seed."""
-    k, res = "eval/accuracy", d["results"]
+    samples, mean (min-max) over seeds, and each seed's difference to the default run of the same seed. Several files
+    (runs of the same start model, the default run in the first) make one table, variants in file order."""
+    sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
+    if len({sha(d) for d in files}) != 1:
+        raise SystemExit("grpo_variants: the files started from different builds of builtin:tiny-sft")
+    k, res = "eval/accuracy", {name: r for d in files for name, r in d["results"].items()}
     span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
     base = res.get("default")
     lines = ["| variant | flags | start | final | final - default, per seed | generated samples | at 102,400 generated "
@@ -1353,11 +1366,14 @@ def grpo_variants(d: dict) -> str:
         lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {span(r['start'][k])} | **{span(r['final'][k])}** | "
                      f"{diff} | {gen['mean']:,.0f} | {span(r['at_equal_generated'])} | {r['minutes']['mean']:.1f} |")
     n = {len(r["seeds"]) for r in res.values()}
+    cmd = "python scripts/bench_grpo_variants.py"
+    prov = _provenance(files[0], cmd) if len(files) == 1 else \
+        " ".join(f"{', '.join(d['results'])}: {_provenance(d, cmd)}" for d in files)
     lines += ["", f"`eval/accuracy` (500 held-out problems x 4 samples) before training and after 102,400 trained "
                   f"samples (200 steps of 64 prompts x 8 completions), mean (min-max) over {'/'.join(map(str, sorted(n)))} seeds; `at 102,400 "
                   "generated`: at the last evaluation (every 25 steps) before the run had generated 102,400 completions, "
                   "which differs from the final only for dynamic sampling; minutes: wall time of a run on 2 cores "
-                  "(shared with other jobs, so upper bounds). " + _provenance(d, "python scripts/bench_grpo_variants.py")]
+                  "(shared with other jobs, so upper bounds). " + prov]
     return "\n".join(lines)
 
 
@@ -1553,7 +1569,7 @@ RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_be
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
              "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo}
-MULTI = {"bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
+MULTI = {"grpo_variants", "bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
