@@ -111,6 +111,8 @@ def main() -> None:
              "implicit_prm": [str(Path(a.implicit_prm_root) / "algorithms" / "implicit_prm.py"), *model,
                               *split(a.implicit_prm_flags)]}
     labelled = None
+    if a.labelled_prompts and "genrm_cot" in a.verifiers:
+        raise SystemExit("--labelled_prompts: the shared samples have no rationales; leave genrm_cot out of --verifiers")
     if a.labelled_prompts:
         labelled = labelled_data(work, a, extra)
         train["genrm_direct"] += ["--data_path", str(labelled["rows"])]

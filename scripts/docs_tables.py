@@ -1531,11 +1531,19 @@ def bon(d: dict) -> str:
               if f"eval/bon/{v}@{k}" in s["metrics"]]
         if xs and ceiling > first:
             closed.append(f"{names.get(v, v)} {sum(xs) / len(xs):+.2f} ({min(xs):+.2f} to {max(xs):+.2f})")
-    lines += ["", f"{d['num_prompts']} held-out prompts of the built-in task x {d['num_samples']} samples of "
+    lab = d.get("labelled")
+    flags = lambda key, script: f" (`{' '.join(d[key])}` for {script})" if d.get(key) else ""  # noqa: E731
+    task = f"`{' '.join(d['extra'])}`" if d.get("extra") else "the built-in task"
+    lines += ["", f"{d['num_prompts']} held-out prompts of {task} x {d['num_samples']} samples of "
                   f"`{d['policy']}` at T = 1 (the same samples for every seed); best-of-N and votes in the "
-                  f"{d['num_samples']} // N disjoint blocks of N, averaged; verifiers trained by their default runs "
-                  f"with seeds {', '.join(d['seeds'])}"
-                  + (f" ({' '.join(d['train_flags'])} for genrm.py)" if d.get("train_flags") else "")
+                  f"{d['num_samples']} // N disjoint blocks of N, averaged; "
+                  + (f"every verifier trained on the same {lab['num_rows']:,} graded samples of the policy "
+                     f"({lab['prompts']} training prompts x {lab['num_rows'] // lab['prompts']}, {lab['num_correct']:,} "
+                     f"correct), rm.py on their {lab['num_pairs']:,} (correct, incorrect) pairs of one prompt, "
+                     if lab else "verifiers trained by their default runs ")
+                  + f"with seeds {', '.join(d['seeds'])}"
+                  + flags("train_flags", "genrm.py") + flags("rm_flags", "rm.py")
+                  + flags("implicit_prm_flags", "implicit_prm.py")
                   + (f"; the Bradley-Terry RM is `{d['rm_path']}` for every seed" if d.get("rm_path") else "")
                   + f". Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
                   + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
