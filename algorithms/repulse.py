@@ -61,8 +61,8 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exac
                                 prepare_frozen, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
 from shared.logprobs import forward_logprobs as lean_logprobs
-from shared.rewards import compute_rewards, load_reward_fn, probe_reward_fn
-from shared.scalar import check_same_tokenizer, load_scalar_model, score_last_token
+from shared.rewards import load_reward_fn, probe_reward_fn, score_completions
+from shared.scalar import load_reward_model
 from shared.models import resolve_model_path
 from shared.toy import exact_log_prob_bad
 from shared.tracking import Timer, Tracker
@@ -377,10 +377,7 @@ def main(args: Args) -> str:
     policy = trainable(args.learning_rate, grad_accum_p)
     proposal = trainable(args.proposal_learning_rate, grad_accum_q) if sample_q else None
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.beta > 0 else None
-    reward_model = None
-    if rm_path:  # scores at the last non-pad token, normalised by the RM's stored mean/std
-        check_same_tokenizer(rm_path, tokenizer)
-        reward_model = prepare_frozen(load_scalar_model(rm_path, dtype), info, dtype)
+    reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))  # p_theta
@@ -403,14 +400,10 @@ def main(args: Args) -> str:
     def batched(fn, *tensors):  # fn over micro-batches of rows, concatenated
         return torch.cat([fn(*(t[s : s + mb] for t in tensors)) for s in range(0, tensors[0].shape[0], mb)])
 
-    def score(prompt_rows, comps, input_ids, attn) -> torch.Tensor:
-        if reward_model is not None:
-            with torch.no_grad():
-                return batched(lambda i, a: score_last_token(reward_model, i, a), input_ids, attn).float().cpu()
+    def score(prompt_rows, prompt_ids, comps) -> torch.Tensor:  # the reward model's or the reward function's
         texts = [decode(c.token_ids) for c in comps]
-        return torch.tensor(compute_rewards(reward_fn, [x["prompt"] for x in prompt_rows], texts,
-                                            [x["answer"] for x in prompt_rows], [c.finished for c in comps],
-                                            prompt_rows))
+        return torch.tensor(score_completions(reward_fn, reward_model, prompt_rows, prompt_ids, comps, texts,
+                                              tokenizer.pad_token_id, info, mb), dtype=torch.float32)
 
     def rollout(gen, prompt_idx, data, n, seed, offset, on_reward_error=None):
         """Sample n completions per prompt; tensors [B, L] and the [B, L-1] response mask, rewards [B].
@@ -423,7 +416,7 @@ def main(args: Args) -> str:
                                                      [c.token_ids for c in comps], tokenizer.pad_token_id, info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1; EOS included
         with on_reward_error or contextlib.nullcontext():
-            r = score(rows, comps, input_ids, attn)
+            r = score(rows, [data.prompt_ids[i] for i in prompt_idx for _ in range(n)], comps)
         return comps, input_ids, attn, mask, r
 
     def logprobs(model, input_ids, attn, mask):  # no grad; every token when the neg weights read prompt positions

@@ -235,6 +235,14 @@ def test_grpo_takes_a_genrm_checkpoint_as_its_reward_and_evaluate_selects_best_o
     rows = metrics(tmp_path / "ppo")
     scores = [r["objective/scores"] for r in rows if "objective/scores" in r]
     assert scores and all(0 <= s <= 1 for s in scores) and 0 <= rows[-1]["eval/reward"] <= 1
+    # and repulse.py (its reward on the built-in prompts: p(Yes), not the grader's 0/1)
+    run([sys.executable, "algorithms/repulse.py", "--output_dir", str(tmp_path / "repulse"), "--dataset", "builtin",
+         "--reward_model_path", str(final), "--generator", "hf", "--total_episodes", "32", "--local_num_prompts", "4",
+         "--num_generations", "4", "--local_micro_batch_size", "16", "--max_new_tokens", "12", "--eval_every", "0",
+         "--eval_num_prompts", "4", "--eval_num_samples", "2", "--dev_num_prompts", "4", "--save_every", "0",
+         "--no_save_model"])
+    scores = [r["objective/scores"] for r in metrics(tmp_path / "repulse") if "objective/scores" in r]
+    assert scores and all(0 <= s <= 1 for s in scores) and any(0 < s < 1 for s in scores)
     run([sys.executable, "algorithms/evaluate.py", "--output_dir", str(tmp_path / "ev"), "--generator", "hf",
          "--num_prompts", "4", "--num_samples", "4", "--k", "1", "4", "--num_bootstrap", "10", "--max_new_tokens", "12",
          "--verifiers", f"genrm={final}", "rm=builtin:tiny-rm"])
