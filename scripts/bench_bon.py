@@ -13,8 +13,8 @@ With --labelled_prompts P the verifiers train on one shared set of the policy's 
 their own: evaluate.py samples --labelled_samples completions of P training prompts (--split train, seed 1, the
 --extra flags) and grades them; genrm.py and implicit_prm.py read the rows as --data_path, rm.py the pairs (a correct
 and an incorrect completion of the same prompt, every such combination) as --dataset. This is how a dataset without
-preference pairs (the SmolLM2 chat-sums data, docs/real_models.md) gets the Bradley-Terry verifier too; the command
-for it is on docs/genrm.md. Each of --extra, --train_flags, --rm_flags, --implicit_prm_flags is split like a shell
+preference pairs (the SmolLM2 chat-sums data, docs/real_models.md) gets the Bradley-Terry verifier too, and how
+every verifier is compared on the same data (docs/genrm.md's second table). Each of --extra, --train_flags, --rm_flags, --implicit_prm_flags is split like a shell
 line, so one quoted value holds several flags. --one_evaluation scores every seed's verifiers in one evaluate.py run:
 the samples are the same for every seed, so they are generated once (every verifier is in memory at once).
 Writes <out_dir>/cpu_<time>.json (docs/genrm.md renders it with scripts/docs_tables.py).
