@@ -1532,7 +1532,6 @@ def bon(d: dict) -> str:
         if xs and ceiling > first:
             closed.append(f"{names.get(v, v)} {sum(xs) / len(xs):+.2f} ({min(xs):+.2f} to {max(xs):+.2f})")
     lab = d.get("labelled")
-    flags = lambda key, script: f" (`{' '.join(d[key])}` for {script})" if d.get(key) else ""  # noqa: E731
     task = f"`{' '.join(d['extra'])}`" if d.get("extra") else "the built-in task"
     lines += ["", f"{d['num_prompts']} held-out prompts of {task} x {d['num_samples']} samples of "
                   f"`{d['policy']}` at T = 1 (the same samples for every seed); best-of-N and votes in the "
@@ -1542,8 +1541,10 @@ def bon(d: dict) -> str:
                      f"correct), rm.py on their {lab['num_pairs']:,} (correct, incorrect) pairs of one prompt, "
                      if lab else "verifiers trained by their default runs ")
                   + f"with seeds {', '.join(d['seeds'])}"
-                  + flags("train_flags", "genrm.py") + flags("rm_flags", "rm.py")
-                  + flags("implicit_prm_flags", "implicit_prm.py")
+                  + (" (" + "; ".join(f"`{' '.join(d[key])}` for {script}" for key, script in
+                                       (("train_flags", "genrm.py"), ("rm_flags", "rm.py"),
+                                        ("implicit_prm_flags", "implicit_prm.py")) if d.get(key)) + ")"
+                     if any(d.get(key) for key in ("train_flags", "rm_flags", "implicit_prm_flags")) else "")
                   + (f"; the Bradley-Terry RM is `{d['rm_path']}` for every seed" if d.get("rm_path") else "")
                   + f". Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
                   + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
@@ -1555,7 +1556,8 @@ def bon(d: dict) -> str:
             get = lambda key, i: [s["learning"][v][key][i] for s in seeds]  # noqa: E731
             mm = lambda xs: f"{sum(xs) / len(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
             mins = [s["train_minutes"][v] for s in seeds if v in s.get("train_minutes", {})]
-            lines.append(f"| `python algorithms/genrm.py{' --verifier cot' if v == 'genrm_cot' else ''}` | "
+            lines.append(f"| `python algorithms/genrm.py{' --verifier cot' if v == 'genrm_cot' else ''}"
+                         f"{' --data_path <the shared rows>' if lab else ''}` | "
                          f"{sum(get('eval/auroc', 0)) / len(seeds):.3f} -> {mm(get('eval/auroc', 1))} | "
                          f"{mm(get('eval/p_yes_correct', 1))} | {mm(get('eval/p_yes_incorrect', 1))} | "
                          f"{(sum(mins) / len(mins)) if mins else float('nan'):.1f} |")
