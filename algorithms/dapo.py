@@ -78,7 +78,7 @@ class Args:
     reward_fn: str = "auto"
     """`auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function` / `file.py:function`"""
     reward_model_path: str = ""
-    """score completions with this reward model (rm.py or any HF sequence classifier), not reward_fn; accuracy still graded"""
+    """reward model scoring completions instead of reward_fn (rm.py, genrm.py, implicit_prm.py; HF classifier); accuracy still graded"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"

@@ -98,7 +98,7 @@ class Args:
     reward_fn: str = "auto"
     """`toy_classifier`, `toy` (shared/toy.py), `builtin`, `gsm8k`, `math`, `math_verify`, `module:function`; `auto` by dataset"""
     reward_model_path: str = ""
-    """score prompt + completion with this reward model (rm.py checkpoint or HF sequence classifier) instead"""
+    """score prompt + completion with this reward model (rm.py, genrm.py, implicit_prm.py; HF classifier) instead"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
     """also log metrics (same names as output_dir/metrics.jsonl) to Weights & Biases or trackio (local-first)"""
     project: str = "cleanrlhf"
