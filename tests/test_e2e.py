@@ -90,7 +90,7 @@ def test_grpo_runs_every_branch(tmp_path, generator):
 
 
 def test_grpo_learns_a_simple_reward(tmp_path):
-    """From the built-in warm start (built on first use by sft.py), GRPO must raise a clean reward within 20 steps."""
+    """From the built-in warm start (builtin:tiny-sft, committed weights), GRPO must raise a clean reward within 20 steps."""
     reward = tmp_path / "reward.py"
     reward.write_text("def starts_with_one(prompts, completions, **kw):\n"
                       "    return [float(c.startswith('1')) for c in completions]\n")

@@ -3,6 +3,7 @@ no algorithm file imports another (each reads on its own, and a copy runs withou
 
 import ast
 import difflib
+import re
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,13 @@ def test_the_flags_shared_reads_by_name_are_the_documented_vocabulary():
         core = VOCABULARY - {"localisation_num_pairs", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                              "lora_sync", "tis", "tis_cap", "tis_mask_low", "verbose"}
         assert core <= fields, (script, sorted(core - fields))
+
+
+def test_every_script_with_a_reward_model_loads_it_through_the_one_loader():
+    """A script with --reward_model_path loads it with shared/scalar.load_reward_model, so a scalar RM, a GenRM and an
+    implicit PRM all work as its reward (a script that loaded a sequence classifier itself took scalar heads only)."""
+    with_flag = [p for p in sorted((ROOT / "algorithms").glob("*.py")) if "reward_model_path: str" in p.read_text()]
+    assert len(with_flag) >= 8
+    missing = [p.name for p in with_flag if "load_reward_model(" not in p.read_text()
+               or re.search(r"reward_model = .*load_scalar_model\(", p.read_text())]  # a critic may load one
+    assert not missing, missing
