@@ -34,6 +34,12 @@ sys.path.insert(0, str(ROOT))
 from scripts.bench_common import child_env, environment, invocation, run_child, write_result  # noqa: E402
 
 
+# each verifier's held-out metrics kept from its run's first and last evaluation (rm.py evaluates at the end only)
+HELD_OUT = {"genrm": ("eval/auroc", "eval/p_yes_correct", "eval/p_yes_incorrect", "eval/no_verdict_frac"),
+            "rm": ("eval/accuracy",),
+            "implicit_prm": ("eval/loss", "eval/acc", "eval/dpo_acc", "eval/reward_correct", "eval/reward_incorrect")}
+
+
 def evaluate(work: Path, a, name: str, specs: list[str], extra: list[str]) -> dict:
     """evaluate.py's metrics for the policy's --num_samples samples of --num_prompts held-out prompts, every verifier
     of specs scoring them (a finished run is read back)."""
@@ -135,10 +141,10 @@ def main() -> None:
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             minutes[name] = max(r.get("time", 0.0) for r in rows) / 60  # the run's own clock, start-up excluded
             specs.append(f"{name}={out / 'final'}")
-            evals = [r for r in rows if "eval/auroc" in r]
-            if name.startswith("genrm") and evals:  # the run's learning: its first and last held-out evaluations
-                learning[name] = {k: [evals[0][k], evals[-1][k]] for k in ("eval/auroc", "eval/p_yes_correct",
-                                                                            "eval/p_yes_incorrect", "eval/no_verdict_frac")}
+            keys = HELD_OUT["genrm" if name.startswith("genrm") else name]
+            evals = [r for r in rows if keys[0] in r]
+            if evals:  # the run's learning: its first and last held-out evaluations
+                learning[name] = {k: [evals[0][k], evals[-1][k]] for k in keys}
         seeds[str(seed)] = {"specs": specs, "train_minutes": minutes, "learning": learning}
         if not a.one_evaluation:
             seeds[str(seed)]["metrics"] = evaluate(work, a, f"evaluate_{seed}", specs, extra)

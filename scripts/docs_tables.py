@@ -1548,9 +1548,9 @@ def bon(d: dict) -> str:
                   + (f"; the Bradley-Terry RM is `{d['rm_path']}` for every seed" if d.get("rm_path") else "")
                   + f". Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
                   + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
-    learned = [v for v in d["verifiers"] if all(v in s.get("learning", {}) for s in seeds)]
-    if learned:  # the verifiers' own default runs: held-out AUROC and p(Yes) by label, first -> last evaluation
-        lines += ["", "| default run | AUROC: start -> end | p(Yes) correct, end | p(Yes) incorrect, end | minutes (run clock) |",
+    learned = [v for v in d["verifiers"] if v.startswith("genrm") and all(v in s.get("learning", {}) for s in seeds)]
+    if learned:  # the verifiers' own runs: held-out AUROC and p(Yes) by label, first -> last evaluation
+        lines += ["", "| genrm.py run | AUROC: start -> end | p(Yes) correct, end | p(Yes) incorrect, end | minutes (run clock) |",
                   "|---|---|---|---|---|"]
         for v in learned:
             get = lambda key, i: [s["learning"][v][key][i] for s in seeds]  # noqa: E731
@@ -1561,6 +1561,22 @@ def bon(d: dict) -> str:
                          f"{sum(get('eval/auroc', 0)) / len(seeds):.3f} -> {mm(get('eval/auroc', 1))} | "
                          f"{mm(get('eval/p_yes_correct', 1))} | {mm(get('eval/p_yes_incorrect', 1))} | "
                          f"{(sum(mins) / len(mins)) if mins else float('nan'):.1f} |")
+    mm = lambda xs: f"{sum(xs) / len(xs):.3f} ({min(xs):.3f} to {max(xs):.3f})"  # noqa: E731
+    end = lambda v, key: [s["learning"][v][key][1] for s in seeds]  # noqa: E731
+    others = []
+    if all("rm" in s.get("learning", {}) for s in seeds):
+        others.append(f"rm.py's pair accuracy {mm(end('rm', 'eval/accuracy'))}")
+    if all("implicit_prm" in s.get("learning", {}) for s in seeds):
+        start = seeds[0]["learning"]["implicit_prm"]["eval/loss"][0]
+        others.append(f"the implicit PRM's CE loss {start:.3f} -> {mm(end('implicit_prm', 'eval/loss'))}, accuracy "
+                      f"(sign of r) {mm(end('implicit_prm', 'eval/acc'))}, dpo_acc (pairs of one prompt; 0.5 for a "
+                      f"prompt whose samples share a label) {mm(end('implicit_prm', 'eval/dpo_acc'))}, mean r of the "
+                      f"correct / incorrect rows {mm(end('implicit_prm', 'eval/reward_correct'))} / "
+                      f"{mm(end('implicit_prm', 'eval/reward_incorrect'))}")
+    if others:
+        held = "a 10% slice of the labelled data that they hold out" if lab else "their own held-out data"
+        lines += ["", f"Held-out metrics of the verifiers' own runs at the end of training (on {held}): "
+                      + "; ".join(others) + "."]
     return "\n".join(lines)
 
 
