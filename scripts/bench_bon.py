@@ -73,7 +73,8 @@ def labelled_data(work: Path, a, extra: list[str]) -> dict:
     paths = {"rows": work / "labelled_rows.jsonl", "pairs": work / "labelled_pairs.jsonl"}
     for key, items in (("rows", rows), ("pairs", pairs)):
         paths[key].write_text("".join(json.dumps(x) + "\n" for x in items))
-    return {**paths, "prompts": len(records), "num_rows": len(rows), "num_correct": sum(r["label"] for r in rows), "num_pairs": len(pairs),
+    return {**paths, "prompts": len(records), "num_rows": len(rows), "num_correct": sum(r["label"] for r in rows),
+            "num_pairs": len(pairs),
             "prompts_with_pairs": sum(1 for rec in records if 0 < sum(s["grade"] > 0.5 for s in rec["samples"])
                                       < len(rec["samples"]))}
 

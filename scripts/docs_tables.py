@@ -1533,6 +1533,9 @@ def bon(d: dict) -> str:
             closed.append(f"{names.get(v, v)} {sum(xs) / len(xs):+.2f} ({min(xs):+.2f} to {max(xs):+.2f})")
     lab = d.get("labelled")
     task = f"`{' '.join(d['extra'])}`" if d.get("extra") else "the built-in task"
+    flags = [f"`{' '.join(d[key])}` for {script}" for key, script in (("train_flags", "genrm.py"), ("rm_flags", "rm.py"),
+             ("implicit_prm_flags", "implicit_prm.py")) if d.get(key)]
+    mm = lambda xs: f"{sum(xs) / len(xs):.3f} ({min(xs):.3f} to {max(xs):.3f})"  # noqa: E731
     lines += ["", f"{d['num_prompts']} held-out prompts of {task} x {d['num_samples']} samples of "
                   f"`{d['policy']}` at T = 1 (the same samples for every seed); best-of-N and votes in the "
                   f"{d['num_samples']} // N disjoint blocks of N, averaged; "
@@ -1540,11 +1543,7 @@ def bon(d: dict) -> str:
                      f"({lab['prompts']} training prompts x {lab['num_rows'] // lab['prompts']}, {lab['num_correct']:,} "
                      f"correct), rm.py on their {lab['num_pairs']:,} (correct, incorrect) pairs of one prompt, "
                      if lab else "verifiers trained by their default runs ")
-                  + f"with seeds {', '.join(d['seeds'])}"
-                  + (" (" + "; ".join(f"`{' '.join(d[key])}` for {script}" for key, script in
-                                       (("train_flags", "genrm.py"), ("rm_flags", "rm.py"),
-                                        ("implicit_prm_flags", "implicit_prm.py")) if d.get(key)) + ")"
-                     if any(d.get(key) for key in ("train_flags", "rm_flags", "implicit_prm_flags")) else "")
+                  + f"with seeds {', '.join(d['seeds'])}" + (f" ({'; '.join(flags)})" if flags else "")
                   + (f"; the Bradley-Terry RM is `{d['rm_path']}` for every seed" if d.get("rm_path") else "")
                   + f". Fraction of the gap first sample -> pass@{k} closed at N = {k}: "
                   + ("; ".join(closed) or "none") + ". " + _provenance(d, "python scripts/bench_bon.py")]
@@ -1554,14 +1553,12 @@ def bon(d: dict) -> str:
                   "|---|---|---|---|---|"]
         for v in learned:
             get = lambda key, i: [s["learning"][v][key][i] for s in seeds]  # noqa: E731
-            mm = lambda xs: f"{sum(xs) / len(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
             mins = [s["train_minutes"][v] for s in seeds if v in s.get("train_minutes", {})]
             lines.append(f"| `python algorithms/genrm.py{' --verifier cot' if v == 'genrm_cot' else ''}"
                          f"{' --data_path <the shared rows>' if lab else ''}` | "
                          f"{sum(get('eval/auroc', 0)) / len(seeds):.3f} -> {mm(get('eval/auroc', 1))} | "
                          f"{mm(get('eval/p_yes_correct', 1))} | {mm(get('eval/p_yes_incorrect', 1))} | "
                          f"{(sum(mins) / len(mins)) if mins else float('nan'):.1f} |")
-    mm = lambda xs: f"{sum(xs) / len(xs):.3f} ({min(xs):.3f} to {max(xs):.3f})"  # noqa: E731
     end = lambda v, key: [s["learning"][v][key][1] for s in seeds]  # noqa: E731
     others = []
     if all("rm" in s.get("learning", {}) for s in seeds):
@@ -1574,7 +1571,8 @@ def bon(d: dict) -> str:
                       f"correct / incorrect rows {mm(end('implicit_prm', 'eval/reward_correct'))} / "
                       f"{mm(end('implicit_prm', 'eval/reward_incorrect'))}")
     if others:
-        held = "a 10% slice of the labelled data that they hold out" if lab else "their own held-out data"
+        held = ("a 10% slice of the labelled rows that they hold out, split by row, not by prompt: a prompt's other "
+                "samples are mostly trained on") if lab else "their own held-out data"
         lines += ["", f"Held-out metrics of the verifiers' own runs at the end of training (on {held}): "
                       + "; ".join(others) + "."]
     return "\n".join(lines)
