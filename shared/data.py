@@ -9,9 +9,10 @@ Sources (`dataset` argument):
     used for both, with a warning);
   - a hub dataset: "org/name" or "org/name:config" (e.g. "openai/gsm8k:main"), loaded with `datasets`.
 
-Every row is validated: a missing key, an empty or non-string field, a malformed JSON line or a
-non-UTF-8 file raises one ValueError naming the dataset, split and row. Prompts longer than
-`max_prompt_length` tokens are dropped and counted (the caller logs the count).
+Every row is validated: a missing key, an empty or non-string field, a NaN or infinite number, a malformed JSON
+line, a lone surrogate in a JSON string or a non-UTF-8 file raises one ValueError naming the dataset, split and row;
+so does a local path that does not exist (a path is never sent to the hub) or a hub dataset that cannot be loaded.
+Prompts longer than `max_prompt_length` tokens are dropped and counted (the caller logs the count).
 
 Preference data (dpo.py, rm.py) is loaded by `load_preferences`, with the bad-row policy documented there.
 
@@ -22,6 +23,7 @@ Tokenization keeps exactly one BOS: with a chat template the template's text is 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +64,22 @@ def _read_local(path: Path) -> list[dict]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"{path}: row {i} is a {type(row).__name__}, expected a JSON object")
+        check_unicode(row, f"{path}: row {i}")
     return rows
+
+
+def check_unicode(row: dict, where: str) -> None:
+    """A JSON row's text must be valid Unicode: a lone surrogate (`"\\ud800"` unpaired) is an error naming the row and
+    field (tokenizers and the UTF-8 files written later cannot take it)."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        for key, value in row.items():
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{where}: field {key!r} holds a lone surrogate ({e.object[e.start:e.end]!r}), "
+                                "not valid Unicode text") from None
 
 
 HOLDOUT_FRACTION = 0.1
@@ -172,10 +189,16 @@ def load_rows(dataset: str, split: str) -> list[dict]:
         return rows
     if path.exists():
         raise DataError(f"dataset {dataset!r}: unsupported file type (use .jsonl, .json or .parquet)")
+    name, _, config = dataset.partition(":")
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or ("/" not in name and path.suffix):
+        raise DataError(f"dataset {dataset!r} does not exist (a local .jsonl/.json/.parquet file, or a hub name "
+                        "org/name[:config])")
     import datasets
 
-    name, _, config = dataset.partition(":")
-    return list(datasets.load_dataset(name, config or None, split=split))
+    try:
+        return list(datasets.load_dataset(name, config or None, split=split))
+    except (FileNotFoundError, ConnectionError) as e:  # not on the hub, or no network: one line naming it
+        raise DataError(f"dataset {dataset!r} split {split!r}: {' '.join(str(e).split())}") from None
 
 
 def has_column(dataset: str, splits: tuple[str, ...], key: str) -> bool:
@@ -196,6 +219,8 @@ def select_fields(rows: list[dict], where: str, keys: dict[str, str]) -> list[di
             if theirs not in row:
                 raise DataError(f"{where} row {i}: missing key {theirs!r} (has {sorted(row)})")
             value = row[theirs]
+            if isinstance(value, float) and not math.isfinite(value):
+                raise DataError(f"{where} row {i}: field {theirs!r} is {value}, expected text or a finite number")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = str(value)
             if not isinstance(value, str):

@@ -17,7 +17,8 @@ so graders can read metadata). Any parameter names work when the function takes 
   - "math_verify": the same MATH answer extraction with math-verify's equivalence check (it matched the human
     verdict on all of tests/grader_cases.py, "math" on all but two protocol cases: docs/bench/graders/);
   - "package.module:function" or "path/to/file.py:function": your own function.
-Every result is checked: one finite number per completion, or a one-line error naming the function.
+Every result is checked: one finite number per completion, within float32's range (the trainer's), or a one-line
+error naming the function; so is a file or module that fails to import (a syntax error, a missing package).
 `probe_reward_fn` makes that check once at start-up, before the run writes anything.
 
 Each built-in grader also has an answer extractor, `fn(prompt, completion) -> str | None` (`load_answer_fn`): the
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 RewardFn = Callable[..., list]
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def builtin_reward(prompts, completions, answers, finished, rows=None, **_):
@@ -125,11 +127,15 @@ def load_reward_fn(spec: str, dataset: str = "builtin") -> RewardFn:
         path = Path(target)
         if not path.exists():
             raise ValueError(f"reward_fn: file {target} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
+    try:  # the user's file or module: a syntax error or a failed import is one line naming it
+        if target.endswith(".py"):
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except Exception as e:  # noqa: BLE001 - the user's code: name it, keep the cause
+        raise ValueError(f"reward_fn: importing {target} raised {type(e).__name__}: {' '.join(str(e).split())}") from e
     if not hasattr(module, attr):
         raise ValueError(f"reward_fn: {target} has no attribute {attr!r}")
     return getattr(module, attr)
@@ -182,6 +188,9 @@ def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], an
     for i, v in enumerate(out):
         if not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"reward_fn {name}: value {i} is {v!r}, expected a finite number")
+        if abs(v) > FLOAT32_MAX:  # the trainer's tensors are float32: such a reward is inf there
+            raise ValueError(f"reward_fn {name}: value {i} is {v!r}, beyond float32's range (+-{FLOAT32_MAX:.4g}) "
+                             "in which rewards are trained")
         values.append(float(v))
     return values
 
