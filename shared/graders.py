@@ -16,8 +16,12 @@ through math-verify too.
 
 Differences from the reference, all on purpose:
 * LaTeX is turned into sympy-readable text by a small converter in this file instead of ``pylatexenc``.
-* All sympy work (parsing, ``simplify`` and the numeric fallback) runs in a single-worker ``spawn`` process pool with
-  a timeout, so a pathological answer can never hang the caller; the reference ran the ``N()`` fallback in-process.
+* All sympy work (parsing, ``simplify`` and the numeric fallback) runs in a single ``spawn`` worker process with a
+  timeout, so a pathological answer can never hang the caller; the reference ran the ``N()`` fallback in-process.
+  A worker that dies (the OOM killer, a SIGKILL) counts as a timeout, as one that runs out of time: the call grades
+  as incorrect and a fresh worker serves the next one. The worker ignores SIGINT and SIGTERM (sent to the whole
+  process group by Ctrl-C, ``scancel``, ``timeout``), so the caller finishes its step and checkpoint with it, and
+  kills it at exit; it also exits by itself when the caller dies.
 * Parsing is guarded (length limit, character allow-list, no builtins) on top of ``should_allow_eval``.
 * Intervals/tuples must use the same bracket types (the reference accepted ``[1,2)`` for ``(1,2]``).
 * An empty gold list (solution without an extractable answer) grades as incorrect.
@@ -36,11 +40,16 @@ stdin works too (`_main_hidden`).
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
 import re
+import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 # -- GSM8K (the reference's gsm8k.py) -----------------------------------------------------------------------------
@@ -409,12 +418,16 @@ class GraderWorkerError(RuntimeError):
     """The sympy worker process could not be started (a setup problem, so it is raised, not graded as 0)."""
 
 
-# As the reference's SympySimplifier: one lazily created worker, terminated and replaced when a call times out.
+# As the reference's SympySimplifier: one lazily created worker, killed and replaced when a call times out. A process
+# of our own with a pipe, not a multiprocessing.Pool: a Pool worker killed while idle (SIGTERM to the process group,
+# the OOM killer) dies holding the pool's queue lock, and every later call and the pool's terminate wait on that lock
+# forever. Here the caller waits on the pipe and on the process's sentinel together, so a dead worker is seen at once.
 # 'spawn' because forking a process that holds CUDA contexts or threads (trainer, vLLM) is unsafe.
-_POOL = None
+_POOL = None  # the current _Worker, or None until the next call starts one
 _POOL_BROKEN = False
 _POOL_LOCK = threading.Lock()
 POOL_START_TIMEOUT = 60.0  # seconds for a fresh worker to import sympy; not counted in the grading timeout
+_WORKER_FUNCTIONS = ("_sympy_equal_worker", "_math_verify_worker")  # what the worker runs, by name
 
 
 @contextmanager
@@ -435,30 +448,115 @@ def _main_hidden():
             main.__dict__.update(saved)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Worker thread: end the worker once its parent is gone (killed while the worker was busy: no end of file seen)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _worker_main(conn) -> None:
+    """The worker process: run ``(name, args)`` requests from the pipe, answer ``("ok", result)`` or ``("error",
+    repr)``; exit at end of file (the parent closed its end or died). SIGINT and SIGTERM are ignored: sent to the
+    whole process group (Ctrl-C, ``scancel``, ``timeout``), they are for the parent, which finishes its step and its
+    checkpoint with this worker still grading, then kills it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    while True:
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", globals()[name](*args) if name in _WORKER_FUNCTIONS else False)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            reply = ("error", repr(e))
+        conn.send(reply)
+
+
+class _WorkerLost(Exception):
+    """The worker timed out or died during a call (graded as a timeout)."""
+
+
+class _Worker:
+    """One sympy worker process and the caller's end of its pipe."""
+
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="cleanrlhf-grader")
+        with _main_hidden():
+            self.process.start()
+        child.close()
+
+    def call(self, name: str, args: tuple, timeout: float):
+        """``(status, value)`` of one request; `_WorkerLost` when no answer comes within `timeout` seconds or the
+        worker dies (whichever is first)."""
+        try:
+            self.conn.send((name, args))
+            ready = mp_connection.wait([self.conn, self.process.sentinel], timeout)
+            if self.conn in ready:  # an answer, or end of file if the worker died
+                return self.conn.recv()
+        except (EOFError, OSError):
+            pass
+        raise _WorkerLost
+
+    def terminate(self) -> None:
+        """Kill the worker (SIGKILL: it ignores SIGTERM) and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5.0)
+        self.conn.close()
+
+
+def _end_worker() -> None:
+    """At interpreter exit, kill the worker. Registered after multiprocessing's own exit hook (imported above), so it
+    runs first (atexit is last in, first out): that hook would SIGTERM the worker, which ignores it, and join it."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.terminate()
+        _POOL = None
+
+
+atexit.register(_end_worker)
+
+
 def _call_with_timeout(fn, args: tuple, timeout: float) -> bool:
+    """``fn(*args)`` in the worker; False when it times out or the worker dies (either way a fresh worker serves the
+    next call) or when `fn` raises. `GraderWorkerError` if a fresh worker cannot start."""
     global _POOL, _POOL_BROKEN
     with _POOL_LOCK:
         if _POOL_BROKEN:
             raise GraderWorkerError("sympy worker failed to start earlier")
         if _POOL is None:
-            pool = None
+            worker = None
             try:
-                with _main_hidden():
-                    pool = mp.get_context("spawn").Pool(1)
+                worker = _Worker()
                 # Warm-up call: pays the sympy import once, outside any grading timeout.
-                pool.apply_async(_sympy_equal_worker, ("0", "0")).get(timeout=POOL_START_TIMEOUT)
-            except BaseException as e:
-                if pool is not None:
-                    pool.terminate()
+                status, value = worker.call("_sympy_equal_worker", ("0", "0"), POOL_START_TIMEOUT)
+                if status != "ok":
+                    raise GraderWorkerError(value)
+            except _WorkerLost as e:
+                worker.terminate()
+                if worker.process.exitcode in (-signal.SIGINT, -signal.SIGTERM):
+                    return False  # a signal to the process group before the worker could ignore it: retried later
                 _POOL_BROKEN = True  # fail fast from now on
+                why = "timed out" if worker.process.exitcode is None else f"exited {worker.process.exitcode}"
+                raise GraderWorkerError(f"sympy worker failed to start ({why})") from e
+            except BaseException as e:
+                if worker is not None:
+                    worker.terminate()
+                _POOL_BROKEN = True
                 raise GraderWorkerError(f"sympy worker failed to start: {e!r}") from e
-            _POOL = pool
+            _POOL = worker
         try:
-            return bool(_POOL.apply_async(fn, args).get(timeout=timeout))
-        except mp.TimeoutError:
-            _POOL.terminate()  # kills the stuck worker; a fresh pool is created on the next call
+            status, value = _POOL.call(fn.__name__, args, timeout)
+        except _WorkerLost:
+            _POOL.terminate()  # kills a stuck worker, reaps a dead one; a fresh one starts on the next call
             _POOL = None
             return False
+        return bool(value) if status == "ok" else False
 
 
 def symbolic_equal(a: str, b: str, timeout: float = 15.0) -> bool:
