@@ -54,7 +54,7 @@ from shared.evaluation import best_of_n, eval_seed, generate_chunks, maj_at_k, p
 from shared.generation import completion_decoder, make_generator
 from shared.logprobs import forward_logprobs
 from shared.models import resolve_model_path
-from shared.rewards import compute_rewards, load_answer_fn, load_reward_fn, probe_reward_fn
+from shared.rewards import check_labels, compute_rewards, load_answer_fn, load_reward_fn, probe_reward_fn
 from shared.tracking import Timer, Tracker
 from shared.verifier import GenerativeVerifier, text_ids
 
@@ -73,7 +73,7 @@ class Args:
     policy_name_or_path: str = ""
     """the policy whose graded samples are the training and held-out data (empty: model_name_or_path)"""
     data_path: str = ""
-    """a .jsonl of labelled solutions (fields prompt, completion, label 0/1, optional rationale) instead of sampling"""
+    """a .jsonl of labelled solutions (prompt, completion, label 0/1; optional rationale, finished) instead of sampling"""
     dataset: str = "builtin"
     """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
@@ -90,6 +90,8 @@ class Args:
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
+    max_seq_length: Annotated[int, Ge(1)] = 512
+    """--data_path rows whose prompt + completion exceed this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader giving the labels: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -239,11 +241,18 @@ def auroc(scores: list[float], labels: list[int]) -> float:
 
 
 def read_labelled(path: str) -> list[dict]:
-    """Rows of a --data_path file: prompt (str), completion (str), label (0 or 1), optional rationale (str);
-    a bad row is a one-line error naming it."""
+    """Rows of a --data_path file: prompt (str), completion (str), label (0 or 1), optional rationale (str) and
+    finished (bool, default true; false: the completion was cut off at a length limit and gets no EOS, as a sampled
+    one); a bad row, or a missing file, is a one-line error naming it."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    if not os.path.isfile(path):
+        raise data_utils.DataError(f"data_path: {path} does not exist")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise data_utils.DataError(f"data_path: {path} row {n} is not valid UTF-8 ({e.reason})") from None
             if not line.strip():
                 continue
             try:
@@ -258,6 +267,9 @@ def read_labelled(path: str) -> list[dict]:
                                            f"{row.get('label')!r}")
             if not isinstance(row.get("rationale", ""), str):
                 raise data_utils.DataError(f"data_path: {path} row {n}: field 'rationale' must be a string")
+            if not isinstance(row.get("finished", True), bool):
+                raise data_utils.DataError(f"data_path: {path} row {n}: field 'finished' must be true or false")
+            data_utils.check_unicode(row, f"data_path: {path} row {n}")
             rows.append({**row, "label": int(row["label"])})
     if not rows or len({r["label"] for r in rows}) < 2:
         raise data_utils.DataError(f"data_path: {path} needs rows of both labels (0 and 1)")
@@ -295,7 +307,7 @@ def main(args: Args) -> str:
     train_data = load(args.train_split, args.local_num_prompts * info.world_size)
     eval_data, dev_data = load(args.eval_split, args.eval_num_prompts), load(args.train_split, part="dev")
     reward_fn = load_reward_fn(args.reward_fn, args.dataset)
-    probe_reward_fn(reward_fn, train_data.rows)
+    check_labels(probe_reward_fn(reward_fn, train_data.rows), reward_fn)  # the verifier's labels must be 0 or 1
     answer_fn = load_answer_fn(args.reward_fn, args.dataset)
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
@@ -317,9 +329,9 @@ def main(args: Args) -> str:
         comps = [c for group in outs for c in group]
         texts = [decode(c.token_ids) for c in comps]
         rows = [data.rows[i] for i in idx]
-        grades = compute_rewards(reward_fn, [x["prompt"] for x in rows], texts, [x["answer"] for x in rows],
-                                 [c.finished for c in comps], rows)
-        local = [{"prompt": i, "ids": c.token_ids, "text": t, "label": int(g > 0.5), "finished": c.finished}
+        grades = check_labels(compute_rewards(reward_fn, [x["prompt"] for x in rows], texts,
+                                              [x["answer"] for x in rows], [c.finished for c in comps], rows), reward_fn)
+        local = [{"prompt": i, "ids": c.token_ids, "text": t, "label": int(g), "finished": c.finished}
                  for i, c, t, g in zip(idx, comps, texts, grades)]
         return sorted(sum(info.gather_objects(local), []), key=lambda s: s["prompt"])  # stable: sampling order kept
 
@@ -337,7 +349,7 @@ def main(args: Args) -> str:
         del generator, policy
 
     # verification examples (context, target, label) and SFT examples (prompt, correct solution)
-    examples, sft_examples, dropped = [], [], 0
+    examples, sft_examples, dropped, too_long = [], [], 0, 0
     if labelled is None:
         for s in train_samples:
             prompt = train_data.rows[s["prompt"]]["prompt"]
@@ -353,7 +365,10 @@ def main(args: Args) -> str:
         for r in labelled:
             p = data_utils.encode_prompt(tokenizer, data_utils.format_prompt(r["prompt"], args.prompt_template),
                                          args.chat_template)
-            y = data_utils.encode_response(tokenizer, r["completion"])
+            y = data_utils.encode_response(tokenizer, r["completion"], r.get("finished", True))
+            if len(p) > args.max_prompt_length or len(p) + len(y) > args.max_seq_length:
+                too_long += 1
+                continue
             examples.append((*verify_example(p, y, r["label"], fmt, tokenizer,
                                              r.get("rationale") if args.verifier == "cot" else None), r["label"]))
             if r["label"]:
@@ -365,14 +380,15 @@ def main(args: Args) -> str:
     yes = [i for i, e in enumerate(examples) if e[2]]
     no = [i for i, e in enumerate(examples) if not e[2]]
     if not yes or not no:
-        raise ValueError(f"the training data has {len(yes)} correct and {len(no)} incorrect solutions; GenRM needs "
-                         "both (more prompts or samples, or another policy)")
+        raise ValueError(f"the training data has {len(yes)} correct and {len(no)} incorrect solutions ({too_long} "
+                         "--data_path rows over max_prompt_length / max_seq_length dropped); GenRM needs both (more "
+                         "prompts or samples, or another policy)")
     samplers = {"sampler": data_utils.PromptSampler(len(examples), args.seed),  # --no_balance
                 "yes_sampler": data_utils.PromptSampler(len(yes), args.seed + 1),
                 "no_sampler": data_utils.PromptSampler(len(no), args.seed + 2),
                 "sft_sampler": data_utils.PromptSampler(len(sft_examples), args.seed + 3)}
     tracker.write(f"{len(examples)} verification examples ({len(yes)} Yes, {len(no)} No; {dropped} rationales "
-                  f"contradicting the grader dropped), {len(sft_examples)} SFT examples; held-out "
+                  f"contradicting the grader, {too_long} rows over max_prompt_length / max_seq_length dropped), {len(sft_examples)} SFT examples; held-out "
                   f"{len(eval_data.rows)} x {args.eval_num_samples} samples; verdicts {fmt['yes']!r}/{fmt['no']!r}; "
                   f"{args.num_steps} steps of {args.batch_size}")
 

@@ -14,8 +14,8 @@ Delta from rm.py (algorithms/rm.py): the reward is a log-likelihood ratio of a c
 scalar head), trained on (response, 0/1 label) rows, not on pairs; with no data file the rows are the start model's
 own samples on the task's training prompts, graded by the task's grader (num_generations per prompt).
 The saved model (output_dir/final) is an HF causal LM whose config.json also holds `implicit_prm_reference` (the
-reference's path or builtin name) and `implicit_prm_beta`: a response's score is then beta * sum_t d_t per line, the
-minimum over its lines (line_rewards below).
+reference's absolute path, or its builtin or hub name) and `implicit_prm_beta`: a response's score is then beta *
+sum_t d_t per line, the minimum over its lines (line_rewards below).
 
 Launch:
     python algorithms/implicit_prm.py                          # CPU, built-in task, tiny model, a few minutes
@@ -47,7 +47,7 @@ from shared.localisation import load_slips, localisation_metrics
 from shared.logprobs import forward_logprobs
 from shared.models import resolve_model_path
 from shared.prompts import load_prompt_task
-from shared.rewards import compute_rewards
+from shared.rewards import check_labels, compute_rewards, probe_reward_fn
 from shared.tracking import Timer, Tracker
 from shared.units import line_spans
 
@@ -66,7 +66,7 @@ class Args:
     dataset: str = "builtin"
     """prompts to sample and grade: `builtin` (`builtin:sums-N`), a .jsonl/.json/.parquet file, or a hub dataset"""
     data_path: str = ""
-    """a .jsonl of labelled responses {"prompt", "response", "label": 0 or 1} to train on instead of sampling"""
+    """a .jsonl of labelled responses {"prompt", "response", "label": 0 or 1, optional "finished"} instead of sampling"""
     train_split: str = "train"
     """split to train on (of --dataset, or of --data_path: its sibling `<stem>.<split>.jsonl` or a 90% slice)"""
     eval_split: str = "test"
@@ -81,6 +81,8 @@ class Args:
     """wrap the prompt with the tokenizer's chat template (as a user turn)"""
     max_prompt_length: Annotated[int, Ge(1)] = 256
     """prompts longer than this many tokens are dropped (and counted)"""
+    max_seq_length: Annotated[int, Ge(1)] = 512
+    """--data_path rows whose prompt + response exceed this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader of the samples: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, or `module:function`"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -196,8 +198,10 @@ def held_out_metrics(prefix: str, rewards: list[float], labels: list[float], gro
 
 
 def load_labelled(path: str, split: str, tokenizer, args: Args, part: str = "train") -> dict:
-    """Rows {"prompt", "response", "label"} of --data_path, checked (one error naming the row and field), tokenized;
-    prompts over max_prompt_length dropped. part: the split minus its dev slice ("train") or the slice ("dev")."""
+    """Rows {"prompt", "response", "label", optional "finished"} of --data_path, checked (one error naming the row and
+    field), tokenized; a response gets EOS unless "finished" is false (cut off at a length limit, as a sampled one);
+    rows over max_prompt_length / max_seq_length dropped. part: the split minus its dev slice ("train") or the slice
+    ("dev")."""
     rows = data_utils.load_rows(path, split)
     where = f"data_path {path!r} split {split!r}"
     for i, row in zip(data_utils.row_numbers(rows), rows):
@@ -206,6 +210,9 @@ def load_labelled(path: str, split: str, tokenizer, args: Args, part: str = "tra
                 raise data_utils.DataError(f"{where}: row {i}: field {key!r} is {row.get(key)!r}, expected text")
         if row.get("label") not in (0, 1):
             raise data_utils.DataError(f"{where}: row {i}: field 'label' is {row.get('label')!r}, expected 0 or 1")
+        if not isinstance(row.get("finished", True), bool):
+            raise data_utils.DataError(f"{where}: row {i}: field 'finished' is {row['finished']!r}, expected true or "
+                                       "false")
     if split == args.train_split:
         rows = data_utils.dev_split(rows, args.dev_num_prompts, part, where, key=lambda r: r["prompt"])
     out = {"prompt_ids": [], "response_ids": [], "labels": [], "groups": [], "dropped": 0}
@@ -213,11 +220,12 @@ def load_labelled(path: str, split: str, tokenizer, args: Args, part: str = "tra
     for row in rows:
         ids = data_utils.encode_prompt(tokenizer, data_utils.format_prompt(row["prompt"], args.prompt_template),
                                        args.chat_template)
-        if len(ids) > args.max_prompt_length:
+        response = data_utils.encode_response(tokenizer, row["response"], row.get("finished", True))
+        if len(ids) > args.max_prompt_length or len(ids) + len(response) > args.max_seq_length:
             out["dropped"] += 1
             continue
         out["prompt_ids"].append(ids)
-        out["response_ids"].append(data_utils.encode_response(tokenizer, row["response"]))
+        out["response_ids"].append(response)
         out["labels"].append(float(row["label"]))
         out["groups"].append(groups.setdefault(row["prompt"], len(groups)))
     return out
@@ -249,6 +257,7 @@ def main(args: Args) -> str:
             raise data_utils.DataError(f"data_path {args.data_path!r}: no training rows")
     else:
         train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
+        check_labels(probe_reward_fn(reward_fn, train_data.rows), reward_fn)  # the PRM's labels must be 0 or 1
     slips = (load_slips(args, tokenizer) if args.localisation_num_pairs and builtin_task.is_builtin(args.dataset)
              else None)
 
@@ -282,8 +291,7 @@ def main(args: Args) -> str:
             rows = [data.rows[i] for i, _ in comps]
             labels = compute_rewards(reward_fn, [r["prompt"] for r in rows], [decode(c.token_ids) for _, c in comps],
                                      [r["answer"] for r in rows], [c.finished for _, c in comps], rows)
-            if any(x not in (0.0, 1.0) for x in labels):
-                raise ValueError(f"reward_fn: labels must be 0 or 1, got {next(x for x in labels if x not in (0, 1))}")
+            check_labels(labels, reward_fn)
             local_rows = [(data.prompt_ids[i], c.token_ids, float(lab), i) for (i, c), lab in zip(comps, labels)]
             every = sum(info.gather_objects(local_rows), [])
             return {"prompt_ids": [r[0] for r in every], "response_ids": [r[1] for r in every],
@@ -298,7 +306,7 @@ def main(args: Args) -> str:
         del generator
     train = sets["train"]
     tracker.write(f"{len(train['labels'])} training rows ({sum(train['labels']):.0f} labelled 1; {train['dropped']} "
-                  f"prompts over max_prompt_length dropped), {len(sets['dev']['labels'])} dev rows, "
+                  f"over max_prompt_length / max_seq_length dropped), {len(sets['dev']['labels'])} dev rows, "
                   f"{len(sets['eval']['labels'])} held-out rows, {args.num_steps} steps of {args.batch_size}")
 
     optimizer = torch.optim.AdamW(prm.parameters(), lr=args.learning_rate, weight_decay=0.0, betas=(0.9, 0.95),
@@ -317,7 +325,10 @@ def main(args: Args) -> str:
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(sets["dev"]["labels"]))
-    extra_config = {"implicit_prm_reference": args.model_name_or_path, "implicit_prm_beta": args.beta}
+    # the reference as a run in any directory finds it: a local directory's absolute path, else the name as given
+    reference = (os.path.abspath(model_path) if os.path.isdir(os.path.expanduser(args.model_name_or_path))
+                 else args.model_name_or_path)
+    extra_config = {"implicit_prm_reference": reference, "implicit_prm_beta": args.beta}
     sampler = data_utils.PromptSampler(len(train["labels"]), args.seed)
 
     def batch_d(prompt_ids: list, response_ids: list, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ Default objective (maximised), log-probs of both models log_softmax(logits / T),
 
 Delta from GRPO (algorithms/grpo.py): the per-token teacher advantage replaces the group-normalised reward; a frozen
 teacher (--teacher_model_name_or_path, default builtin:tiny-grpo) is loaded beside the policy, its vocabulary and
-bos/eos/pad ids checked against the student's at start-up. Flags that switch a pure function: --loss jsd (GKD's
+bos/eos/pad ids checked against the student's at start-up (embeddings padded to different sizes: the
+full-distribution losses compare the tokenizer's real tokens). Flags that switch a pure function: --loss jsd (GKD's
 generalised JSD with --beta, backpropagated through the student's whole distribution) or fkl_topk (forward KL on the
 teacher's --topk tokens, --topk_tail), --reward_coef (adds coef x GRPO's group advantage of the task reward),
 --control_adv c (A_it = -c on every generated token: the fixed-negative-advantage control, no teacher signal).
@@ -43,6 +44,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from annotated_types import Ge, Gt, Interval
+from transformers import AutoConfig
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_final
@@ -280,12 +282,27 @@ def topk_forward_kl(student_lp: torch.Tensor, teacher_lp: torch.Tensor, k: int, 
     return loss, {"teacher_mass": p_k.detach(), "student_mass": q_k.detach(), "overlap_ratio": overlap}
 
 
-def distribution_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
+def distribution_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                          vocab_size: int | None = None):
     """log_softmax(logits / T) over the whole vocabulary at every position t < L-1 (predicting token t+1), [B, L-1, V],
-    for the full-distribution losses (--loss jsd, fkl_topk); right-padded rows as in forward_logprobs."""
+    for the full-distribution losses (--loss jsd, fkl_topk); right-padded rows as in forward_logprobs. `vocab_size`:
+    over the first V = vocab_size logits only (`compared_vocab_size`: embeddings padded to different sizes)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return torch.log_softmax(out.logits[:, :-1].float() / temperature, -1)
+    return torch.log_softmax(out.logits[:, :-1, :vocab_size].float() / temperature, -1)
+
+
+def compared_vocab_size(student_rows: int, teacher_rows: int, num_tokens: int) -> int | None:
+    """The logits the full-distribution losses compare: all of them (None) when the student's and the teacher's
+    embeddings have as many rows; else the tokenizer's num_tokens real tokens, the rows above them being padding that
+    no token id reaches (Qwen2.5: 151,936 rows at 0.5B-3B, 152,064 at 7B, 151,665 tokens). A tokenizer with more tokens
+    than a model has rows is a one-line error."""
+    if student_rows == teacher_rows:
+        return None
+    if num_tokens > min(student_rows, teacher_rows):
+        raise ValueError(f"teacher_model_name_or_path: the tokenizer has {num_tokens} tokens, but the student's "
+                         f"embedding has {student_rows} rows and the teacher's {teacher_rows}")
+    return num_tokens
 
 
 def check_same_vocabulary(student_tok, teacher_tok) -> None:
@@ -420,6 +437,8 @@ def main(args: Args) -> str:
     tokenizer = load_tokenizer(model_path)
     teacher_path = resolve_model_path(args.teacher_model_name_or_path, "teacher_model_name_or_path")
     check_same_vocabulary(tokenizer, load_tokenizer(teacher_path))  # the teacher reads the student's token ids
+    vocab_size = compared_vocab_size(AutoConfig.from_pretrained(model_path).vocab_size,  # padded embeddings: the real
+                                     AutoConfig.from_pretrained(teacher_path).vocab_size, len(tokenizer))  # tokens
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     # train / held-out / dev prompts and the grader (None with a reward model and no gold answers: no accuracy)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path)
@@ -558,9 +577,11 @@ def main(args: Args) -> str:
                             logp, entropy = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
                                                                  args.micro_batching, args.temperature, True)
                         else:  # both models' whole distributions at these positions; the teacher's without gradient
-                            student_lp = distribution_logprobs(policy, input_ids[idx], attn[idx], args.temperature)
+                            student_lp = distribution_logprobs(policy, input_ids[idx], attn[idx], args.temperature,
+                                                               vocab_size)
                             with torch.no_grad():
-                                teacher_lp = distribution_logprobs(teacher, input_ids[idx], attn[idx], args.temperature)
+                                teacher_lp = distribution_logprobs(teacher, input_ids[idx], attn[idx], args.temperature,
+                                                                   vocab_size)
                             logp = student_lp.gather(-1, input_ids[idx][:, 1:, None]).squeeze(-1) * resp[idx][:, 1:]
                             entropy = -(student_lp.exp() * student_lp).sum(-1)
                             if args.loss == "jsd":

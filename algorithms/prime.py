@@ -55,7 +55,7 @@ from shared.generation import check_engine, completion_decoder, completion_metri
 from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.prompts import load_prompt_task, task_summary
-from shared.rewards import score_completions
+from shared.rewards import check_labels, probe_reward_fn, score_completions
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
 
@@ -405,6 +405,7 @@ def main(args: Args) -> str:
     tokenizer = load_tokenizer(model_path)
     # train / held-out / dev prompts and the grader (its 0/1 outcome is the PRM's label and the outcome reward)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, "")
+    check_labels(probe_reward_fn(reward_fn, train_data.rows), reward_fn)  # the PRM's labels must be 0 or 1
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     headline = "eval/accuracy"  # the held-out number printed at start and end
 
@@ -485,6 +486,8 @@ def main(args: Args) -> str:
             texts = [decode(c.token_ids) for c in comps]
             scores = score_completions(reward_fn, None, rows, prompts, comps, texts, tokenizer.pad_token_id,
                                        info, args.local_micro_batch_size, ckpt.user_code(step, engines, tracker))
+            with ckpt.user_code(step, engines, tracker):  # the PRM's labels: 0 or 1, else save step - 1, stop
+                check_labels(scores, reward_fn)
         return comps, texts, scores
 
     # training loop
@@ -636,8 +639,11 @@ def main(args: Args) -> str:
     # output_dir/final, saved before the end-of-run checks, so a failure there loses nothing
     final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     if args.save_model:  # the PRM in output_dir/prm, with implicit_prm.py's config keys (reference, beta)
+        # the reference as a run in any directory finds it: a local directory's absolute path, else the name as given
+        reference = (os.path.abspath(model_path) if os.path.isdir(os.path.expanduser(args.model_name_or_path))
+                     else args.model_name_or_path)
         save_hf(prm, tokenizer, os.path.join(args.output_dir, "prm"), info,
-                {"implicit_prm_reference": args.model_name_or_path, "implicit_prm_beta": args.prm_beta})
+                {"implicit_prm_reference": reference, "implicit_prm_beta": args.prm_beta})
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
     tracker.log_end(metrics, args.num_steps, headline, first_eval)

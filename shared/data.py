@@ -256,9 +256,10 @@ def encode_prompt(tokenizer, text: str | list[dict], use_chat_template: bool) ->
     return ids
 
 
-def encode_response(tokenizer, text: str) -> list[int]:
-    """Response token ids followed by EOS (SFT / preference data); no BOS."""
-    return tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+def encode_response(tokenizer, text: str, finished: bool = True) -> list[int]:
+    """Response token ids followed by EOS (SFT / preference data); no BOS. `finished` False: a response cut off at a
+    length limit, without EOS (as a sampled completion that hit max_new_tokens has none)."""
+    return tokenizer(text, add_special_tokens=False).input_ids + ([tokenizer.eos_token_id] if finished else [])
 
 
 @dataclass

@@ -7,7 +7,9 @@
     gen = make_generator("vllm", ..., lora_sync="adapter")  # a LoRA run: the engine serves the adapter (below)
 
 Prompts are arbitrary token prefixes, so VinePPO can roll out from partial responses; `max_new_tokens` may be
-one budget per prompt (a rollout from a partial response gets what is left of the length limit).
+one budget per prompt (a rollout from a partial response gets what is left of the length limit). Both backends keep
+to the model's context (`max_position_embeddings`; vLLM: its max_model_len): a prompt that fills it is a one-line
+error (`check_context`), and a completion that reaches its end stops there (finish_reason "length").
 
 `vllm`: an in-process vLLM engine colocated with the trainer on each rank (VLLM_ENABLE_V1_MULTIPROCESSING=0;
 `external_launcher` when several ranks). Weights are updated in place with vLLM's `reload_weights`, streamed one
@@ -38,7 +40,8 @@ the checkpoint's `generation_config.eos_token_id`, see `stop_token_ids`), or tha
 strings in the completion's text (`--stop`; a `generate` call may pass its own, as shared/tools.py's call stop). That last token is kept (finish_reason "stop"): it is the action that
 ended the turn, so the loss mask, the KL term, the reference log-probs and a reward model all see it, exactly like
 EOS. Reward functions get the text from `completion_decoder`: special tokens skipped and cut before the first stop
-string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`).
+string. Both backends apply the same rule, and both cut their output at it (`stop_string_end`). An empty stop string
+(`--stop ""`, an unset shell variable) would match everywhere: a one-line error (`check_stop_strings`).
 
 Seeding: one random stream per call, for both backends: the global torch generator is seeded with
 `seed_for(seed, index_offset)` for the call (inside `torch.random.fork_rng`, so the caller's stream is untouched) and
@@ -121,10 +124,30 @@ def cut_at_stop(text: str, stop) -> str:
     return text if cut < 0 else text[:cut]
 
 
+def check_stop_strings(stop) -> None:
+    """An empty stop string (`--stop ""`, an unset shell variable) is in every text: it would end every completion
+    at its first token and cut every text to nothing. A one-line error instead."""
+    if any(not s for s in stop):
+        raise ValueError(f"stop: {tuple(stop)!r} holds an empty string, which would end every completion at its first "
+                         "token (an unset shell variable?); give non-empty strings or no --stop")
+
+
+def check_context(prompts: list[list[int]], context: int | None) -> None:
+    """Every prompt must leave room for one new token in the model's context (`max_position_embeddings`, or the vLLM
+    engine's max_model_len): a longer one is a one-line error naming it, not positions the model never saw."""
+    if context is None:
+        return
+    for i, p in enumerate(prompts):
+        if len(p) >= context:
+            raise ValueError(f"max_prompt_length: prompt {i} of a generate call has {len(p)} tokens, and the model's "
+                             f"context is {context}: no room for a completion (lower --max_prompt_length)")
+
+
 def completion_decoder(tokenizer, stop=()):
     """ids -> the completion's text as reward functions, graders and logs see it: special tokens (EOS) skipped and,
     if the completion ended on a stop string, cut before it (the stop string's token is still trained on)."""
     stop = tuple(stop)
+    check_stop_strings(stop)
 
     def decode(ids) -> str:
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -186,6 +209,7 @@ class VLLMGenerator:
 
         context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
         max_model_len = min(max_model_len, context) if context else max_model_len
+        self.max_model_len = max_model_len  # a longer prompt is an error (check_context); a completion stops at it
 
         kwargs = dict(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -229,6 +253,7 @@ class VLLMGenerator:
         if not prompts:
             return []
         stop = self.stop if stop is None else tuple(stop)  # this call's stop strings (a tool loop's call stop)
+        check_context(prompts, self.max_model_len)
         self.wake_up()
         if self.weights_discarded:
             raise RuntimeError("the vLLM engine slept at level 2 (weights discarded) and was not given the weights "
@@ -352,6 +377,10 @@ class _StopStrings:
         return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
 
 
+def _budgets(max_new_tokens: int | list[int], n: int) -> list[int]:
+    return max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+
+
 class HFGenerator:
     """`model.generate` on the training model itself (no copy, nothing to sync)."""
 
@@ -370,6 +399,11 @@ class HFGenerator:
                  max_new_tokens: int | list[int], seed: int, index_offset: int = 0,
                  stop: tuple[str, ...] | None = None) -> list[list[Completion]]:
         stop = self.stop if stop is None else tuple(stop)  # this call's stop strings (a tool loop's call stop)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        check_context(prompts, context)
+        if context and any(len(p) + b > context for p, b in zip(prompts, _budgets(max_new_tokens, len(prompts)))):
+            # as vLLM's max_model_len: a completion stops at the end of the context (finish_reason "length")
+            max_new_tokens = [min(b, context - len(p)) for p, b in zip(prompts, _budgets(max_new_tokens, len(prompts)))]
         if self.synced_gpus:
             # ZeRO-3: every rank must make the same number of `model.generate` calls (each forward gathers the
             # shards from all ranks), whatever its prompts: exactly one per call here, a dummy one when this rank
@@ -482,6 +516,7 @@ def make_generator(kind: str, *, model_path: str, model: torch.nn.Module, tokeni
     """Build the generator named by `kind` ('vllm' or 'hf'). `model` is the unwrapped training model; both stop on
     `stop_token_ids(model_path, tokenizer)` and on the `stop` strings. `lora_sync="adapter"` (vllm, `model` a peft
     model): the engine serves `model`'s adapter through vLLM's LoRA (module docstring); `merged`: its weights."""
+    check_stop_strings(stop)
     stop_ids = stop_token_ids(model_path, tokenizer)
     if kind == "vllm":
         return VLLMGenerator(model_path, tokenizer, dtype, seed, max_model_len, world_size, gpu_memory_utilization,

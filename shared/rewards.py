@@ -211,9 +211,20 @@ def score_completions(reward_fn: RewardFn | None, reward_model, rows: list[dict]
                                [c.finished for c in completions], rows)
 
 
-def probe_reward_fn(fn: RewardFn, rows: list[dict]) -> None:
+def probe_reward_fn(fn: RewardFn, rows: list[dict]) -> list[float]:
     """Call the reward function once on two dataset rows (their gold answers as completions, one marked
-    truncated) so a wrong signature, shape or value fails at start-up, not after the first rollout."""
+    truncated) so a wrong signature, shape or value fails at start-up, not after the first rollout; its two values."""
     rows = (rows * 2)[:2]
-    compute_rewards(fn, [r["prompt"] for r in rows], [str(r.get("answer", "")) for r in rows],
+    return compute_rewards(fn, [r["prompt"] for r in rows], [str(r.get("answer", "")) for r in rows],
                     [str(r.get("answer", "")) for r in rows], [True, False], rows)
+
+
+def check_labels(values: list[float], fn: RewardFn) -> list[float]:
+    """`values` when every one is 0 or 1: the outcome labels a PRM or a verifier is trained on (prime.py,
+    implicit_prm.py, genrm.py), whose cross-entropy means nothing for other values; else a one-line error naming
+    the function and the first other value."""
+    bad = next((v for v in values if v not in (0.0, 1.0)), None)
+    if bad is not None:
+        raise ValueError(f"reward_fn {getattr(fn, '__name__', repr(fn))}: returned {bad!r}; the labels this script "
+                         "trains on must be 0 or 1 (a grader's verdict)")
+    return values
