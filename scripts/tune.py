@@ -2,7 +2,7 @@
 
 One tuner for every script (not one per trainer): a search space in a small JSON or YAML file maps the script's
 flags to distributions, and each trial is the script's own process, launched as a user would, in its own output_dir:
-    python scripts/tune.py --script algorithms/grpo.py --space scripts/tune_spaces/grpo.yaml \\
+    python scripts/tune.py --space scripts/tune_spaces/grpo.yaml --script algorithms/grpo.py \\
         --objective eval/accuracy --direction maximize --n_trials 8
     accelerate launch ... : add --launcher accelerate --accelerate_config scripts/accelerate/zero2.yaml --num_processes 2
 
@@ -366,6 +366,34 @@ def defaults(fields: dict, names) -> dict:
 
 def summarize(xs: list[float]) -> dict:
     return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": xs} if xs else {"n": 0}
+
+
+def tuning_table(d: dict) -> str:
+    """The markdown of a --result_dir summary (docs/tuning.md): every trial, then the best flags against the defaults
+    over the seeds, with the command and the machine in the caption."""
+    names, key = list(d["search_space"]), d["objective"]
+    g = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = [f"| trial | {' | '.join(f'`--{n}`' for n in names)} | state | {key} | last step | wall |",
+             "|" + "---|" * (len(names) + 5)]
+    for t in d["trials"]:
+        steps = [int(k) for k in t["intermediate"]]
+        wall = "-" if t["wall_s"] is None else f"{t['wall_s']:.0f} s"
+        lines.append(f"| {t['number']} | {' | '.join(g(t['params'].get(n)) for n in names)} | {t['state']} | "
+                     f"{g(t['value'])} | {max(steps) if steps else '-'} | {wall} |")
+    states = [t["state"] for t in d["trials"]]
+    lines += ["", f"{len(states)} trials ({states.count('COMPLETE')} complete, {states.count('PRUNED')} pruned, "
+                  f"{states.count('FAIL')} failed) in {d['search_wall_s'] / 60:.1f} min; best: trial {d['best_trial']}."]
+    if d.get("seeds"):
+        lines += ["", f"| flags | {key}: mean | min - max | seeds |", "|---|---|---|---|"]
+        for name, r in d["seeds"].items():
+            st, seeds = r[key], " ".join(str(x["seed"]) for x in r["runs"])
+            cells = f"{st['mean']:.3f} | {st['min']:.3f} - {st['max']:.3f}" if st["n"] else "- | -"
+            searched = " ".join(f for i, f in enumerate(r["flags"]) if f.lstrip("-") in names
+                                or (i and r["flags"][i - 1].lstrip("-") in names))
+            label = "best trial" if name == "best" else "defaults"
+            lines.append(f"| {label}: `{searched}` | {cells} | {seeds} |")
+    lines += ["", f"`{d['command']}`, {d['env']['device']}."]
+    return "\n".join(lines)
 
 
 def main(args: Args) -> None:
