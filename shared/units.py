@@ -63,16 +63,24 @@ def char_offsets(decode, ids: list[int], context: int = 8) -> list[int]:
 
 def line_spans(decode, ids: list[int]) -> list[tuple[int, int]]:
     """Token spans [a, b) of a response's lines: a token belongs to the line its first character is on, so a
-    line's terminating '\\n' is in it; tokens past the text (EOS) and trailing blank lines join the last line."""
+    line's terminating '\\n' is in it; tokens past the text (EOS) and trailing blank lines join the last line.
+    A blank line is no line of its own either: it joins the line before it (leading ones the first line), so
+    '7' '\\n\\n' '1' '2' is two lines, '7\\n\\n' and '12', as '7' '\\n' '\\n' '1' '2' is (GPT-2-style vocabularies
+    hold tokens of several newlines)."""
     offsets, text = char_offsets(decode, ids), decode(ids)
-    last = max(0, len(text.rstrip("\n").split("\n")) - 1)
-    line_of = [min(text[: offsets[j]].count("\n"), last) for j in range(len(ids))]
-    spans = []
-    for j, k in enumerate(line_of):
-        if spans and len(spans) - 1 == k:
+    line_unit, unit, seen_text = [], 0, False  # line_unit[i]: the span of the text's line i
+    for line in text.split("\n"):
+        unit += bool(line.strip()) and seen_text
+        seen_text = seen_text or bool(line.strip())
+        line_unit.append(unit)
+    spans, last = [], None
+    for j in range(len(ids)):
+        k = line_unit[min(text[: offsets[j]].count("\n"), len(line_unit) - 1)]
+        if spans and k == last:
             spans[-1] = (spans[-1][0], j + 1)
         else:
             spans.append((j, j + 1))
+        last = k
     return spans
 
 

@@ -125,3 +125,27 @@ def test_a_replaced_worker_does_not_rerun_a_caller_without_a_main_guard(tmp_path
         raise AssertionError(f"the script hung; its output: {e.stdout!r}") from None
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["ran", "True", "False True"], proc.stdout
+
+
+# ---------------------------------------------------------------- shared/units.py line_spans (issue #61, item 5)
+def test_line_spans_end_a_line_at_a_token_of_several_newlines_and_blank_lines_are_no_lines():
+    """GPT-2-style vocabularies hold '\\n\\n': '7' '\\n\\n' '1' '2' '\\n' is two lines, as when the newlines are two
+    tokens (before: a line ended after every token once a '\\n\\n' had passed: '7\\n\\n', '1', '2\\n')."""
+    from shared.units import line_spans
+
+    vocab = {"7": 0, "1": 1, "2": 2, "\n": 3, "\n\n": 4, " ": 5, "<eos>": 6}
+    piece = {i: ("" if t == "<eos>" else t) for t, i in vocab.items()}
+    decode = lambda ids: "".join(piece[i] for i in ids)  # noqa: E731
+
+    def lines(*tokens):
+        ids = [vocab[t] for t in tokens]
+        spans = line_spans(decode, ids)
+        assert [j for a, b in spans for j in range(a, b)] == list(range(len(ids)))  # a partition of the tokens
+        return ["".join(tokens[a:b]) for a, b in spans]
+
+    assert lines("7", "\n\n", "1", "2", "\n") == ["7\n\n", "12\n"]
+    assert lines("7", "\n", "\n", "1", "2", "\n") == ["7\n\n", "12\n"]  # the same lines, one newline a token
+    assert lines("7", "\n\n", "1", "\n\n", "2", "<eos>") == ["7\n\n", "1\n\n", "2<eos>"]
+    assert lines("7", "\n", " ", "\n", "1", "\n", "2", "\n", "\n", "<eos>") == ["7\n \n", "1\n", "2\n\n<eos>"]
+    assert lines("\n\n", "7", "\n", " ", "1") == ["\n\n7\n", " 1"]  # leading blank lines join the first line
+    assert lines("7", "1", "2") == ["712"] and lines() == []
