@@ -126,19 +126,30 @@ def _safe_globals() -> list:
 
 def safe_load(path: str | Path, what: str = "resume", mmap: bool = False):
     """torch.load with the weights_only unpickler (tensors, numbers, strings, lists, tuples, dicts, _safe_globals);
-    a file that would import anything else is refused, unread, with a one-line ValueError naming it. `mmap`: map
-    the tensors' storage instead of reading it (a check of a large file)."""
+    a file that would import anything else is refused, unread, with a one-line ValueError naming it, and so is a
+    missing, truncated or unreadable file. `mmap`: map the tensors' storage instead of reading it (a check of a
+    large file)."""
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what}: {path} is missing: the checkpoint is incomplete; resume from another one "
+                         "(--resume output_dir/checkpoints/step_N)")
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as e:
         try:
-            names = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path)) or "an unknown object"
-        except Exception:  # noqa: BLE001 - not a torch file at all: the refusal below says so
-            names = "an object torch cannot read safely"
-        raise ValueError(f"{what}: {path} is refused: it would import {names} (a checkpoint holds tensors, numbers, "
-                         "strings and lists; loading anything else could run code)") from None
+            names = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception:  # noqa: BLE001 - not a readable torch file: said below
+            names = ""
+        if names or "Weights only load failed" in str(e):
+            raise ValueError(f"{what}: {path} is refused: it would import {names or 'an unknown object'} (a "
+                             "checkpoint holds tensors, numbers, strings and lists; loading anything else could run "
+                             "code)") from None
+        raise ValueError(f"{what}: {path} is truncated or not a torch file ({' '.join(str(e).split())[:120]}); "
+                         "resume from another checkpoint (--resume output_dir/checkpoints/step_N)") from None
+    except (RuntimeError, EOFError, OSError) as e:  # a cut zip archive, an empty file, an unreadable one
+        raise ValueError(f"{what}: {path} is truncated or unreadable ({' '.join(str(e).split())[:120]}); resume "
+                         "from another checkpoint (--resume output_dir/checkpoints/step_N)") from None
 
 
 def _is_zip(path: Path) -> bool:
@@ -148,14 +159,54 @@ def _is_zip(path: Path) -> bool:
 
 def check_checkpoint_files(path: Path) -> None:
     """Refuse a checkpoint directory any of whose pickled files (ours and DeepSpeed's) holds more than data, before
-    any of them is loaded (DeepSpeed's load_checkpoint unpickles with weights_only=False)."""
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+    any of them is loaded (DeepSpeed's load_checkpoint unpickles with weights_only=False). Links are followed: a file
+    or folder that resolves outside the checkpoint is refused, so every file checked is one that will be loaded."""
+    root = Path(path).resolve()
+    for f in sorted(_checkpoint_files(Path(path), root)):
         with open(f, "rb") as fh:
             head = fh.read(4)
         # every .pt file (what DeepSpeed and the scripts load, a pickle of any protocol), and any other torch zip
         # file or pickle of protocol 2+; the rest (DeepSpeed's zero_to_fp32.py, json) is never unpickled
         if f.suffix == ".pt" or head == b"PK\x03\x04" or head[:1] == b"\x80":
             safe_load(f, mmap=True)
+
+
+def _checkpoint_files(path: Path, root: Path) -> list[Path]:
+    """Every file below `path` (links followed), each checked to resolve inside `root`; a link that leaves it (a
+    relative or absolute link, to a file or a folder) is refused with a one-line ValueError naming it."""
+    files, seen = [], set()
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
+        real = Path(dirpath).resolve()
+        if real in seen:  # a link back into the tree: walked once
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            target = p.resolve()
+            if target != root and root not in target.parents:
+                raise ValueError(f"resume: {p} is refused: it links to {target}, outside the checkpoint {root} (a "
+                                 "checkpoint holds its own files; what is loaded must be what was checked)")
+        files += [Path(dirpath) / n for n in filenames if (Path(dirpath) / n).is_file()]
+    return files
+
+
+class _WeightsOnlyEngine:
+    """DeepSpeed's checkpoint engine for loading, with every file read through `safe_load` (weights only) and only
+    from inside the checkpoint being resumed: the second guard behind `check_checkpoint_files`, so that a file
+    swapped after the check is refused too. Saving and the rest pass through to DeepSpeed's own engine."""
+
+    def __init__(self, inner, root: Path):
+        self.inner, self.root = inner, Path(root).resolve()
+
+    def load(self, path: str, map_location=None):
+        target = Path(path).resolve()
+        if self.root not in target.parents:
+            raise ValueError(f"resume: {path} is refused: it resolves to {target}, outside the checkpoint {self.root}")
+        return safe_load(target)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def _rng_state() -> dict:
@@ -223,6 +274,10 @@ class Checkpointer:
         if self.path is not None:
             check_checkpoint_files(self.path)
             self.state = safe_load(self.path / "state.pt")
+            for r in range(self.state["world_size"]):  # each rank's RNG and local state: read by restore()
+                if not (self.path / f"rank{r}.pt").is_file():
+                    raise ValueError(f"resume: {self.path / f'rank{r}.pt'} is missing: the checkpoint is incomplete; "
+                                     "resume from another one (--resume output_dir/checkpoints/step_N)")
             self._check_compatible(self.state)
 
     # ------------------------------------------------------------------ resolving --resume
@@ -245,6 +300,9 @@ class Checkpointer:
                                  "to continue it, or choose another --output_dir")
             return None
         path = Path(resume)
+        if path.is_dir() and STEP_DIR.match(path.name.removesuffix(".tmp")) and not (path / "state.pt").exists():
+            raise ValueError(f"resume: {path / 'state.pt'} is missing: the checkpoint is incomplete; resume from "
+                             "another one (--resume output_dir/checkpoints/step_N)")
         if not (path / "state.pt").exists():
             raise ValueError(f"resume: expected auto, yes, no or a checkpoint directory; {resume!r} is none of them")
         return path
@@ -279,8 +337,20 @@ class Checkpointer:
         if self.path is None:
             return 0, {}
         for name, engine in engines.items():
-            load_path, _ = engine.load_checkpoint(str(self.path), tag=name, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True, load_module_strict=not _frozen(engine))
+            if not (self.path / name).is_dir():
+                raise ValueError(f"resume: {self.path} has no state for the {name!r} model ({self.path / name} is "
+                                 "missing): the checkpoint is incomplete or from another script")
+            inner = engine.checkpoint_engine
+            engine.checkpoint_engine = _WeightsOnlyEngine(inner, self.path)
+            try:
+                load_path, _ = engine.load_checkpoint(str(self.path), tag=name, load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True,
+                                                      load_module_strict=not _frozen(engine))
+            except (FileNotFoundError, AssertionError, RuntimeError, KeyError) as e:  # DeepSpeed's own checks
+                raise ValueError(f"resume: {self.path / name} cannot be loaded ({' '.join(str(e).split())[:160]}); "
+                                 "resume from another checkpoint (--resume output_dir/checkpoints/step_N)") from None
+            finally:
+                engine.checkpoint_engine = inner
             if load_path is None:
                 raise ValueError(f"resume: {self.path} has no state for the {name!r} model")
         extra = dict(self.state["extra"])
