@@ -382,7 +382,8 @@ def tuning_table(d: dict) -> str:
                      f"{g(t['value'])} | {max(steps) if steps else '-'} | {wall} |")
     states = [t["state"] for t in d["trials"]]
     lines += ["", f"{len(states)} trials ({states.count('COMPLETE')} complete, {states.count('PRUNED')} pruned, "
-                  f"{states.count('FAIL')} failed) in {d['search_wall_s'] / 60:.1f} min; best: trial {d['best_trial']}."]
+                  f"{states.count('FAIL')} failed), {d['trials_wall_s'] / 60:.1f} min of trial runs; best: trial "
+                  f"{d['best_trial']}."]
     if d.get("seeds"):
         lines += ["", f"| flags | {key}: mean | min - max | seeds |", "|---|---|---|---|"]
         for name, r in d["seeds"].items():
@@ -417,6 +418,7 @@ def main(args: Args) -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial, below
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # retried_trial_number
     study, url = make_study(args)
+    optuna.storages.fail_stale_trials(study)  # a killed worker's RUNNING trial, past its grace period: FAIL
     lock = threading.Lock()
 
     def objective(trial) -> float:
@@ -439,6 +441,8 @@ def main(args: Args) -> None:
 
     def report(study, trial) -> None:  # one line per finished trial, and the --n_trials budget over all workers
         value = "" if trial.value is None else f" {args.objective}={trial.value:.4g}"
+        if trial.state == TrialState.PRUNED:  # its value is the last reported one
+            value = f" at step {trial.last_step}" + (value and f" ({value.strip()})")
         error = f" ({trial.user_attrs['error']})" if "error" in trial.user_attrs else ""
         wall = trial.user_attrs.get("wall_s")
         with lock:
@@ -491,6 +495,12 @@ def main(args: Args) -> None:
     print(f"best: trial {best.number}, {args.objective}={best.value:.4g}; wrote {study_dir / 'best_params.json'}\n"
           f"{result['command']}", flush=True)
     if args.result_dir:
+        optuna.storages.fail_stale_trials(study)  # a killed worker's trial is FAIL in the summary, not RUNNING
+        done = [t for t in study.get_trials(deepcopy=False) if t.datetime_complete and t.datetime_start]
+        timing = {"search_wall_s": search_wall_s,  # this command's search; the two below cover the whole study
+                  "trials_wall_s": sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done),
+                  "study_span_s": (max(t.datetime_complete for t in done)
+                                   - min(t.datetime_start for t in done)).total_seconds() if done else 0.0}
         trials = [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
                    "wall_s": t.user_attrs.get("wall_s"), "error": t.user_attrs.get("error"),
                    "intermediate": {str(k): v for k, v in t.intermediate_values.items()}}
@@ -498,7 +508,7 @@ def main(args: Args) -> None:
         space_text = Path(args.space).read_text()
         summary = {"command": invocation(), "env": environment(), "args": dataclasses.asdict(args),
                    "space_file": space_text, "search_space": space, "fixed": fixed,
-                   "search_wall_s": search_wall_s, "trials": trials, **result}
+                   **timing, "trials": trials, **result}
         path = write_result("tuning", summary, out_dir=Path(args.result_dir), latest=False)
         print(f"wrote {path}", flush=True)
 

@@ -177,6 +177,7 @@ def test_two_workers_share_one_sqlite_study_and_run_no_trial_twice(tmp_path, fak
     assert not by_worker[0] & by_worker[1] and by_worker[0] | by_worker[1] == {t.number for t in trials}
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # retried_trial_number
 def test_killed_workers_trial_is_marked_failed_and_retried(tmp_path, fake):
     """A worker killed mid-trial: its trial's process dies with it; the next worker marks the trial FAIL once its
     heartbeat is older than the grace period, and (--max_retry 1) re-runs its flags as a new trial."""
