@@ -286,21 +286,6 @@ def peak_unit_ends(entropy: list[float], tau: float) -> list[int]:
     return ends
 
 
-def response_unit_ends(entropies, responses: list[list[int]], tau: float, where: str) -> list[list[int]]:
-    """peak_unit_ends of each response from shared/logprobs.py::response_entropies' output (entropy of the distribution
-    producing token t, so position j's is entry j + 1; position n - 1's is never needed, see peak_unit_ends). A
-    response without a unit (only EOS) is a ValueError naming `where` and the row."""
-    out = []
-    for i, (ent, resp) in enumerate(zip(entropies, responses)):
-        n = len(resp)
-        h = ent[1:n].tolist() + [0.0]
-        ends = peak_unit_ends(h, tau)
-        if not ends:
-            raise ValueError(f"{where}: row {i}: the response has no unit ({n} token(s); a unit needs a token before EOS)")
-        out.append(ends)
-    return out
-
-
 def gather_unit_values(values: torch.Tensor, prompt_lens: list[int], ends: list[list[int]]):
     """v_k = values[i, prompt_len_i + e_k] for each row i of a right-padded [N, L] batch: ([N, K_max], mask [N, K_max])."""
     k_max = max(len(e) for e in ends)
@@ -592,8 +577,11 @@ def main(args: Args) -> str:
                     sl = slice(s, s + args.local_micro_batch_size)
                     if ref_policy is not None and args.tau != BANDIT_TAU:
                         ent = forward_logprobs(ref_policy, input_ids[sl], attn[sl], resp[sl], 1.0, True)[1]
-                        ent = [ent[j, len(prompts[s + j]) - 1 :].cpu() for j in range(ent.shape[0])]
-                        e = response_unit_ends(ent, responses[sl], args.tau, "completion")
+                        # position j's entropy (predicting token j + 1) is entry j + 1 of the response's entropies;
+                        # a completion of EOS alone has no unit: it is read at its one token, as the bandit
+                        e = [peak_unit_ends(ent[j, len(prompts[s + j]) : len(prompts[s + j]) - 1 + len(r)].tolist()
+                                            + [0.0], args.tau) or [len(r) - 1]
+                             for j, r in enumerate(responses[sl])]
                     else:
                         e = [[len(r) - 1] for r in responses[sl]]
                     v, m = gather_unit_values(token_values(reward_model, input_ids[sl], attn[sl]),
