@@ -17,10 +17,19 @@ and vLLM. A LoRA run (shared/lora.py) exports the merged model there too, plus i
 Loading is safe: every file of a checkpoint is read with torch's `weights_only` unpickler (tensors, numbers,
 strings, lists, tuples, dicts, and the few plain DeepSpeed classes its engine states hold) before anything is
 loaded, DeepSpeed's own `load_checkpoint` included; a file that would import anything else (a pickle that runs
-code) stops the run with a one-line error naming it, having run nothing.
+code), a link that leads outside the checkpoint, or a missing or truncated file stops the run with a one-line error
+naming it, having run nothing. DeepSpeed itself then loads through a weights-only engine confined to the checkpoint.
 
 A checkpoint is written to `step_<N>.tmp` by every rank and renamed into place by rank 0 only when complete,
-so an interrupted save never leaves a half-written checkpoint; only the last `keep_checkpoints` are kept.
+so an interrupted save never leaves a half-written checkpoint (a save that fails, on a full disk say, removes its
+`.tmp` and stops with one line; a resume removes any left by a killed run); only the last `keep_checkpoints` are
+kept.
+
+`--resume`: `auto` continues the latest checkpoint if any, `yes` must, `no` must not, `overwrite` starts afresh and
+deletes the earlier run's checkpoints/, final/ and best/, and a path resumes that checkpoint. A fresh start into an
+output_dir holding another run's results (final/, or args.json of other flags) is refused. Resuming step N of this
+run's own checkpoints keeps one history: the later checkpoints, the finished marker, final/ and a best/ chosen after
+N move to `checkpoints/retired_after_step_N/`.
 Resuming restores all of it and truncates metrics.jsonl / samples.jsonl to what they held at the checkpoint,
 so N steps + resume + M steps writes the same files (and weights) as N + M steps straight. Generation seeds
 are derived from (seed, step), so they need no state. Every rank must see the same filesystem (as DeepSpeed
@@ -78,11 +87,16 @@ def save_hf(model, tokenizer, path: str | Path, info: DistInfo, extra_config: di
         if extra_config:
             for k, v in extra_config.items():
                 setattr(module.config, k, v)
-        module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        if adapter is not None:  # loads with PeftModel.from_pretrained(base model, "<path>/adapter")
-            unwrap(model).save_pretrained(tmp / ADAPTER_DIR, state_dict=adapter)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if adapter is not None:  # loads with PeftModel.from_pretrained(base model, "<path>/adapter")
+                unwrap(model).save_pretrained(tmp / ADAPTER_DIR, state_dict=adapter)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except (OSError, RuntimeError) as e:  # a full disk: no partial export left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ValueError(f"save: writing {path} failed ({' '.join(str(e).split())[:160]}); removed the partial "
+                             f"{tmp}; free space and rerun the same command (it resumes from the last checkpoint)")
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
@@ -234,7 +248,7 @@ class UserCodeError(ValueError):
 class Checkpointer:
     """Resumable checkpoints of one run (see the module docstring).
 
-        ckpt = Checkpointer(args, info)           # resolves --resume and checks the flags; writes nothing
+        ckpt = Checkpointer(args, info)           # resolves --resume and checks files and flags; writes nothing
         tracker = Tracker(..., resume=ckpt.tracker_state)
         start_step, extra = ckpt.restore(engines, sampler=sampler, guard=guard, best=best)
         for step in range(start_step + 1, args.num_steps + 1):
@@ -285,6 +299,8 @@ class Checkpointer:
         output_dir = self.args.output_dir
         existing = list_checkpoints(output_dir)
         finished = self.root / "finished.json"
+        if resume == "overwrite":  # start afresh: restore() deletes the earlier run's files
+            return None
         if resume in ("auto", "yes"):
             if finished.exists():
                 raise ValueError(f"resume: {output_dir} holds a finished run ({finished}); choose another "
@@ -292,20 +308,44 @@ class Checkpointer:
             if not existing:
                 if resume == "yes":
                     raise ValueError(f"resume: no checkpoint in {self.root} to resume from")
+                self._refuse_earlier_results()
                 return None
             return existing[-1][1]
         if resume == "no":
             if existing or finished.exists():
                 raise ValueError(f"resume: {output_dir} already holds a run with checkpoints; pass --resume auto "
-                                 "to continue it, or choose another --output_dir")
+                                 "to continue it, --resume overwrite to replace it, or choose another --output_dir")
+            self._refuse_earlier_results()
             return None
         path = Path(resume)
         if path.is_dir() and STEP_DIR.match(path.name.removesuffix(".tmp")) and not (path / "state.pt").exists():
             raise ValueError(f"resume: {path / 'state.pt'} is missing: the checkpoint is incomplete; resume from "
                              "another one (--resume output_dir/checkpoints/step_N)")
         if not (path / "state.pt").exists():
-            raise ValueError(f"resume: expected auto, yes, no or a checkpoint directory; {resume!r} is none of them")
+            raise ValueError(f"resume: expected auto, yes, no, overwrite or a checkpoint directory; {resume!r} is "
+                             "none of them")
         return path
+
+    def _refuse_earlier_results(self) -> None:
+        """A fresh start into an output_dir that holds another run's results (no checkpoint to resume) is refused:
+        a finished run (final/), or files written with other flags. A rerun of the same flags whose run never
+        reached a checkpoint starts over."""
+        out = Path(self.args.output_dir)
+        if (out / "final").exists():
+            raise ValueError(f"resume: {out} holds a finished run ({out / 'final'}) and no checkpoint to resume; pass "
+                             "--resume overwrite to replace it, or choose another --output_dir")
+        try:
+            saved = json.loads((out / "args.json").read_text())
+        except (OSError, ValueError):  # no earlier run, or not one of ours
+            saved = None
+        if isinstance(saved, dict):
+            now = json.loads(json.dumps(dataclasses.asdict(self.args), default=str))
+            diff = [f"--{k} {saved.get(k)!r} (now {v!r})" for k, v in now.items()
+                    if k in saved and k not in OPERATIONAL_FLAGS and k != "output_dir" and saved[k] != v]
+            if diff:
+                raise ValueError(f"resume: {out} holds another run's results (args.json, metrics.jsonl), written with "
+                                 f"other flags: {'; '.join(diff[:5])}; pass --resume overwrite to replace them, or "
+                                 "choose another --output_dir")
 
     def _check_compatible(self, state: dict) -> None:
         if state["world_size"] != self.info.world_size:
@@ -332,8 +372,19 @@ class Checkpointer:
     def restore(self, engines: dict, **objects) -> tuple[int, dict]:
         """Load engines (weights, optimizer, scheduler), RNG and the objects' states from the checkpoint being
         resumed; returns (step, the remaining saved state). (0, {}) on a fresh run. Call it right before the
-        training loop: RNG states are restored last. From here on SIGTERM/SIGINT stop the run cleanly."""
+        training loop: RNG states are restored last. From here on SIGTERM/SIGINT stop the run cleanly. Rank 0 first
+        removes interrupted saves, and retires (resume) or deletes (`overwrite`) what came after the resumed step."""
         self._install_signal_handlers()
+        if self.info.is_main:
+            for stale in self.root.glob("step_*.tmp") if self.root.is_dir() else []:  # an interrupted save's
+                shutil.rmtree(stale, ignore_errors=True)
+            if self.path is None and self.args.resume == "overwrite":
+                out = Path(self.args.output_dir)
+                for old in (self.root, out / "final", out / "best"):
+                    shutil.rmtree(old, ignore_errors=True)
+            elif self.path is not None:
+                self._retire_later()
+        self.info.barrier()
         if self.path is None:
             return 0, {}
         for name, engine in engines.items():
@@ -362,6 +413,35 @@ class Checkpointer:
         if self.info.is_main:
             print(f"[cleanrlhf] resumed from {self.path} (step {self.start_step})", flush=True)
         return self.start_step, {**extra, **rank_state["local"]}
+
+    def _retire_later(self) -> None:
+        """Resuming this run's step N leaves one history: its checkpoints after N, the finished marker, final/ and
+        a best/ chosen after N belong to the abandoned branch and are moved to checkpoints/retired_after_step_N/
+        (metrics.jsonl and samples.jsonl are cut back to step N by the Tracker), so that a later `--resume auto`
+        continues this branch."""
+        if self.path.resolve().parent != self.root.resolve():  # another output_dir's checkpoint: nothing here of it
+            return
+        out, step = Path(self.args.output_dir), self.start_step
+        later = [p for s, p in list_checkpoints(out) if s > step]
+        later += [p for p in (self.root / "finished.json", out / "final") if p.exists()]
+        try:
+            best_step = json.loads((out / "best" / "best.json").read_text())["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            best_step = None
+        if best_step is not None and best_step > step:
+            later.append(out / "best")
+        if not later:
+            return
+        dest = self.root / f"retired_after_step_{step:08d}"
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.root / f"retired_after_step_{step:08d}.{n}"
+        dest.mkdir(parents=True)
+        for p in later:
+            shutil.move(str(p), str(dest / p.name))
+        print(f"[cleanrlhf] resuming step {step}: moved what the run wrote after it "
+              f"({', '.join(p.name for p in later)}) to {dest}", file=sys.stderr, flush=True)
 
     def step_end(self, step: int) -> bool:
         """True when a checkpoint is due after this step: every save_every steps, after stop_after_steps steps
@@ -433,12 +513,21 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         info.barrier()
-        for name, engine in engines.items():
-            engine.save_checkpoint(str(tmp), tag=name, save_latest=False, exclude_frozen_parameters=_frozen(engine))
-        torch.save({"rng": rng, "local": local}, tmp / f"rank{info.rank}.pt")
-        if info.is_main:
-            torch.save({"step": step, "world_size": info.world_size, "args": dataclasses.asdict(self.args),
-                        "tracker": tracker_state, "extra": extra}, tmp / "state.pt")
+        try:
+            for name, engine in engines.items():
+                engine.save_checkpoint(str(tmp), tag=name, save_latest=False,
+                                       exclude_frozen_parameters=_frozen(engine))
+            torch.save({"rng": rng, "local": local}, tmp / f"rank{info.rank}.pt")
+            if info.is_main:
+                torch.save({"step": step, "world_size": info.world_size, "args": dataclasses.asdict(self.args),
+                            "tracker": tracker_state, "extra": extra}, tmp / "state.pt")
+        except (OSError, RuntimeError) as e:  # a full disk (ENOSPC; torch's writer says "file write failed")
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest = list_checkpoints(self.args.output_dir)
+            then = (f"rerun the same command to resume from {latest[-1][1]}" if latest else
+                    "no earlier checkpoint to resume from")
+            raise ValueError(f"checkpoint: saving step {step} to {tmp} failed ({' '.join(str(e).split())[:160]}); "
+                             f"removed the partial checkpoint; free space, then {then}") from None
         info.barrier()
         if info.is_main:
             shutil.rmtree(final, ignore_errors=True)
