@@ -12,8 +12,10 @@ call sites, as the no-op writer of vwxyzjn/summarize_from_feedback_details). Plo
 
 The progress bar shows the step, the values the script passes to `progress` (reward or loss) and the last
 held-out value of `eval_key` (`--best_metric`'s key, its `eval/` twin for a `dev/` metric), carried from the
-last evaluation (`-` before the first), with elapsed and remaining time. `close()` prints one summary line:
-steps, time, final and best held-out value, and the files written.
+last evaluation (`-` before the first), with elapsed and remaining time. A line written during the run (`write`)
+goes above the bar, which is redrawn below it. At the end the bar is left showing its last state once: `log_end` ends
+it before its `first -> last` line, and `close()` does not draw again a bar that already shows what it would (after a
+`write`); `close()` then prints one summary line: steps, time, final and best held-out value, and the files written.
 
 A fresh run starts both JSONL files empty. A resumed run (`resume=` the checkpoint's `state_dict()`) cuts
 them back to their length at the checkpoint and appends, and continues the same wandb or trackio run, so the
@@ -31,6 +33,8 @@ import math
 import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
+
+from tqdm.std import tqdm as std_tqdm
 
 from shared.console import muted
 
@@ -66,6 +70,7 @@ class Tracker:
         self.enabled = enabled
         self.backend = None  # the wandb or trackio module: the same init/log/Table/finish calls
         self.bar = None
+        self.bar_current = False  # the bar on screen shows its current step and postfix (drawn since they changed)
         if not enabled:
             return
         if report_to not in REPORT_TO:
@@ -162,6 +167,7 @@ class Tracker:
         self._remember(row)
         if self.bar is not None:  # shown at the bar's next redraw
             self.bar.set_postfix_str(self._postfix(), refresh=False)
+            self.bar_current = False
             if step <= self.initial:  # set-up (models, engine, step-0 evaluation) ends: keep it out of tqdm's step
                 self.bar.last_print_t = time.time()  # rate (timed from last_print_t), or the first ETAs are hours long
         if self.backend:
@@ -180,6 +186,7 @@ class Tracker:
         """Log the end-of-run metrics, write `held-out accuracy 0.557 -> 0.812 in 612s` (first, metrics[key] and
         metrics["time/total"])."""
         self.log(metrics, step)
+        self.end_progress()  # the bar's last state above the closing lines, not redrawn below each of them
         self.write(f"held-out {key.split('/')[1]} {first:.3f} -> {metrics[key]:.3f} in {metrics['time/total']:.0f}s")
 
     def progress(self, n: int, **postfix) -> None:
@@ -189,9 +196,20 @@ class Tracker:
             self.postfix.update({k: v for k, v in postfix.items() if v is not None})
             self.bar.set_postfix_str(self._postfix(), refresh=False)
             if n:
-                self.bar.update(n)
+                self.bar.update(n)  # drawn unless the last draw is under tqdm's mininterval old
+                self.bar_current = self.bar.last_print_n == self.bar.n
             else:
                 self.bar.refresh()
+                self.bar_current = True
+
+    def end_progress(self) -> None:
+        """End the bar's line, leaving it on screen; lines written after it are plain lines. Drawn once more only if
+        what it shows is out of date (tqdm's close draws it again regardless: a copy of the same line in a log)."""
+        if self.bar is None or self.bar.disable:
+            return
+        if self.bar_current and type(self.bar).display is std_tqdm.display:  # a console bar (not a notebook widget)
+            self.bar.display = lambda *args, **kwargs: None  # close() then only ends its line
+        self.bar.close()
 
     def log_samples(self, rows: list[dict], step: int) -> None:
         """rows: dicts such as {"prompt", "completion", "reward"}; printed, saved to samples.jsonl and wandb/trackio."""
@@ -203,14 +221,17 @@ class Tracker:
         head = rows[0]
         if self.bar is not None:
             self.bar.write(f"[step {step}] sample: " + " | ".join(f"{k}={v!r}" for k, v in head.items()))
+            self.bar_current = not self.bar.disable  # tqdm redraws an open bar below the line
         if self.backend and "samples" not in self.sent.get(step, ()):
             cols = list(head)
             self.backend.log({"samples": self.backend.Table(columns=cols, data=[[r.get(c) for c in cols]
                                                                                 for r in rows])}, step=step)
 
     def write(self, text: str) -> None:
+        """A line above the bar (which tqdm redraws below it), or a plain line once the bar has ended."""
         if self.enabled:
             (self.bar.write if self.bar is not None else print)(text)
+            self.bar_current = self.bar is not None and not self.bar.disable
 
     def summary(self, status: str = "done") -> str:
         """`done: 200 steps in 7m32s; final eval/accuracy 0.81 (best 0.83 @ step 175); wrote runs/grpo/metrics.jsonl,
@@ -236,7 +257,7 @@ class Tracker:
         """Close the bar and files, print the summary line, finish the wandb/trackio run."""
         if not self.enabled:
             return
-        self.bar.close()
+        self.end_progress()
         print(self.summary(status), flush=True)
         self.metrics_file.close()
         self.samples_file.close()

@@ -131,3 +131,46 @@ def test_verbose_shows_the_library_logs(tmp_path):
     stdout, stderr = launch([*TINY_RUN, "--output_dir", str(tmp_path), "--verbose"])
     assert re.search(r"INFO .*\[", stdout + stderr) and "WARNING" in stdout + stderr
     assert "Reloading weights" in stdout + stderr  # vLLM's weight-sync INFO line, every step
+
+
+# ---------------------------------------------------------------- the end of a run: the bar's last state once
+def _console_of_a_run(tmp_path, monkeypatch, stopped: bool) -> list[str]:
+    """What a log file (stdout and stderr into one file, `\\r` read as a line break) holds of a Tracker's 3-step
+    run, finished or stopped after step 2 with the checkpoint's two lines; tqdm draws on every update
+    (mininterval 0), as it does when a step takes longer than its 0.1 s."""
+    import io
+
+    from shared.tracking import Tracker
+
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    monkeypatch.setattr(sys, "stderr", log)
+    tracker = Tracker({"best_metric": "eval/accuracy"}, tmp_path, "run", True, total=3)
+    tracker.bar.mininterval = 0
+    first = tracker.log_start({"eval/accuracy": 0.25}, "eval/accuracy", 10, 0)
+    for step in (1, 2) if stopped else (1, 2, 3):
+        tracker.log({"objective/scores": 0.5}, step)
+        tracker.progress(1, reward=0.5)
+    if stopped:
+        tracker.write("[step 2] saved checkpoint c")
+        tracker.write("rerun with the same flags (--resume auto) to continue from c")
+        tracker.close("stopped")
+    else:
+        tracker.log_end({"eval/accuracy": 0.75, "time/total": 1.0}, 3, "eval/accuracy", first)
+        tracker.close()
+    return [p for p in re.split(r"[\r\n]", log.getvalue()) if p.strip()]
+
+
+def test_the_progress_bar_is_not_drawn_again_and_again_at_the_end_of_a_run(tmp_path, monkeypatch):
+    """A finished run: the last step's bar, then the final bar (with the final evaluation) once, above the
+    `first -> last` and summary lines; a stopped run: the bar below the checkpoint's lines once (before: the same
+    final bar three times, and below the `first -> last` line; a stopped run's twice in a row)."""
+    pieces = _console_of_a_run(tmp_path / "done", monkeypatch, stopped=False)
+    bar = re.compile(r"^run: step \d/3 \|")
+    assert [bool(bar.match(p)) for p in pieces[-4:]] == [True, True, False, False], pieces
+    assert "reward=0.5, eval/accuracy=0.25" in pieces[-4] and "reward=0.5, eval/accuracy=0.75" in pieces[-3]
+    assert pieces[-2].startswith("held-out accuracy 0.250 -> 0.750") and pieces[-1].startswith("done: 3 steps")
+    assert sum(p.startswith("run: step 3/3") for p in pieces) == 2
+    pieces = _console_of_a_run(tmp_path / "stopped", monkeypatch, stopped=True)
+    assert [bool(bar.match(p)) for p in pieces[-6:]] == [True, False, True, False, True, False], pieces
+    assert pieces[-1].startswith("stopped: 2 steps")
