@@ -23,6 +23,9 @@ def load_prompt_task(args, tokenizer, rm_path: str = "", graded: bool | None = N
     whether there is a grader at all (drca.py's `--reward_fn none`: none)."""
     if graded is None:
         graded = not rm_path or data_utils.has_column(args.dataset, (args.train_split, args.eval_split), args.answer_key)
+    if graded and not args.answer_key:  # else no row has a gold answer, and the grader fails mid-run
+        raise ValueError("answer_key: empty, but the reward function grades against the gold answer column (name it, "
+                         "or score with --reward_model_path)")
 
     def load(split: str, limit: int | None = None, num_dev: int = 0, part: str = "train") -> data_utils.PromptData:
         return data_utils.load_prompts(args.dataset, split, tokenizer, args.prompt_key,

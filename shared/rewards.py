@@ -34,6 +34,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 from pathlib import Path
 from typing import Callable
 
@@ -186,7 +187,7 @@ def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], an
         raise ValueError(f"reward_fn {name}: returned {got} values for {len(completions)} completions")
     values = []
     for i, v in enumerate(out):
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):  # numpy scalars too (np.float32 is no float)
             raise ValueError(f"reward_fn {name}: value {i} is {v!r}, expected a finite number")
         if abs(v) > FLOAT32_MAX:  # the trainer's tensors are float32: such a reward is inf there
             raise ValueError(f"reward_fn {name}: value {i} is {v!r}, beyond float32's range (+-{FLOAT32_MAX:.4g}) "

@@ -201,7 +201,8 @@ def load_verifier(path: str, tokenizer, info, dtype: torch.dtype):
         return GenerativeVerifier(model, load_tokenizer(path), config, info.zero_stage)
     from shared.models import resolve_model_path
 
-    reference = prepare_frozen(load_causal_lm(resolve_model_path(config.implicit_prm_reference), dtype), info, dtype)
+    reference_path = resolve_model_path(config.implicit_prm_reference, f"implicit_prm_reference of {path}/config.json")
+    reference = prepare_frozen(load_causal_lm(reference_path, dtype), info, dtype)
     return ImplicitPRM(model, reference, load_tokenizer(path), float(config.implicit_prm_beta))
 
 

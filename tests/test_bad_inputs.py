@@ -31,6 +31,30 @@ def test_a_reward_beyond_float32_is_a_one_line_error():
     assert compute_rewards(edge, ["p"] * 2, ["c"] * 2, ["a"] * 2, [True] * 2, [{}] * 2) == [FLOAT32_MAX, -FLOAT32_MAX]
 
 
+def test_numpy_reward_values_are_numbers():
+    """A list of np.float32 values (no Python float subclass) was refused as "expected a finite number"."""
+    import numpy as np
+
+    fn = lambda completions, **_: [np.float32(1.0), np.int64(0)]  # noqa: E731
+    assert compute_rewards(fn, ["p"] * 2, ["c"] * 2, ["a"] * 2, [True] * 2, [{}] * 2) == [1.0, 0.0]
+
+
+def test_an_empty_answer_key_with_a_grader_is_an_error_at_start_up(tmp_path):
+    """`--answer_key ""` gave rows without a gold answer: the probe passed (it reads .get) and the grader failed at the
+    first rollout, after the run had written its files."""
+    from types import SimpleNamespace
+
+    from shared.prompts import load_prompt_task
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(_lines(*[{"prompt": "1+2=", "gold": "3"}] * 2))
+    args = SimpleNamespace(dataset=str(path), train_split="train", eval_split="test", prompt_key="prompt",
+                           answer_key="", prompt_template="{prompt}", chat_template=False, max_prompt_length=64,
+                           eval_num_prompts=2, dev_num_prompts=0, reward_fn="builtin", best_metric="")
+    with pytest.raises(ValueError, match=r"^answer_key: empty, but the reward function grades"):
+        load_prompt_task(args, _tok())
+
+
 @pytest.mark.parametrize("source, message", [
     ("def score(completions, **kw)\n    return [0.0]\n", r"importing .*bad\.py raised SyntaxError: expected ':' \(bad\.py, line 1\)"),
     ("import nonexistent_package_xyz\n", r"importing .*bad\.py raised ModuleNotFoundError: No module named "
