@@ -26,7 +26,7 @@ so an interrupted save never leaves a half-written checkpoint (a save that fails
 kept.
 
 `--resume`: `auto` continues the latest checkpoint if any, `yes` must, `no` must not, `overwrite` starts afresh and
-deletes the earlier run's checkpoints/, final/ and best/, and a path resumes that checkpoint. A fresh start into an
+deletes output_dir's checkpoints/, final/ and best/, and a path resumes that checkpoint. A fresh start into an
 output_dir holding another run's results (final/, or args.json of other flags) is refused. Resuming step N of this
 run's own checkpoints keeps one history: the later checkpoints, the finished marker, final/ and a best/ chosen after
 N move to `checkpoints/retired_after_step_N/`.

@@ -70,9 +70,22 @@ def test_every_json_under_docs_is_read_by_a_table():
     """A stored measurement no page renders is either stale (replaced by a newer file) or a number the docs state by
     hand: neither may stay. Every JSON file under docs/ must be the data of some generated block."""
     used = {source for _, _, sources, _ in _blocks() for source in sources}
+    # the files a rendered file copied rows from (`--reuse FILE` in its command) stay, so that command pastes
+    todo = set(used)
+    while todo:  # and the files those copied from
+        found = {m for source in todo if (ROOT / source).is_file()
+                 for m in re.findall(r"--reuse[ =](\S+?\.json)", (ROOT / source).read_text())}
+        todo, used = found - used, used | found
     stored = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.json")}
     assert stored - used == set(), f"JSON under docs/ that no table reads: {sorted(stored - used)}"
-    assert used - stored == set()
+    assert used - stored == set(), f"files a table or a --reuse command names, missing: {sorted(used - stored)}"
+
+
+def test_every_reuse_file_a_page_names_exists():
+    """A rendered command that copies rows (`--reuse FILE`) must paste: the file it names is kept."""
+    for path in docs_tables.markdown_files():
+        for name in re.findall(r"--reuse[ =](\S+?\.json)", path.read_text()):
+            assert (ROOT / name).is_file(), f"{path.name} names --reuse {name}, which is not in the repository"
 
 
 def test_the_real_model_page_has_its_measured_tables():
