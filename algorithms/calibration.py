@@ -112,7 +112,7 @@ class Args:
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
+    """`auto`: resume the latest checkpoint if any; `yes`: must; `no`: must not; `overwrite`: start afresh; or a checkpoint dir"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10

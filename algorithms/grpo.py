@@ -21,7 +21,7 @@ Variants that change the loop have their own files: algorithms/dapo.py (dynamic 
 algorithms/grpo_async.py (the next batch is generated while this one trains).
 
 Launch:
-    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, about 10 minutes
+    python algorithms/grpo.py                                  # CPU, built-in task, tiny model, about 5 minutes
     python algorithms/grpo.py --generator hf                   # HF generate instead of vLLM
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/grpo.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero3.yaml algorithms/grpo.py \
@@ -123,7 +123,7 @@ class Args:
     keep_checkpoints: Annotated[int, Ge(1)] = 2
     """how many of the most recent checkpoints to keep in output_dir/checkpoints"""
     resume: str = "auto"
-    """`auto`: resume from output_dir's latest checkpoint if any; `yes`: must resume; `no`: must not; or a checkpoint directory"""
+    """`auto`: resume the latest checkpoint if any; `yes`: must; `no`: must not; `overwrite`: start afresh; or a checkpoint dir"""
     stop_after_steps: Annotated[int, Ge(0)] = 0
     """save a checkpoint and exit after this many steps of this invocation (0: run to the end); for time-limited jobs"""
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
