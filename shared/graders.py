@@ -448,21 +448,37 @@ def _main_hidden():
             main.__dict__.update(saved)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Worker thread: end the worker once its parent is gone (killed while the worker was busy: no end of file seen)."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
+def _exit_with_parent(parent: int, kernel: bool) -> None:
+    """End the worker when its parent dies while the worker is busy (no end of file is read then): a thread polls
+    the parent, and with `kernel` (Linux, a worker started by the main thread) the kernel kills the worker too, also
+    inside a long sympy call that holds the GIL (PR_SET_PDEATHSIG: it fires when the parent's thread that started
+    the worker ends, so not for a worker started by another thread)."""
+    if kernel:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(0)
+
+    def poll():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=poll, daemon=True).start()
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, parent: int, kernel: bool) -> None:
     """The worker process: run ``(name, args)`` requests from the pipe, answer ``("ok", result)`` or ``("error",
     repr)``; exit at end of file (the parent closed its end or died). SIGINT and SIGTERM are ignored: sent to the
     whole process group (Ctrl-C, ``scancel``, ``timeout``), they are for the parent, which finishes its step and its
     checkpoint with this worker still grading, then kills it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    _exit_with_parent(parent, kernel)
     while True:
         try:
             name, args = conn.recv()
@@ -485,7 +501,9 @@ class _Worker:
     def __init__(self):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="cleanrlhf-grader")
+        main_thread = threading.current_thread() is threading.main_thread()
+        self.process = ctx.Process(target=_worker_main, args=(child, os.getpid(), main_thread), daemon=True,
+                                   name="cleanrlhf-grader")
         with _main_hidden():
             self.process.start()
         child.close()
