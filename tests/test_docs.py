@@ -511,12 +511,11 @@ SKELETON = ["Overview", "Usage", "Flags", "Logged metrics", "Implementation deta
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__"))
 def test_every_algorithm_page_has_the_same_skeleton(name):
     """docs/<script>.md for every algorithms/<script>.py, with CleanRL's sections as its H2 headings, in this order
-    (subsections under them are free), in at most 300 lines."""
+    (subsections under them are free). No length bound: a page is as long as what its script needs said."""
     page = ROOT / "docs" / f"{name}.md"
     assert page.exists(), f"algorithms/{name}.py has no docs/{name}.md"
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a shell comment is no heading
     assert re.findall(r"^## (.+?)\s*$", text, flags=re.M) == SKELETON
-    assert len(page.read_text().splitlines()) <= 300
 
 
 def test_the_pages_name_every_script_that_takes_a_reward_model():
