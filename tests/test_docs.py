@@ -528,3 +528,11 @@ def test_the_pages_name_every_script_that_takes_a_reward_model():
         start = text.index("`--reward_model_path`")  # its first mention is the list, closed by a parenthesis
         named = set(re.findall(r"\w+\.py", text[start : text.index(")", start + 25)]))
         assert named == have, (page, sorted(have ^ named))
+
+
+def test_no_command_holds_a_placeholder_for_flags():
+    """A command on a page pastes as it stands: no `[the ... flags]` standing for flags written elsewhere."""
+    found = [f"{p.name}: {m.group(0)}" for p in docs_tables.markdown_files()
+             for block in re.findall(r"```.*?```", p.read_text(), flags=re.S)
+             for m in re.finditer(r"\[the [^\]]*flags[^\]]*\]", block)]
+    assert not found, found
