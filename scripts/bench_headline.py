@@ -13,8 +13,9 @@
 
 Every run is the script with no flags but `--seed` and `--output_dir` (and `--flags`, if given), i.e. exactly
 `python algorithms/<name>.py`
-on the built-in task, in a fresh model cache (CLEANRLHF_CACHE=<out>/cache), so the built-in warm start
-(`builtin:tiny-sft`, which grpo.py and dpo.py start from) is built by sft.py first, as on a fresh clone.
+on the built-in task, in a fresh model cache (CLEANRLHF_CACHE=<out>/cache), into which the built-in models
+(`builtin:tiny-sft`, which grpo.py and dpo.py start from) are copied from their committed weights
+(shared/builtin_models/), as on a fresh clone.
 A finished run is kept in <out>/<name>/seed<k>.json and not run again; `--stop_after_steps` leaves a resumable
 checkpoint (rerun the same command to continue).
 
@@ -143,8 +144,8 @@ def summarize(name: str, runs: dict, flags: str) -> dict:
         "final": {k: spread([r["final"][k] for r in runs.values()]) for k in keys},
         "at_best": {k: spread([r["at_best"][k] for r in runs.values()]) for k in keys}
         if all(r["at_best"] for r in runs.values()) else None,
-        # wall time of the whole process: start-up, evaluations and saving included (and, for the first RL
-        # seed in a fresh cache, building the warm start it loads)
+        # wall time of the whole process: start-up, evaluations and saving included (and, for the first seed in
+        # a fresh cache, copying the built-in models it loads)
         "minutes": spread([wall_minutes(r) for r in runs.values()]),
         "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs.values()]),
         "seeds": runs,
@@ -197,7 +198,7 @@ def main() -> None:
     out = {"benchmark": "headline", "env": bc.environment(), "command": bc.invocation(),
            "flags": a.flags,
            "note": "default flags on the built-in task" + (f", plus {a.flags}" if a.flags else "")
-                   + ", fresh model cache (the warm start is built first)",
+                   + ", fresh model cache (the built-in models copied from their committed weights)",
            "results": results}
     path = bc.write_result("headline", out, a.results, latest=False, cache=a.out / "cache")
     print(f"[bench] wrote {path}")
