@@ -556,11 +556,12 @@ def _call_with_timeout(fn, args: tuple, timeout: float) -> bool:
                 if status != "ok":
                     raise GraderWorkerError(value)
             except _WorkerLost as e:
+                code = worker.process.exitcode  # None: still running (timed out)
                 worker.terminate()
-                if worker.process.exitcode in (-signal.SIGINT, -signal.SIGTERM):
+                if code in (-signal.SIGINT, -signal.SIGTERM):
                     return False  # a signal to the process group before the worker could ignore it: retried later
                 _POOL_BROKEN = True  # fail fast from now on
-                why = "timed out" if worker.process.exitcode is None else f"exited {worker.process.exitcode}"
+                why = "timed out" if code is None else f"exited {code}"
                 raise GraderWorkerError(f"sympy worker failed to start ({why})") from e
             except BaseException as e:
                 if worker is not None:
