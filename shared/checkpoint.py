@@ -541,6 +541,7 @@ class Checkpointer:
     def stop(self, tracker) -> str:
         """End an interrupted run after its checkpoint: exit 128 + signal after SIGTERM/SIGINT; return "" after
         --stop_after_steps."""
+        tracker.end_progress()  # the bar once, above the closing lines
         tracker.write(f"rerun with the same flags (--resume auto) to continue from {self.root}")
         tracker.close("stopped")
         self._uninstall_signal_handlers()
