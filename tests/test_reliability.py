@@ -201,7 +201,7 @@ def test_resume_flag_semantics_and_flag_check(tmp_path):
         Checkpointer(_Args(output_dir=str(tmp_path), learning_rate=0.3), info)
     with pytest.raises(ValueError, match="already holds a run"):
         Checkpointer(_Args(output_dir=str(tmp_path), resume="no"), info)
-    with pytest.raises(ValueError, match="expected auto, yes, no or a checkpoint directory"):
+    with pytest.raises(ValueError, match="expected auto, yes, no, overwrite or a checkpoint directory"):
         Checkpointer(_Args(output_dir=str(tmp_path), resume="maybe"), info)
     other = _Args(output_dir=str(tmp_path / "other"), resume=str(tmp_path / "checkpoints" / "step_00000004"))
     assert Checkpointer(other, info).start_step == 4  # an explicit checkpoint directory
