@@ -382,8 +382,8 @@ def tuning_table(d: dict) -> str:
                      f"{g(t['value'])} | {max(steps) if steps else '-'} | {wall} |")
     states = [t["state"] for t in d["trials"]]
     lines += ["", f"{len(states)} trials ({states.count('COMPLETE')} complete, {states.count('PRUNED')} pruned, "
-                  f"{states.count('FAIL')} failed), {d['trials_wall_s'] / 60:.1f} min of trial runs; best: trial "
-                  f"{d['best_trial']}."]
+                  f"{states.count('FAIL')} failed; a pruned trial's value is the one at its last step), searched in "
+                  f"{d['search_wall_s'] / 60:.1f} min; best: trial {d['best_trial']}."]
     if d.get("seeds"):
         lines += ["", f"| flags | {key}: mean | min - max | seeds |", "|---|---|---|---|"]
         for name, r in d["seeds"].items():
@@ -393,8 +393,20 @@ def tuning_table(d: dict) -> str:
                                 or (i and r["flags"][i - 1].lstrip("-") in names))
             label = "best trial" if name == "best" else "defaults"
             lines.append(f"| {label}: `{searched}` | {cells} | {seeds} |")
-    lines += ["", f"`{d['command']}`, {d['env']['device']}."]
+    lines += ["", f"The best trial's command: `{d.get('best_command', d['command'])}`. Written by "
+                  f"`{tune_command(d)}`, {d['env']['device']}."]
     return "\n".join(lines)
+
+
+def tune_command(d: dict) -> str:
+    """The command that wrote a summary: its `command`, or, in a summary whose `command` is the best trial's (written
+    before `best_command` was kept apart), this script with the flags of its stored `args` that differ from the
+    defaults."""
+    if "best_command" in d:
+        return d["command"]
+    default = dataclasses.asdict(Args())
+    return shlex.join(["python", "scripts/tune.py",
+                       *cli_flags({k: v for k, v in d["args"].items() if v != default[k]})])
 
 
 def main(args: Args) -> None:
@@ -506,9 +518,9 @@ def main(args: Args) -> None:
                    "intermediate": {str(k): v for k, v in t.intermediate_values.items()}}
                   for t in study.get_trials(deepcopy=False)]
         space_text = Path(args.space).read_text()
-        summary = {"command": invocation(), "env": environment(), "args": dataclasses.asdict(args),
-                   "space_file": space_text, "search_space": space, "fixed": fixed,
-                   **timing, "trials": trials, **result}
+        summary = {**result, "best_command": result["command"], "command": invocation(), "env": environment(),
+                   "args": dataclasses.asdict(args), "space_file": space_text, "search_space": space, "fixed": fixed,
+                   **timing, "trials": trials}
         path = write_result("tuning", summary, out_dir=Path(args.result_dir), latest=False)
         print(f"wrote {path}", flush=True)
 

@@ -213,3 +213,21 @@ def test_killed_workers_trial_is_marked_failed_and_retried(tmp_path, fake):
     assert retry.state.name == "COMPLETE" and retry.params == trials[0].params
     assert optuna.storages.RetryFailedTrialCallback.retried_trial_number(retry) == 0
     assert len(trials) == 3  # the retry replaces the killed trial in the --n_trials budget
+
+
+# ---------------------------------------------------------------- the stored search (docs/tuning.md)
+def test_the_tuning_page_shows_the_table_its_stored_search_renders():
+    """docs/tuning.md's measured table is tune.py's rendering of the stored summary it links, with the command that
+    wrote it (a summary whose `command` is the best trial's gets the tuner's command from its stored args)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tune import tune_command, tuning_table
+
+    page = (ROOT / "docs" / "tuning.md").read_text()
+    stored = sorted((ROOT / "docs" / "bench" / "tuning").glob("*.json"))
+    assert stored
+    for path in stored:
+        d = json.loads(path.read_text())
+        assert path.name in page and tuning_table(d) in page
+        assert tune_command(d).startswith("python scripts/tune.py ") and "--seeds 1 2 3" in tune_command(d)
+    assert tune_command({"command": "python scripts/tune.py --n_trials 3", "best_command": "x"}) == \
+        "python scripts/tune.py --n_trials 3"
