@@ -1578,7 +1578,15 @@ def bon(d: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+def tuning(d: dict) -> str:
+    """scripts/tune.py --result_dir: every trial of the search, the best flags against the defaults over seeds."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tune import tuning_table
+
+    return tuning_table(d)
+
+
+RENDERERS = {"tuning": tuning, "calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "results_overview": results_overview, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,
