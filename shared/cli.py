@@ -109,7 +109,7 @@ def check_args(args) -> None:
     numeric flag is finite and within the range declared beside it (`Annotated[float, Interval(gt=0, le=1)]`: a
     one-line error naming it and the range), `--tis` (a correction) only with `--top_p 1` and `--tis_mask_low`
     below `--tis_cap` (a mask mode's kept range [1/C, C] not empty either), `--prompt_template` with `{prompt}`,
-    `best_metric` of the form `name[:min|:max]`, a built-in dataset name
+    `best_metric` of the form `name[:min|:max]`, no empty `--stop` string, a built-in dataset name
     (`builtin:sums-N`), and `output_dir` a directory that can be created (`--resume` is checked by
     shared/checkpoint.py's Checkpointer, also before anything is written). Runtime-computed fields (hidden from
     --help) are skipped."""
@@ -144,6 +144,10 @@ def check_args(args) -> None:
     if tis.endswith("_mask") and not getattr(args, "tis_mask_low", 0.0) and getattr(args, "tis_cap", 2.0) <= 1:
         raise ValueError(f"tis_cap: a mask keeps ratios in [1/C, C], empty for C = {args.tis_cap} <= 1 (use C > 1, or "
                          "--tis_mask_low below C)")
+    if getattr(args, "stop", None):  # `--stop ""` (an unset shell variable) would cut every text to nothing
+        from shared.generation import check_stop_strings
+
+        check_stop_strings(args.stop)
     template = getattr(args, "prompt_template", None)
     if isinstance(template, str) and "{prompt}" not in template:
         raise ValueError(f"prompt_template: must contain {{prompt}}, where each row's prompt goes (got {template!r}: "

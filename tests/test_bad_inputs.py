@@ -261,3 +261,16 @@ def _tok():
     from shared.tiny import build_tokenizer
 
     return build_tokenizer()
+
+
+def test_an_empty_stop_string_is_refused_by_the_start_up_check_before_anything_is_written(tmp_path):
+    """check_args (every script, before its Checkpointer or Tracker) refuses `--stop ""`: no output_dir is made."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "algorithms/grpo.py", "--output_dir", str(out), "--stop", ""],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: stop: ('',) holds an empty")
+    assert not out.exists()
