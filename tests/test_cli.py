@@ -20,7 +20,7 @@ SHARED_VOCABULARY = ["model_name_or_path", "dataset", "output_dir", "seed", "tot
                      # reliability flags (shared/checkpoint.py), the same in every script
                      "save_every", "keep_checkpoints", "resume", "stop_after_steps", "max_nonfinite_steps",
                      "best_metric"]
-NO_GENERATION = {"rm"}  # trains on fixed pairs and never samples: no `generator` flag
+NO_GENERATION = {"rm", "unit_rm"}  # trains on fixed pairs and never samples: no `generator` flag
 # evaluate.py trains nothing: the data, model and generation vocabulary only (no optimizer, checkpoints or tracker)
 EVAL_ONLY = {"evaluate"}
 EVAL_VOCABULARY = {"model_name_or_path", "dataset", "output_dir", "seed", "verbose", "generator"}
@@ -154,6 +154,10 @@ CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items()
 CHOICES["opd"] = {**{k: v for k, v in CHOICES["grpo"].items()
                      if k not in ("advantage_estimator", "policy_loss", "kl_estimator")},
                   "loss": ("pg", "jsd", "fkl_topk")}
+# unit_rm.py keeps rm.py's (none); unit_ppo.py keeps ppo_rlhf.py's and places the unit rewards
+CHOICES["unit_rm"] = CHOICES["rm"]
+CHOICES["unit_ppo"] = {**CHOICES["ppo_rlhf"], "reward_placement": ("segment_normalization", "every_segment_last",
+                                                                   "same_segment_last", "segment_last_avg")}
 REPORT_TO = {"report_to": ("none", "wandb", "trackio")}  # every training script
 CHOICES = {script: {**choices, **({} if script in EVAL_ONLY else REPORT_TO)} for script, choices in CHOICES.items()}
 CHOICE_FIELDS = [(script, name) for script in SCRIPTS for name in CHOICES[script]]
