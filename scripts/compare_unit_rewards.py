@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--part", choices=["rm", "ppo"], required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--rm_episodes", type=int, default=32000, help="training pairs of every reward model")
-    p.add_argument("--ppo_episodes", type=int, default=10240, help="completions sampled by every policy arm")
+    p.add_argument("--ppo_episodes", type=int, default=5120, help="completions sampled by every policy arm")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "compare_unit_rewards")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     a = p.parse_args()
@@ -83,7 +83,8 @@ def main() -> None:
         arm_flags = {"unit_ppo": ["--reward_model_path", str(unit_rm.relative_to(ROOT))],
                      "ppo_rlhf": ["--reward_model_path", str(bandit_rm.relative_to(ROOT))],
                      "drca": ["--reward_model_path", str(bandit_rm.relative_to(ROOT)), "--scorer", "rm"]}
-        flags = ["--total_episodes", str(a.ppo_episodes), "--eval_every", "5", "--no_save_model", *common]
+        flags = ["--total_episodes", str(a.ppo_episodes), "--eval_every", "5", "--eval_num_prompts", "200",
+                 "--no_save_model", *common]
         for seed in a.seeds:
             for arm, script in PPO_ARMS.items():
                 run = out / f"{arm}_seed{seed}"
