@@ -18,7 +18,8 @@ model with a fresh head (the reference), not from the reward model; eval/reward 
 sequence score at EOS), so the headline is the grader's held-out accuracy.
 
 Launch (unit_rm.py first: its output_dir/final is the reward model; tau must be the one it was trained with):
-    python algorithms/unit_rm.py && python algorithms/unit_ppo.py       # CPU, built-in task (the RM: runs/unit_rm/final)
+    python algorithms/unit_rm.py                                       # first: the unit RM (runs/unit_rm/final)
+    python algorithms/unit_ppo.py                                      # CPU, built-in task, on that RM
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/unit_ppo.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/unit_ppo.py \
         --model_name_or_path <sft model> --reward_model_path <unit_rm.py's output_dir/final> --tau 2 \

@@ -1586,7 +1586,37 @@ def tuning(d: dict) -> str:
     return tuning_table(d)
 
 
-RENDERERS = {"tuning": tuning, "calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
+def unit_rewards_rm(d: dict) -> str:
+    """scripts/compare_unit_rewards.py --part rm: pair accuracy and localisation of the bandit, unit and token RMs."""
+    s3 = _spread3
+    rows = [("rm.py (bandit, one unit)", d["bandit_rm"], "1"),
+            ("unit_rm.py, tau 0.5", d["unit_rm"], None), ("unit_rm.py --tau 0 (token level)", d["token_rm"], None)]
+    lines = ["| RM | units per response | held-out pair accuracy | localisation (lowest unit on the slipped line) | "
+             "chance |", "|---|---|---|---|---|"]
+    for name, r, units in rows:
+        loc = s3(r["localisation"]) if "localisation" in r else "- (one unit)"
+        chance = f"{r['localisation_chance']['mean']:.3f}" if "localisation_chance" in r else "-"
+        units = units or f"{r['units_per_response']['mean']:.2f}"
+        lines.append(f"| {name} | {units} | {s3(r['accuracy'])} | {loc} | {chance} |")
+    seeds = ", ".join(map(str, d["seeds"]))
+    return "\n".join([*lines, "", f"Mean (min-max) over seeds {seeds}. `{d['command']}`, {d['env']['device']}. Data: "
+                                   "[unit_rewards_rm.json](results/unit_rewards_rm.json)."])
+
+
+def unit_rewards_ppo(d: dict) -> str:
+    """scripts/compare_unit_rewards.py --part ppo: held-out accuracy of unit_ppo.py, ppo_rlhf.py and drca.py by step."""
+    arms = ["unit_ppo", "ppo_rlhf", "drca"]
+    lines = ["| rollout step (x 512 completions) | unit_ppo.py (unit RM) | ppo_rlhf.py (bandit rm.py RM) | drca.py (same "
+             "RM, `--scorer rm`) |", "|---|---|---|---|"]
+    for i, point in enumerate(d["unit_ppo"]["curve"]):
+        cells = [_spread3(d[a]["curve"][i]["accuracy"]) for a in arms]
+        lines.append(f"| {point['step']} | " + " | ".join(cells) + " |")
+    seeds = ", ".join(map(str, d["seeds"]))
+    return "\n".join([*lines, "", f"Held-out grader accuracy, mean (min-max) over seeds {seeds}. `{d['command']}`, "
+                                   f"{d['env']['device']}. Data: [unit_rewards_ppo.json](results/unit_rewards_ppo.json)."])
+
+
+RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_rewards_ppo, "tuning": tuning, "calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
              "headline": headline, "results_overview": results_overview, "generation": generation, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
              "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,

@@ -7,6 +7,7 @@ command line. A numeric flag that declares no range (shared/cli.py) is only chec
 
 import ast
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -77,6 +78,12 @@ ONE_STEP = {
     "implicit_prm": (["--generator", "hf", "--total_episodes", "8", "--local_num_prompts", "4", "--num_generations",
                       "2", "--local_micro_batch_size", "8", "--max_new_tokens", "8", "--eval_num_prompts", "2",
                       "--dev_num_prompts", "8", "--localisation_num_pairs", "2", "--save_every", "0"], "metrics.jsonl"),
+    # unit_rm.py: rm.py's run; unit_ppo.py: ppo_rlhf.py's, on a unit RM's files ({unit_rm}: made by the test)
+    "unit_rm": (["--total_episodes", "16", "--local_micro_batch_size", "16", "--eval_every", "0",
+                 "--eval_num_pairs", "16", "--dev_num_prompts", "8", "--num_sample_pairs", "2", "--save_every", "0"],
+                "metrics.jsonl"),
+    "unit_ppo": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--reward_model_path", "{unit_rm}"],
+                 "metrics.jsonl"),
     # an evaluation tool, not a trainer: a few prompts, no training; its metrics go to summary.json
     "evaluate": (["--generator", "hf", "--num_prompts", "4", "--num_samples", "2", "--k", "1", "2",
                   "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),
@@ -119,6 +126,15 @@ def copy_with_new_fields(script: str, dest: Path) -> Path:
 def test_a_copied_script_with_new_flags_runs(script, tmp_path):
     copy = copy_with_new_fields(script, tmp_path)
     flags, written = ONE_STEP[script]
+    if "{unit_rm}" in flags:  # builtin:tiny-rm's weights with a unit normaliser for unit_ppo.py's defaults
+        from shared.models import resolve_model_path
+
+        rm = tmp_path / "unit_rm"
+        shutil.copytree(resolve_model_path("builtin:tiny-rm"), rm)
+        (rm / "unit_normalizer.json").write_text(json.dumps(
+            {"method": "peak", "tau": 0.5, "model": "builtin:tiny-sft", "aggregation": "avg", "mu": [0.1, 0.0],
+             "sigma": [0.0, 5.0]}))
+        flags = [str(rm) if f == "{unit_rm}" else f for f in flags]
     out = tmp_path / "run"
     cmd = [sys.executable, str(copy), "--output_dir", str(out), *flags, *NEW_FLAGS]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",

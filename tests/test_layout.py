@@ -128,7 +128,7 @@ VOCABULARY = {
     "max_prompt_length", "max_new_tokens", "eval_num_prompts", "dev_num_prompts", "reward_fn",
     "localisation_num_pairs",
     "total_episodes", "local_num_prompts", "num_generations", "num_minibatches", "local_micro_batch_size",  # sizes
-    "generator", "top_p", "tis", "tis_cap", "tis_mask_low",  # sampling
+    "generator", "top_p", "stop", "tis", "tis_cap", "tis_mask_low",  # sampling
     "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync",  # LoRA
 }
 

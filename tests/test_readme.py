@@ -30,7 +30,9 @@ def _bash_blocks(text: str) -> list[str]:
 
 
 def test_the_readme_stays_short():
-    assert len(README.splitlines()) <= 200
+    """200 lines besides the algorithm table's rows, one per script (the table grows with the collection)."""
+    rows = [line for line in README.splitlines() if re.match(r"^\| \[`\w+\.py`\]\(algorithms/", line)]
+    assert len(rows) >= 20 and len(README.splitlines()) - len(rows) <= 200
 
 
 def test_the_first_block_sets_up_and_runs_the_default_then_the_tests():
