@@ -144,7 +144,7 @@ def check_args(args) -> None:
     if tis.endswith("_mask") and not getattr(args, "tis_mask_low", 0.0) and getattr(args, "tis_cap", 2.0) <= 1:
         raise ValueError(f"tis_cap: a mask keeps ratios in [1/C, C], empty for C = {args.tis_cap} <= 1 (use C > 1, or "
                          "--tis_mask_low below C)")
-    if getattr(args, "stop", None):  # `--stop ""` (an unset shell variable) would cut every text to nothing
+    if isinstance(getattr(args, "stop", None), (tuple, list)):  # `--stop ""` would cut every text to nothing
         from shared.generation import check_stop_strings
 
         check_stop_strings(args.stop)
