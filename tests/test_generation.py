@@ -316,6 +316,7 @@ def _stub_engine(sleep_enabled=True):
     gen.llm, gen.sleep_enabled, gen.asleep, gen.weights_discarded = _StubLLM(), sleep_enabled, False, False
     gen.stop_token_ids, gen.stop, gen.tokenizer = [2], (), None
     gen.lora_model, gen.lora_request, gen.zero3 = None, None, False  # an engine serving merged weights
+    gen.max_model_len = 64  # the context the prompts are checked against
     return gen
 
 
