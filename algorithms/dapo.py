@@ -208,8 +208,15 @@ class Args:
 # ALGO LOGIC: algorithm-local pure functions
 def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, estimator: str = "grpo",
                        token_counts: torch.Tensor | None = None) -> torch.Tensor:
-    """rewards [P, G] -> advantages [P, G], one per completion: grpo's (r_i - mean_G r) / (std + eps) with the std of
-    the group, the batch or none, rloo, reinforce_pp_baseline or maxrl (docs/grpo.md, Variants)."""
+    """rewards [P, G] -> advantages [P, G], one per completion (docs/grpo.md, Variants).
+
+    grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
+          §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
+    rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
+    reinforce_pp_baseline: (c_i - mu) / max(sigma, eps), c_i = r_i - mean_G r, mu and sigma the mean and population
+          std of c over the batch's completion tokens, c_i counted token_counts[i] times or once (Hu et al. 2025)
+    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710); a group without success gets 0
+    Equal rewards in a group: A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under reinforce_pp_baseline."""
     if estimator == "rloo":
         baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
         return rewards - baseline
@@ -265,7 +272,11 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
 
 def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
                          level: str = "token") -> torch.Tensor:
-    """log pi_theta / pi_old per token, masked (padding: 0): per `token` or GSPO's `sequence` mean (docs/grpo.md)."""
+    """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
+    token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i: GSPO's length-normalised ratio
+              (Zheng et al. 2025, arXiv 2507.18071, §4.1), equal in value and gradient to GSPO-token (§4.3) with
+              one advantage per completion, as here (tests/test_grpo.py)."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     if level == "token":
         return log_ratio
@@ -291,7 +302,11 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 
 def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
                     mask: torch.Tensor | None = None, level: str = "token"):
-    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (arXiv 2506.13585), truncated-token indicator."""
+    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
+    indicator of tokens whose weight was truncated. The weight is detached: every token keeps the gradient
+    -w A grad log pi, also where PPO-clip would zero it. No lower bound (MiniMax-M1 sets none; ScaleRL's CISPO,
+    arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not apply. The loss value contains
+    log pi and is not an objective."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
     loss = -weight * advantages * (logp if mask is None else logp * mask)
@@ -301,8 +316,13 @@ def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torc
 
 def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
                    eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
-    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: M = 0 where p = pi(y_t)
-    left the trust region around the sampler's p_s in the direction A pushes (tv or binary kl; docs/grpo.md)."""
+    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
+    M = 0 on a token whose p = pi(y_t) left the trust region around the sampler's p_s = pi_sampler(y_t) (the anchor
+    of the paper's Sec. 5.2, verl, prime-rl and TRL) in the direction its advantage pushes (A > 0: up, eps_high):
+      tv: |p - p_s| > eps                                              (verl `dppo_tv`)
+      kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
+    (A < 0: down, eps_low). rho = pi / pi_old (the --tis weight carries pi_old / pi_sampler); the mask is detached,
+    kept tokens get the unclipped gradient -A grad rho."""
     log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
     ratio = torch.exp(log_ratio)
     p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
@@ -319,7 +339,20 @@ def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: tor
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float, low: float = 0.0) -> torch.Tensor:
-    """Detached weights w = pi_train_old / pi_sampler per token, completion or geometric mean (docs/mismatch.md)."""
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
+
+    token_truncate:    w_t = min(rho_t, C)                      rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if lo <= rho_t <= C, else 0    (IcePop, arXiv 2510.18855)
+    sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
+    geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
+    lo = low, or 1/C when low = 0 (a mask's kept range; the truncate modes have no lower bound). token_* and
+    sequence_* are TRL's `vllm_importance_sampling_mode` with clip_max = C: its *_mask modes with clip_min = lo, its
+    *_truncate modes with clip_min unset (TRL's clip_min would raise a weight below it to clip_min; nothing here
+    does); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
+    drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
+    which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
     log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
     lo = low or 1 / cap
     if mode == "none":
@@ -340,8 +373,13 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the step's loss (num_* count the optimizer step): seq_mean (GRPO), token_mean (per
-    rank), global_token (DAPO: sum l m / tokens of the step on all ranks) or constant (Dr. GRPO); docs/grpo.md."""
+    """This micro-batch's share of the optimizer-step loss; num_seqs / num_tokens count the whole optimizer step on
+    this rank, num_tokens_global on all ranks. Summed over micro-batches and averaged over ranks (as DeepSpeed does
+    with gradients) this gives:
+      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
+      token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
+      global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
+      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO"""
     if mode == "seq_mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if mode == "token_mean":

@@ -291,8 +291,10 @@ def shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Te
 
 # ALGO LOGIC: algorithm-local pure functions
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """GAE over the masked (completion) positions of [B, T] tensors: delta_t = r_t + gamma V_{t+1} - V_t (V after the
-    last completion token is 0); A_t = delta_t + gamma lam A_{t+1}. Returns A and A + V, both 0 outside the mask."""
+    """GAE over the masked (completion) positions of [B, T] tensors.
+
+    delta_t = r_t + gamma V_{t+1} - V_t (V after the last completion token is 0); A_t = delta_t + gamma lam A_{t+1}.
+    Returns advantages and returns (A + V), both 0 outside the mask."""
     values = values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
@@ -309,7 +311,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None = None,
                   var: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over masked entries; mean/var may be given (all-reduced); shift_mean=False keeps it."""
+    """(x - mean) / sqrt(var + 1e-8) over masked entries; mean/var may be given
+    (e.g. all-reduced over ranks). shift_mean=False adds the mean back."""
     if mean is None:
         mean = (x * mask).sum() / mask.sum()
     if var is None:
@@ -322,10 +325,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | None
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref.
-
-    k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0. As a loss only k2's gradient equals grad KL;
-    k3 is the GRPO/TRL default."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -338,8 +339,9 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
 
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
                       eps_high: float, mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator; the
-    log-ratio is masked before exp, so padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
+    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
+    inf * 0 = NaN in the masked sum)."""
     ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -396,7 +398,8 @@ def adaptive_kl_update(beta: float, current_kl: float, target: float, n_steps: i
 
 
 def init_value_head(model) -> None:
-    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (as vwxyzjn/summarize_from_feedback_details and VinePPO)."""
+    """Critic head weight ~ N(0, 1/sqrt(H+1)), bias 0 (as vwxyzjn/summarize_from_feedback_details and VinePPO's
+    `pretrained_with_value_head.py`)."""
     layer = head(model)
     torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.weight.shape[1] + 1))
     if layer.bias is not None:
@@ -404,8 +407,9 @@ def init_value_head(model) -> None:
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-action values [B, L-1]; a critic initialised from a reward model carries the RM's score stats, and its
-    values are normalised with them, V = (v - mu) / sigma, the units of the normalised rewards it predicts."""
+    """Per-action values [B, L-1]. A critic initialised from a reward model (the default with one) carries the RM's
+    score stats: its values are normalised with them, V = (v - mu) / sigma, the same units as the normalised
+    rewards it must predict (raw RM units biased every sequence's last advantage by (v - mu) / sigma - v)."""
     return normalized(token_values(critic, input_ids, attention_mask)[:, :-1], critic)
 
 

@@ -317,7 +317,8 @@ def update_prm(prm, guard, prm_ref_logp: torch.Tensor, input_ids: torch.Tensor, 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate, d = logp - logp_ref: k1 = d; k2 = d^2/2; k3 = exp(-d) - 1 + d >= 0."""
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
     d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
     if estimator == "k1":
         return d
@@ -342,8 +343,20 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float, low: float = 0.0) -> torch.Tensor:
-    """Importance weights w = pi_train_old / pi_sampler, detached, as grpo.py's tis_weights (docs/mismatch.md): per
-    token, per completion or by the geometric mean, truncated at C or masked outside [lo, C]; cap = inf: unchanged."""
+    """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
+
+    token_truncate:    w_t = min(rho_t, C)                      rho_t = exp(log pi_old(y_t) - log pi_sampler(y_t))
+    token_mask:        w_t = rho_t if lo <= rho_t <= C, else 0    (IcePop, arXiv 2510.18855)
+    sequence_truncate: w_t = min(rho_seq, C) on every token       rho_seq = prod_t rho_t, one weight per completion
+    sequence_mask:     w_t = rho_seq if lo <= rho_seq <= C, else 0 on every token
+    geometric_mask:    w_t = 1 if lo <= rho_geo <= C, else 0      rho_geo = exp(mean_t log rho_t) (Geo-RS)
+    lo = low, or 1/C when low = 0 (a mask's kept range; the truncate modes have no lower bound). token_* and
+    sequence_* are TRL's `vllm_importance_sampling_mode` with clip_max = C: its *_mask modes with clip_min = lo, its
+    *_truncate modes with clip_min unset (TRL's clip_min would raise a weight below it to clip_min; nothing here
+    does); geometric_mask is verl's `rollout_rs: geometric` (rejection only: no weight on kept tokens; its
+    ratio sits near 1, so C near 1, e.g. 1.001). A masked token stays in the loss's token count (IcePop, TRL); verl
+    drops it from the count. log rho_seq is clamped to [-20, 20] before the exp (verl's bound against overflow),
+    which changes no weight for C < e^20. cap = inf gives the mode's weights before truncation or mask."""
     log_w = (logp_old - logp_sampler).detach() * mask  # [B, T], 0 on padding
     lo = low or 1 / cap
     if mode == "none":
@@ -364,8 +377,13 @@ def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: int, num_tokens: int,
                    num_tokens_global: int, world_size: int, max_new_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the optimizer-step loss (grpo.py's aggregate_loss): seq_mean (GRPO), token_mean
-    (per rank), global_token (DAPO: tokens of the step on all ranks), constant (Dr. GRPO: B * max_new_tokens)."""
+    """This micro-batch's share of the optimizer-step loss; num_seqs / num_tokens count the whole optimizer step on
+    this rank, num_tokens_global on all ranks. Summed over micro-batches and averaged over ranks (as DeepSpeed does
+    with gradients) this gives:
+      seq_mean:     (1/B) sum_i [sum_t l m / sum_t m]         GRPO; a 1/|o_i| weight per token (length bias)
+      token_mean:   (1/ranks) sum_ranks [sum l m / tokens on that rank]
+      global_token: sum l m / tokens of the step on all ranks  DAPO; split-invariant across GA and ranks
+      constant:     sum l m / (B * max_new_tokens)             Dr. GRPO"""
     if mode == "seq_mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     if mode == "token_mean":
