@@ -18,6 +18,10 @@ comma):
          docs/bench/grpo/cpu_20261122_100143.json -->
 
 and gets the list of their contents, each with its path under the key "_path".
+
+A list of scripts is generated from the code too: `<!-- scripts FLAG -->...<!-- end scripts -->` (inline) holds the
+algorithms/*.py whose Args have the field FLAG, `<!-- scripts FLAG=VALUE -->` those where its default is VALUE, and
+`<!-- scripts FLAG!=VALUE -->` those that have it with another default ("grpo.py, dapo.py and prime.py").
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from shared.cli import RENAMED  # noqa: E402  (the flags a stored command may name by an old name)
 BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-- end table -->)", re.S)
+SCRIPTS_BLOCK = re.compile(r"(<!-- scripts (\w+)(?:(!?=)(\S+))? -->)(.*?)(<!-- end scripts -->)", re.S)
+# the order lists of scripts name them in: the README's algorithm table's order, then any other file by name
+SCRIPT_ORDER = ("sft", "rm", "unit_rm", "dpo", "grpo", "dapo", "grpo_async", "grpo_tools", "opd", "prime", "calibration",
+                "ppo", "ppo_async", "ppo_rlhf", "drca", "unit_ppo", "vineppo", "repulse", "restem", "genrm",
+                "implicit_prm", "evaluate")
 
 
 
@@ -301,8 +310,8 @@ def _reused_note(seed_maps: list[dict]) -> str:
 def results_overview(files: list[dict]) -> str:
     """README's results table: the default run (`python algorithms/<script>.py`, no flags) of every script of OVERVIEW
     that a bench_headline.py file of the block has, one short row each (the last file that has a script wins), each
-    file named under the table with its command and machine; then the scripts without a stored default run, whose
-    pages give what was measured instead. A file that is not a default-run benchmark is an error."""
+    file named under the table with its command and machine; then every training script (algorithms/*.py with a
+    --learning_rate) without a stored default run, whose pages give what was measured instead. A file that is not a default-run benchmark is an error."""
     rows: dict[str, tuple[dict, dict]] = {}  # script: (its result, its file)
     for d in files:
         if d.get("benchmark") != "headline" or d.get("flags"):
@@ -326,12 +335,11 @@ def results_overview(files: list[dict]) -> str:
         lines.append(f"| `{r['command']}` [{ref}] | {OVERVIEW_METRIC[name]} | "
                      f"{_start(r, format(r['start'][k]['mean'], '.3f'))} -> {_spread3(r['final'][k])} | "
                      f"{r['minutes']['mean']:.1f} |")
-    missing = [n for n in OVERVIEW if n not in rows]
+    missing = [n for n in (s.removesuffix(".py") for s in scripts_with("learning_rate")) if n not in rows]
     legend, notes = OVERVIEW_LEGEND, []
     if missing:
         legend += (" No default run stored for " + ", ".join(f"[{n}.py](docs/{n}.md)" for n in missing)
-                   + ": their pages give what was measured (`python scripts/bench_headline.py --algorithms "
-                   "<script> --seeds 1 2 3` measures it).")
+                   + ": their pages give what was measured.")
     for i, d in enumerate(used, 1):
         mine = [r for r, dd in rows.values() if dd is d]
         seeds = sorted({s for r in mine for s in r["seeds"]})
@@ -1646,6 +1654,39 @@ def renamed_flag(name: str) -> str | None:
     return m.group(1) if m else None
 
 
+def script_defaults(script: str) -> dict[str, str]:
+    """Flag name -> its default as written in algorithms/<script>.py's Args (a string's value without quotes, a
+    Literal default as its value, anything else as its source text)."""
+    import ast
+
+    path = ROOT / "algorithms" / f"{script}.py"
+    cls = next((n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+    out = {}
+    for n in cls.body if cls else []:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            v = n.value
+            out[n.target.id] = (str(v.value) if isinstance(v, ast.Constant) else ast.unparse(v)) if v else ""
+    return out
+
+
+def scripts_with(flag: str, op: str | None = None, value: str | None = None) -> list[str]:
+    """The algorithms/*.py that have `flag` (op None), with default `value` (op "="), or another default ("!="), in
+    SCRIPT_ORDER."""
+    names = sorted((p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__"),
+                   key=lambda n: (SCRIPT_ORDER.index(n) if n in SCRIPT_ORDER else len(SCRIPT_ORDER), n))
+    out = []
+    for n in names:
+        d = script_defaults(n)
+        if flag in d and (op is None or (d[flag] == value) == (op == "=")):
+            out.append(f"{n}.py")
+    return out
+
+
+def english_list(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1] if items else "(none)"
+
+
 def script_flags(script: str) -> set[str]:
     """The flag names of algorithms/<script>.py (its Args fields, read from the source); empty for no such file."""
     import ast
@@ -1702,7 +1743,13 @@ def render_file(path: Path) -> tuple[str, str]:
         table = current_flags(RENDERERS[name](data if name in MULTI else data[0]))
         return m.group(1) + _data_links(path, sources, MACHINE_PATH.sub("runs/", table)) + "\n" + m.group(5)
 
-    return text, BLOCK.sub(sub, text)
+    def scripts(m: re.Match) -> str:
+        found = scripts_with(m.group(2), m.group(3), m.group(4))
+        if not found:
+            raise SystemExit(f"error: {path}: no script has {m.group(2)}{m.group(3) or ''}{m.group(4) or ''}")
+        return m.group(1) + english_list(found) + m.group(6)
+
+    return text, SCRIPTS_BLOCK.sub(scripts, BLOCK.sub(sub, text))
 
 
 def markdown_files() -> list[Path]:

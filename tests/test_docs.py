@@ -530,6 +530,34 @@ def test_the_pages_name_every_script_that_takes_a_reward_model():
         assert named == have, (page, sorted(have ^ named))
 
 
+def test_the_models_table_names_every_builtin_model():
+    """docs/running.md's Models table names every `builtin:` model that shared/models.py resolves, and no other."""
+    from shared.models import BUILTIN_MODELS
+
+    text = (ROOT / "docs" / "running.md").read_text()
+    table = text[text.index("## Models"):text.index("## Tests")]
+    assert set(re.findall(r"`(builtin:[\w-]+)`", table)) == set(BUILTIN_MODELS)
+
+
+def test_a_generated_list_of_scripts_is_the_code_s():
+    """A `<!-- scripts FLAG -->` list on a page holds the scripts whose Args have FLAG (scripts/docs_tables.py renders
+    it; the check of generated blocks keeps it current), and a wrong list is rewritten."""
+    found = docs_tables.scripts_with("micro_batching")
+    assert "grpo.py" in found and "sft.py" not in found
+    assert docs_tables.scripts_with("tis", "=", "none") == [s for s in docs_tables.scripts_with("tis")
+                                                            if docs_tables.script_defaults(s[:-3])["tis"] == "none"]
+    page = ROOT / "docs" / "micro_batching.md"
+    text = page.read_text()
+    stale = re.sub(r"(<!-- scripts micro_batching -->).*?(<!-- end scripts -->)", r"\1sft.py\2", text)
+    assert stale != text
+    page.write_text(stale)
+    try:
+        old, new = docs_tables.render_file(page)
+        assert "sft.py<!--" in old and "sft.py<!--" not in new and new == text
+    finally:
+        page.write_text(text)
+
+
 def test_no_command_holds_a_placeholder_for_flags():
     """A command on a page pastes as it stands: no `[the ... flags]` standing for flags written elsewhere."""
     found = [f"{p.name}: {m.group(0)}" for p in docs_tables.markdown_files()
