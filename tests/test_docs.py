@@ -559,6 +559,50 @@ def test_a_generated_list_of_scripts_is_the_code_s():
         page.write_text(text)
 
 
+def smollm2_scripts() -> set[str]:
+    """The algorithms/*.py that some test runs on builtin:smollm2-135m: a test or fixture that names the model (or a
+    module constant that does, directly or through another) and launches `algorithms/<name>.py` or `script("<name>")`."""
+    import ast
+
+    found = set()
+    for p in sorted((ROOT / "tests").glob("test_*.py")):
+        src = p.read_text()
+        if "smollm2-135m" not in src:
+            continue
+        tree = ast.parse(src)
+        assigns = [(t.id, ast.get_source_segment(src, n)) for n in tree.body if isinstance(n, ast.Assign)
+                   for t in n.targets if isinstance(t, ast.Name)]
+        smol: set[str] = set()
+        while more := {name for name, seg in assigns if "smollm2-135m" in seg
+                       or any(re.search(rf"\b{s}\b", seg) for s in smol)} - smol:
+            smol |= more
+        for n in tree.body:
+            seg = ast.get_source_segment(src, n) if isinstance(n, ast.FunctionDef) else ""
+            if (("smollm2-135m" in seg or any(re.search(rf"\b{s}\b", seg) for s in smol))
+                    and re.search(r"\b(run|script|Popen|check_call|check_output)\(", seg)):
+                found |= set(re.findall(r"algorithms/(\w+)\.py", seg) + re.findall(r"\bscript\(\"(\w+)\"", seg))
+    return {f"{n}.py" for n in found}
+
+
+def test_the_pages_name_the_scripts_the_ci_runs_on_the_chat_model():
+    """real_models.md and running.md's Models table name exactly the scripts a test runs on builtin:smollm2-135m, and
+    real_models.md names every other script as not run there."""
+    ran = smollm2_scripts()
+    assert {"grpo.py", "sft.py", "rm.py"} <= ran
+    text = (ROOT / "docs" / "real_models.md").read_text()
+    section = text[text.index("## The scripts on the chat model"):]
+    runs, not_run = section.split("Not run on it in CI:", 1)
+    runs = set(re.findall(r"\w+\.py", runs[:runs.index("(")]))
+    not_run = set(re.findall(r"\w+\.py", not_run[:not_run.index("(")]))
+    assert runs == ran, sorted(runs ^ ran)
+    every = {p.name for p in (ROOT / "algorithms").glob("*.py")} - {"__init__.py"}
+    evaluation = {n for n in every if n.startswith("evaluate")}  # no training run to make
+    assert not_run == every - ran - evaluation, sorted(not_run ^ (every - ran - evaluation))
+    row = next(line for line in (ROOT / "docs" / "running.md").read_text().splitlines()
+               if line.startswith("| `builtin:smollm2-135m`"))
+    assert set(re.findall(r"\w+\.py", row.split("|")[-2])) == ran  # the last cell ("<|im_end|>" holds bars)
+
+
 def test_no_command_holds_a_placeholder_for_flags():
     """A command on a page pastes as it stands: no `[the ... flags]` standing for flags written elsewhere."""
     found = [f"{p.name}: {m.group(0)}" for p in docs_tables.markdown_files()
