@@ -248,15 +248,6 @@ MINUTES_NOTE = ("Minutes: the whole process, mean over seeds (start-up, evaluati
                 "at the end of a run.")
 
 
-def _spread(xs) -> dict:
-    xs = list(xs)
-    return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}
-
-
-def _minus(x: float, f: str = ".2f") -> str:
-    return format(x, f).replace("-", "−")
-
-
 # --- README's results table: one row per training script's default run --------------------------------------------
 OVERVIEW = ("sft", "grpo", "dpo", "rm", "drca", "dapo", "grpo_async", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
             "restem", "repulse", "genrm", "prime")  # the rows in order: algorithms/<name>.py, its page docs/<name>.md
