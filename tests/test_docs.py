@@ -603,6 +603,21 @@ def test_the_pages_name_the_scripts_the_ci_runs_on_the_chat_model():
     assert set(re.findall(r"\w+\.py", row.split("|")[-2])) == ran  # the last cell ("<|im_end|>" holds bars)
 
 
+def test_the_repository_layout_names_every_file():
+    """docs/running.md's Repository layout names every algorithm, shared module and entry of scripts/, and nothing
+    that is not there."""
+    text = (ROOT / "docs" / "running.md").read_text()
+    block = text[text.index("## Repository layout"):]
+    block = block[block.index("```"):block.index("```", block.index("```") + 3)]
+    parts = dict(re.findall(r"^(\w+)/ +(.*?)(?=^\w+/ |\Z)", block.removeprefix("```\n"), flags=re.M | re.S))
+    for folder in ("algorithms", "shared", "scripts"):
+        have = {p.name for p in (ROOT / folder).iterdir() if not p.name.startswith(("_", "."))}
+        named = set(re.findall(r"[\w.-]+\.(?:py|sh)\b|\b[a-z_]+/", parts[folder]))
+        named = {n.rstrip("/") for n in named}
+        assert have - named == set(), (folder, sorted(have - named))
+        assert {n for n in named if "." in n} - have == set(), (folder, sorted({n for n in named if "." in n} - have))
+
+
 def test_no_command_holds_a_placeholder_for_flags():
     """A command on a page pastes as it stands: no `[the ... flags]` standing for flags written elsewhere."""
     found = [f"{p.name}: {m.group(0)}" for p in docs_tables.markdown_files()
