@@ -7,7 +7,7 @@ reference pi_ref (both start as the same model):
 and trained on response-level labels l in {0, 1}; the process reward of a step (here: a line) comes for free as
 beta * sum of d_t over the step's tokens, with no step labels.
 
-Default objective (minimised; beta = 0.05 as ImplicitPRM's run_ce.sh):
+Default objective (minimised; beta = --prm_beta = 0.05 as ImplicitPRM's run_ce.sh, prime.py's name):
     L(phi) = mean_i BCE(sigmoid(beta * (s_phi(y_i) - s_ref(y_i))), l_i),   s(y) = sum of the response's token log-probs
 
 Delta from rm.py (algorithms/rm.py): the reward is a log-likelihood ratio of a causal LM to its frozen copy (no
@@ -119,7 +119,7 @@ class Args:
     """training prompts sampled on each rank (without --data_path)"""
     num_generations: Annotated[int, Ge(1)] = 4
     """samples per prompt, graded 0/1 (without --data_path); the held-out and dev prompts get as many"""
-    beta: Annotated[float, Gt(0)] = 0.05
+    prm_beta: Annotated[float, Gt(0)] = 0.05
     """beta of r = beta * log pi_phi(y) / pi_ref(y) (ImplicitPRM's run_ce.sh: 0.05)"""
     learning_rate: Annotated[float, Gt(0)] = 5e-4
     """AdamW peak learning rate (linear warm-up, cosine decay to 10%; ImplicitPRM at 8B: 5e-7)"""
@@ -328,7 +328,7 @@ def main(args: Args) -> str:
     # the reference as a run in any directory finds it: a local directory's absolute path, else the name as given
     reference = (os.path.abspath(model_path) if os.path.isdir(os.path.expanduser(args.model_name_or_path))
                  else args.model_name_or_path)
-    extra_config = {"implicit_prm_reference": reference, "implicit_prm_beta": args.beta}
+    extra_config = {"implicit_prm_reference": reference, "implicit_prm_beta": args.prm_beta}
     sampler = data_utils.PromptSampler(len(train["labels"]), args.seed)
 
     def batch_d(prompt_ids: list, response_ids: list, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,7 +349,7 @@ def main(args: Args) -> str:
             d, mask = batch_d(prompts[a : a + args.local_micro_batch_size], chunk, False)
             for row, m, ids in zip(d, mask, chunk):
                 spans.append(line_spans(decode, ids))
-                credits.append(line_rewards(row[m.bool()].tolist(), spans[-1], args.beta))
+                credits.append(line_rewards(row[m.bool()].tolist(), spans[-1], args.prm_beta))
         return spans, credits
 
     def evaluate(step: int) -> dict:
@@ -368,10 +368,10 @@ def main(args: Args) -> str:
             for a in range(0, per_rank, args.local_micro_batch_size):
                 rows = padded[a : a + args.local_micro_batch_size]
                 d, mask = batch_d([s["prompt_ids"][i] for i in rows], [s["response_ids"][i] for i in rows], False)
-                rewards += (args.beta * (d * mask).sum(1)).tolist()
+                rewards += (args.prm_beta * (d * mask).sum(1)).tolist()
             every = sum(info.gather_objects(list(zip(idx, rewards[: len(idx)]))), [])
             r = [v for _, v in sorted(every)]
-            metrics |= held_out_metrics(prefix, r, s["labels"], s["groups"], args.beta)
+            metrics |= held_out_metrics(prefix, r, s["labels"], s["groups"], args.prm_beta)
         if slips is not None:
             metrics |= {k.replace("eval/", "prm/"): v for k, v in localisation_metrics(slips, info, decode,
                                                                                         slip_credits).items()}
@@ -405,12 +405,12 @@ def main(args: Args) -> str:
                 d, mask = batch_d([train["prompt_ids"][i] for i in rows], [train["response_ids"][i] for i in rows],
                                   True)
                 lab = torch.tensor([train["labels"][i] for i in rows], device=info.device)
-                loss = ce_loss(d, lab, mask, args.beta) / args.gradient_accumulation_steps
+                loss = ce_loss(d, lab, mask, args.prm_beta) / args.gradient_accumulation_steps
                 guard.backward(prm, loss)
                 norm = guard.step(prm)  # a non-finite loss or gradient skips the step (counted)
                 grad_norm = norm if norm is not None else grad_norm
                 stats["loss"] += loss.item()
-                rewards += (args.beta * (d.detach() * mask).sum(1)).tolist()
+                rewards += (args.prm_beta * (d.detach() * mask).sum(1)).tolist()
                 labels += lab.tolist()
         r, lab = torch.tensor(rewards), torch.tensor(labels)
         local = {"prm/loss": stats["loss"], "prm/acc": ((r > 0).float() == lab).float().mean().item(),

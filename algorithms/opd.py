@@ -16,16 +16,16 @@ Delta from GRPO (algorithms/grpo.py): the per-token teacher advantage replaces t
 teacher (--teacher_model_name_or_path, default builtin:tiny-grpo) is loaded beside the policy, its vocabulary and
 bos/eos/pad ids checked against the student's at start-up (embeddings padded to different sizes: the
 full-distribution losses compare the tokenizer's real tokens). Flags that switch a pure function: --loss jsd (GKD's
-generalised JSD with --beta, backpropagated through the student's whole distribution) or fkl_topk (forward KL on the
-teacher's --topk tokens, --topk_tail), --reward_coef (adds coef x GRPO's group advantage of the task reward),
---control_adv c (A_it = -c on every generated token: the fixed-negative-advantage control, no teacher signal).
-Dropped from grpo.py for length: the KL penalty to a reference (the teacher takes its place), --advantage_estimator
-(a mixed-in task reward uses GRPO's), --policy_loss (CISPO, DPPO).
+generalised JSD with --jsd_beta, backpropagated through the student's whole distribution on the completion positions,
+in chunks) or fkl_topk (forward KL on the teacher's --topk tokens, --topk_tail), --reward_coef (adds coef x the task
+reward's advantage, by grpo.py's --advantage_estimator), --control_adv c (A_it = -c on every generated token: the
+fixed-negative-advantage control, no teacher signal). grpo.py's other flags work as there: --policy_loss (CISPO, DPPO)
+on the teacher advantage, --beta and --kl_estimator (KL to the frozen start model; 0: not loaded), GSPO, TIS, LoRA.
 
 Launch:
     python algorithms/opd.py                                   # CPU, built-in task, tiny-sft from tiny-grpo
     python algorithms/opd.py --control_adv 0.3                 # the fixed-negative-advantage control
-    python algorithms/opd.py --loss jsd --beta 0.5             # GKD: generalised JSD on the student's samples
+    python algorithms/opd.py --loss jsd --jsd_beta 0.5         # GKD: generalised JSD on the student's samples
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/opd.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero3.yaml algorithms/opd.py \
         --model_name_or_path Qwen/Qwen3-0.6B --teacher_model_name_or_path Qwen/Qwen3-8B --chat_template \
@@ -35,6 +35,7 @@ Launch:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -44,13 +45,15 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from annotated_types import Ge, Gt, Interval
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig
 
 from shared import data as data_utils
 from shared.checkpoint import BestModel, Checkpointer, save_final
 from shared.cli import derive_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters, init_distributed,
-                                load_causal_lm, load_tokenizer, prepare, prepare_frozen, seed_everything)
+                                load_causal_lm, load_reference, load_tokenizer, max_over_ranks, output_head, prepare,
+                                prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
@@ -168,7 +171,7 @@ class Args:
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
     loss: Literal["pg", "jsd", "fkl_topk"] = "pg"
     """`pg`: clipped policy gradient on A_t = sg(log nu - log pi_old); `jsd`: GKD's generalised JSD; `fkl_topk`: top-k forward KL"""
-    beta: Annotated[float, Interval(ge=0, le=1)] = 0.5
+    jsd_beta: Annotated[float, Interval(ge=0, le=1)] = 0.5
     """with --loss jsd: 0 is KL(teacher || student) (forward), 1 is KL(student || teacher) (reverse), between: JSD_beta"""
     topk: Annotated[int, Ge(1)] = 32
     """with --loss fkl_topk: the teacher's top-k tokens the forward KL sums over"""
@@ -177,9 +180,11 @@ class Args:
     control_adv: Annotated[float, Ge(0)] = 0.0
     """c > 0: A_t = -c on every generated token instead of the teacher's advantage (fixed-negative-advantage control)"""
     reward_coef: Annotated[float, Ge(0)] = 0.0
-    """add reward_coef x GRPO's group advantage of the task reward to every token's advantage (0: no task reward)"""
+    """add reward_coef x the task reward's advantage (--advantage_estimator) to every token's advantage (0: none)"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "maxrl"] = "grpo"
+    """`grpo`: r - group mean, then --advantage_scaling; `reinforce_pp_baseline`: batch-whitened; `rloo`; `maxrl`; docs/grpo.md"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """task-reward advantage (--reward_coef): `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: batch std; `none`: r-mean"""
+    """with `grpo`: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
@@ -188,6 +193,12 @@ class Args:
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     importance_level: Literal["token", "sequence"] = "token"
     """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
+    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"
+    """`clip`: PPO-clip; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi; `dppo_*`: -ratio A, masked past a divergence"""
+    beta: Annotated[float, Ge(0)] = 0.0
+    """KL loss coefficient; 0 skips the reference model entirely"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
@@ -223,10 +234,34 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions
-def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [P, G] -> GRPO's group advantages of the task reward (--reward_coef), as grpo.py: (r_i - mean_G r) /
-    (std + eps), std Bessel-corrected of the group (`group`) or the batch (`batch`), or no division (`none`)."""
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, estimator: str = "grpo",
+                       token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G], one per completion (docs/grpo.md, Variants).
+
+    grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
+          §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
+    rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
+    reinforce_pp_baseline: (c_i - mu) / max(sigma, eps), c_i = r_i - mean_G r, mu and sigma the mean and population
+          std of c over the batch's completion tokens, c_i counted token_counts[i] times or once (Hu et al. 2025)
+    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710); a group without success gets 0
+    Equal rewards in a group: A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under reinforce_pp_baseline."""
+    if estimator == "rloo":
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
+        return rewards - baseline
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "maxrl":
+        non_binary = rewards[(rewards != 0) & (rewards != 1)]
+        if len(non_binary):
+            raise ValueError(f"advantage_estimator maxrl: needs rewards 0 or 1, got {non_binary[0].item():g}")
+        return centered / rewards.mean(dim=1, keepdim=True).clamp(min=eps)  # a mean of 0: every r is 0, A = 0
+    if estimator == "reinforce_pp_baseline":
+        n = torch.ones_like(rewards) if token_counts is None else token_counts.to(rewards.dtype)
+        total = n.sum().clamp(min=1)
+        mu = (centered * n).sum() / total  # token-weighted batch mean
+        sigma = (((centered - mu) ** 2 * n).sum() / total).sqrt()  # population std (OpenRLHF: var clamped at 1e-8)
+        return (centered - mu) / sigma.clamp(min=eps)
+    if estimator != "grpo":
+        raise ValueError(f"advantage_estimator: expected grpo, rloo, reinforce_pp_baseline or maxrl, got {estimator!r}")
     if scaling == "none":
         return centered
     if scaling == "group":
@@ -234,6 +269,20 @@ def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -
     if scaling == "batch":
         return centered / (rewards.std() + eps)
     raise ValueError(f"advantage_scaling: expected group, batch or none, got {scaling!r}")
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
+    k3 = exp(-d) - 1 + d >= 0 (the GRPO/TRL default). As a loss only k2's gradient equals grad KL."""
+    d = logp - logp_ref if mask is None else (logp - logp_ref) * mask  # mask first: no inf/NaN from padding
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
 def opd_advantages(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor, control_adv=0.0):
@@ -282,14 +331,59 @@ def topk_forward_kl(student_lp: torch.Tensor, teacher_lp: torch.Tensor, k: int, 
     return loss, {"teacher_mass": p_k.detach(), "student_mass": q_k.detach(), "overlap_ratio": overlap}
 
 
-def distribution_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                          vocab_size: int | None = None):
-    """log_softmax(logits / T) over the whole vocabulary at every position t < L-1 (predicting token t+1), [B, L-1, V],
-    for the full-distribution losses (--loss jsd, fkl_topk); right-padded rows as in forward_logprobs. `vocab_size`:
-    over the first V = vocab_size logits only (`compared_vocab_size`: embeddings padded to different sizes)."""
+def distribution_terms(student_head, teacher_head, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+                       targets: torch.Tensor, temperature: float, vocab_size: int | None, loss: str, jsd_beta: float,
+                       topk: int, topk_tail: bool) -> tuple[torch.Tensor, ...]:
+    """The full-distribution loss at N completion positions from both models' final hidden states [N, H]: both
+    distributions log_softmax(logits / T) over the first vocab_size logits (all: None), float32, the teacher's without
+    gradient. Returns per position (divergence, log pi(target), entropy, teacher_mass, student_mass, overlap_ratio),
+    the divergence generalized_jsd (`jsd`) or topk_forward_kl (`fkl_topk`; the last three are its metrics, else 0)."""
+    student_lp = torch.log_softmax(student_head(student_hidden)[:, :vocab_size].float() / temperature, -1)  # [N, V]
+    with torch.no_grad():
+        teacher_lp = torch.log_softmax(teacher_head(teacher_hidden)[:, :vocab_size].float() / temperature, -1)
+    logp = student_lp.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(student_lp.exp() * student_lp).sum(-1)
+    if loss == "jsd":
+        zero = torch.zeros_like(logp)
+        return generalized_jsd(student_lp, teacher_lp, jsd_beta), logp, entropy, zero, zero, zero
+    divergence, masses = topk_forward_kl(student_lp, teacher_lp, topk, topk_tail)
+    return divergence, logp, entropy, masses["teacher_mass"], masses["student_mass"], masses["overlap_ratio"]
+
+
+def distribution_losses(policy, teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        response_mask: torch.Tensor, temperature: float, vocab_size: int | None, loss: str,
+                        jsd_beta: float, topk: int, topk_tail: bool, chunk_size: int = 512):
+    """--loss jsd / fkl_topk on one micro-batch of right-padded rows [B, L]: (divergence, log pi, entropy) [B, L-1] at
+    the positions t that predict a completion token (response_mask[:, t+1] = 1), 0 elsewhere, and the top-k metrics.
+    Both models' LM heads run on those positions only, chunk_size at a time, each chunk recomputed in the backward
+    pass (as shared/logprobs.py's forward_logprobs): two [chunk_size, V] float32 distributions at a time, not
+    [B, L-1, V] per model."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return torch.log_softmax(out.logits[:, :-1, :vocab_size].float() / temperature, -1)
+    keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
+    hidden = []
+    for model in (policy, teacher):  # the models' own forwards, computing the logits of the last position only
+        with torch.no_grad() if model is teacher else contextlib.nullcontext():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        output_hidden_states=True, logits_to_keep=1)
+        hidden.append(out.hidden_states[-1][:, :-1][keep])  # [N, H]
+        del out
+    targets = input_ids[:, 1:][keep]
+    heads = (output_head(policy), output_head(teacher))
+    num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))  # ZeRO-3: each head call gathers
+    chunks = []
+    for k in range(num_chunks):
+        s = slice(k * chunk_size, (k + 1) * chunk_size)
+        chunks.append(checkpoint(distribution_terms, *heads, hidden[0][s], hidden[1][s], targets[s], temperature,
+                                 vocab_size, loss, jsd_beta, topk, topk_tail, use_reentrant=False,
+                                 preserve_rng_state=False))
+    terms = []
+    for values in zip(*chunks):
+        full = hidden[0].new_zeros(keep.shape, dtype=torch.float32)
+        full[keep] = torch.cat(values)
+        terms.append(full)
+    divergence, logp, entropy, p_k, q_k, overlap = terms
+    masses = {"teacher_mass": p_k, "student_mass": q_k, "overlap_ratio": overlap} if loss == "fkl_topk" else {}
+    return divergence, logp, entropy, masses
 
 
 def compared_vocab_size(student_rows: int, teacher_rows: int, num_tokens: int) -> int | None:
@@ -347,6 +441,43 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
     return loss, is_clipped.float(), ratio
+
+
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
+                    mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
+    indicator of tokens whose weight was truncated. The weight is detached: every token keeps the gradient
+    -w A grad log pi, also where PPO-clip would zero it. No lower bound (MiniMax-M1 sets none; ScaleRL's CISPO,
+    arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not apply. The loss value contains
+    log pi and is not an objective."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    loss = -weight * advantages * (logp if mask is None else logp * mask)
+    is_clipped = ratio > 1 + eps_high
+    return loss, is_clipped.float(), ratio
+
+
+def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                   eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
+    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
+    M = 0 on a token whose p = pi(y_t) left the trust region around the sampler's p_s = pi_sampler(y_t) (the anchor
+    of the paper's Sec. 5.2, verl, prime-rl and TRL) in the direction its advantage pushes (A > 0: up, eps_high):
+      tv: |p - p_s| > eps                                              (verl `dppo_tv`)
+      kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
+    (A < 0: down, eps_low). rho = pi / pi_old (the --tis weight carries pi_old / pi_sampler); the mask is detached,
+    kept tokens get the unclipped gradient -A grad rho."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
+    p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
+    if divergence == "tv":
+        out_up, out_down = p - p_s > eps_high, p - p_s < -eps_low
+    elif divergence == "kl":
+        kl = p_s * (logp_sampler - logp.detach()) + (1 - p_s) * torch.log((1 - p_s + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > p_s), (kl > eps_low) & (p < p_s)
+    else:
+        raise ValueError(f"policy_loss: expected dppo_tv or dppo_kl, got dppo_{divergence}")
+    masked = torch.where(advantages > 0, out_up, (advantages < 0) & out_down)
+    return -ratio * advantages * (~masked), masked.float(), ratio
 
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -417,6 +548,13 @@ def validate(args: Args) -> None:
     if args.reward_coef > 0 and args.num_generations < 2:
         raise ValueError("num_generations: the task reward's group advantage (--reward_coef) needs at least 2 "
                          "completions per prompt (with 1 every advantage is 0)")
+    if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
+        raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
+                         "has its own normalisation)")
+    if args.advantage_estimator == "maxrl" and args.reward_model_path:
+        raise ValueError("advantage_estimator: maxrl needs rewards 0 or 1 (a grader), not a reward model's scores")
+    if args.policy_loss.startswith("dppo") and args.importance_level != "token":
+        raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
     if args.control_adv > 0 and args.loss != "pg":
         raise ValueError("control_adv: the fixed negative advantage replaces the teacher's in --loss pg only")
 
@@ -466,6 +604,8 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
     reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     # the teacher: frozen (eval mode, requires_grad False), outside the optimizer; ZeRO-3 partitions it
     teacher = prepare_frozen(load_causal_lm(teacher_path, dtype), info, dtype)
     seed_everything(local_seed)
@@ -537,26 +677,32 @@ def main(args: Args) -> str:
                                                      info.device)
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
 
-        # 4. task-reward advantages (--reward_coef), on the global batch: `batch` scaling uses every rank's rewards
+        # 4. log-probs before the update, one forward of each model: the student's (pi_old: the ratio, TIS and A_t) and
+        # the teacher's (A_t), both log_softmax(logits / T) at the rollout temperature, and the reference's (KL term)
         mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
+        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
+        with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
+            old_logp, teacher_logp, ref_logp = batch_logprobs([policy, teacher, ref_policy], input_ids, attn, resp,
+                                                              lengths, args.local_batch_size // args.local_micro_batch_size,
+                                                              args.micro_batching, args.temperature)
+
+        # 5. advantages per token: the teacher's A_t (or the control's -c) with --loss pg, plus reward_coef x the task
+        # reward's advantage, computed on the global batch so that `batch` scaling uses every rank's rewards
+        adv_tok = opd_advantages(teacher_logp, old_logp, mask, args.control_adv) if args.loss == "pg" else 0 * mask
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)
-        all_adv = compute_advantages(all_scores, args.advantage_scaling)
         zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
-        adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
-
-        sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
-
-        # 5. log-probs before the update, one forward of each model: the student's (pi_old: the ratio, TIS and A_t)
-        # and the teacher's, both log_softmax(logits / T) at the rollout temperature
-        with timer("logprob"):  # micro-batches of the whole batch, laid out as in training
-            old_logp, teacher_logp = batch_logprobs([policy, teacher], input_ids, attn, resp, lengths,
-                                                    args.local_batch_size // args.local_micro_batch_size,
-                                                    args.micro_batching, args.temperature)
-        # per-token advantage: the teacher's (or the control's -c) with --loss pg; plus the task reward's, if mixed in
-        adv_tok = args.reward_coef * adv.to(info.device)[:, None] * mask
-        if args.loss == "pg":
-            adv_tok = adv_tok + opd_advantages(teacher_logp, old_logp, mask, args.control_adv)
+        task_adv = {}  # the task reward's advantage metrics, with --reward_coef
+        if args.reward_coef > 0:
+            token_counts = None
+            if args.advantage_estimator == "reinforce_pp_baseline":  # whitening weighs completions by trained tokens
+                token_counts = torch.tensor(sum(info.gather_objects(mask.sum(1).tolist()), []))
+                token_counts = token_counts.view(args.num_prompts, args.num_generations)
+            all_adv = compute_advantages(all_scores, args.advantage_scaling, estimator=args.advantage_estimator,
+                                         token_counts=token_counts)
+            adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
+            adv_tok = adv_tok + args.reward_coef * adv.to(info.device)[:, None] * mask
+            task_adv = {"val/advantages_mean": all_adv.mean().item(), "val/advantages_std": all_adv.std().item()}
 
         # 6. update: num_iterations passes x num_minibatches optimizer steps x gradient accumulation
         stats = defaultdict(list)  # metric name -> one value per micro-batch
@@ -576,26 +722,30 @@ def main(args: Args) -> str:
                         if args.loss == "pg":
                             logp, entropy = micro_batch_logprobs(policy, input_ids[idx], attn[idx], resp[idx],
                                                                  args.micro_batching, args.temperature, True)
-                        else:  # both models' whole distributions at these positions; the teacher's without gradient
-                            student_lp = distribution_logprobs(policy, input_ids[idx], attn[idx], args.temperature,
-                                                               vocab_size)
-                            with torch.no_grad():
-                                teacher_lp = distribution_logprobs(teacher, input_ids[idx], attn[idx], args.temperature,
-                                                                   vocab_size)
-                            logp = student_lp.gather(-1, input_ids[idx][:, 1:, None]).squeeze(-1) * resp[idx][:, 1:]
-                            entropy = -(student_lp.exp() * student_lp).sum(-1)
-                            if args.loss == "jsd":
-                                divergence = generalized_jsd(student_lp, teacher_lp, args.beta)
-                            else:
-                                divergence, masses = topk_forward_kl(student_lp, teacher_lp, args.topk, args.topk_tail)
+                        else:  # both models' whole distributions on the completion positions, in chunks
+                            divergence, logp, entropy, masses = distribution_losses(
+                                policy, teacher, input_ids[idx], attn[idx], resp[idx], args.temperature, vocab_size,
+                                args.loss, args.jsd_beta, args.topk, args.topk_tail)
                         logp_old = old_logp[idx]
-                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high, m_mask, args.importance_level)
+                        if args.policy_loss == "cispo":
+                            pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
+                                                                    m_mask, args.importance_level)
+                        elif args.policy_loss.startswith("dppo"):
+                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, sampler_logp[idx], adv_tok[idx],
+                                                                   args.epsilon_low, args.epsilon_high,
+                                                                   args.policy_loss[5:], m_mask)
+                        else:
+                            pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                      args.epsilon_high, m_mask, args.importance_level)
                         # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w + divergence  # the divergence: --loss jsd / fkl_topk, same aggregator
                         if args.entropy_coef:  # entropy bonus, aggregated over the same tokens as the policy term
                             per_token = per_token - args.entropy_coef * entropy
+                        kl = torch.zeros_like(logp)
+                        if ref_policy is not None:
+                            kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator, m_mask)
+                            per_token = per_token + args.beta * kl  # KL in the loss, same aggregator as the PG term
                         loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
                                               int(mb_tokens.item()), int(global_tokens), info.world_size,
                                               args.max_new_tokens)
@@ -607,7 +757,8 @@ def main(args: Args) -> str:
                             mm = lambda x: (x * m_mask).sum() / n  # noqa: E731
                             for k, v in {"loss/policy_avg": mm(pg), "policy/clipfrac_avg": mm(is_clipped),
                                          "policy/approxkl_avg": mm(0.5 * (logp - logp_old) ** 2),
-                                         "loss/divergence_avg": mm(divergence), "objective/entropy": mm(entropy),
+                                         "objective/kl": (kl * m_mask).sum(1).mean(), "objective/entropy": mm(entropy),
+                                         "loss/divergence_avg": mm(divergence),
                                          "val/ratio": mm(ratio), "val/ratio_var": mm((ratio - mm(ratio)) ** 2),
                                          **{f"opd/{k}": mm(v) for k, v in masses.items()}}.items():
                                 stats[k].append(v.item())
@@ -631,8 +782,7 @@ def main(args: Args) -> str:
         metrics = info.mean_over_ranks(local)
         ext = info.gather_objects((min(on), max(on)))
         metrics.update({"opd/adv_min": min(e[0] for e in ext), "opd/adv_max": max(e[1] for e in ext)})
-        metrics.update({"val/frac_reward_zero_std": zero_std_groups, "val/advantages_mean": all_adv.mean().item(),
-                        "val/advantages_std": all_adv.std().item(), "lr": scheduler.get_last_lr()[0],
+        metrics.update({"val/frac_reward_zero_std": zero_std_groups, **task_adv, "lr": scheduler.get_last_lr()[0],
                         "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
         # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:

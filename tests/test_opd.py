@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms.opd import (Args, check_same_vocabulary, distribution_logprobs, generalized_jsd, main, opd_advantages,
+from algorithms.opd import (Args, check_same_vocabulary, distribution_losses, generalized_jsd, main, opd_advantages,
                             topk_forward_kl)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,30 +141,93 @@ def test_teacher_gets_no_gradient_and_both_models_use_one_temperature(tiny_model
         with torch.no_grad():
             ref = F.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1] / T, -1)
         torch.testing.assert_close(got, ref.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask, atol=1e-5, rtol=1e-5)
-        real = attn[:, 1:].bool()  # positions followed by a real token (padding's logits are never used)
-        torch.testing.assert_close(distribution_logprobs(model, ids, attn, T).detach()[real], ref[real], atol=1e-5,
-                                   rtol=1e-5)
     # each completion's EOS is its last generated token, in the mask and scored; the EOS-valued padding is not
     assert mask[0].tolist() == [0, 0, 1, 1, 1] and mask[1].tolist() == [0, 1, 1, 0, 0]
     adv = opd_advantages(teacher_logp, old_logp, mask)
     assert adv[0, 4] != 0 and adv[1, 2] != 0  # the EOS positions
     # the pg loss and the jsd loss backpropagate into the student only
     logp, _ = micro_batch_logprobs(student, ids, attn, resp, "padded", T)
-    with torch.no_grad():
-        t_lp = distribution_logprobs(teacher, ids, attn, T)
-    loss = -(torch.exp(logp - old_logp) * adv * mask).sum() + (generalized_jsd(
-        distribution_logprobs(student, ids, attn, T), t_lp, 0.5) * mask).sum()
+    divergence = distribution_losses(student, teacher, ids, attn, resp, T, None, "jsd", 0.5, 4, False)[0]
+    loss = -(torch.exp(logp - old_logp) * adv * mask).sum() + (divergence * mask).sum()
     loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
 
 
+def whole_distribution_reference(student, teacher, ids, attn, resp, T, loss, vocab_size=None):
+    """The unchunked form: both models' log_softmax(logits / T) at every position [B, L-1, V], the divergence,
+    log pi of the next token and the entropy there, kept at the completion positions."""
+    lps = [F.log_softmax(m(input_ids=ids, attention_mask=attn).logits[:, :-1, :vocab_size].float() / T, -1)
+           for m in (student, teacher)]
+    keep = resp[:, 1:].float()
+    div = generalized_jsd(*lps, 0.3) if loss == "jsd" else topk_forward_kl(*lps, 3, True)[0]
+    logp = lps[0].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return div * keep, logp * keep, -(lps[0].exp() * lps[0]).sum(-1) * keep
+
+
+@pytest.mark.parametrize("loss", ["jsd", "fkl_topk"])
+def test_the_chunked_full_distribution_losses_equal_the_whole_distribution_ones(tiny_model, loss):
+    """--loss jsd / fkl_topk on completion positions, 2 at a time (checkpointed chunks): the divergence, log pi, the
+    entropy and the student's gradient equal those of both models' whole [B, L-1, V] distributions to float
+    precision; the teacher gets no gradient."""
+    from transformers import LlamaForCausalLM
+
+    from shared.data import pad_batch
+
+    student = tiny_model[0]
+    torch.manual_seed(5)
+    teacher = LlamaForCausalLM(student.config).requires_grad_(False)
+    ids, attn, resp = pad_batch([[1, 40, 41, 42, 43], [1, 42]], [[43, 44, 45], [45, 46, 47, 48, 2]], 2)
+    T, V = 0.8, student.config.vocab_size - 3  # the compared vocabulary: the first V logits
+    grads = []
+    for chunked in (True, False):
+        student.zero_grad()
+        if chunked:
+            div, logp, ent, masses = distribution_losses(student, teacher, ids, attn, resp, T, V, loss, 0.3, 3, True,
+                                                         chunk_size=2)
+            assert set(masses) == ({"teacher_mass", "student_mass", "overlap_ratio"} if loss == "fkl_topk" else set())
+        else:
+            div, logp, ent = whole_distribution_reference(student, teacher, ids, attn, resp, T, loss, V)
+        (div.sum() + 0.1 * logp.sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
+        outs = (div.detach(), logp.detach(), ent.detach())
+        if chunked:
+            first = outs
+    for a, b in zip(first, outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+    assert first[0].abs().sum() > 0 and all(p.grad is None for p in teacher.parameters())
+
+
+def test_the_full_distribution_losses_take_logits_at_completion_positions_only(tiny_model):
+    """Both LM heads run on the positions that predict a completion token, at most chunk_size rows at a time (and on
+    the last position inside the models' forwards): never on the prompt's positions, never [B, L-1, V] at once."""
+    from transformers import LlamaForCausalLM
+
+    from shared.data import pad_batch
+
+    student = tiny_model[0]
+    teacher = LlamaForCausalLM(student.config).requires_grad_(False)
+    ids, attn, resp = pad_batch([[1] + [40] * 20, [1, 42]], [[43, 44, 45], [45, 46, 47, 48, 2]], 2)
+    rows = []
+    hooks = [m.lm_head.register_forward_hook(lambda mod, inp, out: rows.append(tuple(inp[0].shape[:-1])))
+             for m in (student, teacher)]
+    div = distribution_losses(student, teacher, ids, attn, resp, 1.0, None, "jsd", 0.5, 3, False, chunk_size=3)[0]
+    div.sum().backward()  # the recomputed chunks too
+    for h in hooks:
+        h.remove()
+    n = int(resp[:, 1:].sum())  # 8 completion tokens
+    assert all(r[-1] == 1 for r in rows if len(r) == 2)  # inside the forwards: the last position only
+    chunks = [r[0] for r in rows if len(r) == 1]
+    assert max(chunks) <= 3 and sum(chunks) == 4 * n  # both heads forward, and both again in the recompute
+
+
 def test_every_log_prob_in_the_script_is_taken_at_the_rollout_temperature():
     """One temperature for student and teacher: each log-prob call in opd.py passes args.temperature."""
     src = (ROOT / "algorithms" / "opd.py").read_text()
-    calls = re.findall(r"(?:batch_logprobs|micro_batch_logprobs|distribution_logprobs)\((?:[^()]|\([^()]*\))*\)", src)
-    calls = [c for c in calls if "model," not in c]  # the definition's signature
-    assert len(calls) == 4 and all("args.temperature" in c for c in calls), calls
+    calls = re.findall(r"(?:batch_logprobs|micro_batch_logprobs|distribution_losses)\((?:[^()]|\([^()]*\))*\)", src)
+    calls = [c for c in calls if "policy, teacher, input_ids: torch.Tensor" not in c]  # the definition's signature
+    assert len(calls) == 3 and all("args.temperature" in c for c in calls), calls
 
 
 def test_vocabulary_guard_names_the_first_difference(tmp_path):
