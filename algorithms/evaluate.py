@@ -63,10 +63,10 @@ class Args:
     """the model: a checkpoint the scripts save (runs/grpo/final or best), a local HF checkpoint, a hub name, or `builtin:*`"""
     dataset: str = "builtin"
     """`builtin`, a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
-    split: str = "test"
-    """split to evaluate (a training run's --eval_split)"""
-    num_prompts: Annotated[int, Ge(0)] = 0
-    """a fixed-seed sample of this many prompts of the split, the same rows as a training run's --eval_num_prompts (0: all)"""
+    eval_split: str = "test"
+    """split to evaluate (as in the training scripts)"""
+    eval_num_prompts: Annotated[int, Ge(1)] = 500
+    """prompts evaluated: a fixed-seed sample of the split, the same rows as a training run's (all rows if it has fewer)"""
     prompt_key: str = "prompt"
     """dataset column holding the prompt"""
     answer_key: str = "answer"
@@ -120,7 +120,7 @@ class Args:
 
 
 # flags that change the completions: a resumed evaluation must keep them (the others only change the summary)
-RESULT_FLAGS = ("model_name_or_path", "model_files", "dataset", "split", "num_prompts", "prompt_key", "answer_key",
+RESULT_FLAGS = ("model_name_or_path", "model_files", "dataset", "eval_split", "eval_num_prompts", "prompt_key", "answer_key",
                 "prompt_template", "chat_template", "max_prompt_length", "reward_fn", "stop", "generator",
                 "num_samples", "temperature", "top_p", "max_new_tokens", "greedy", "seed", "chunk_size", "verifiers")
 
@@ -255,9 +255,9 @@ def main(args: Args) -> dict | None:
     model_path = resolve_model_path(args.model_name_or_path)
     args.model_files = model_files(model_path)
     tokenizer = load_tokenizer(model_path)
-    data = data_utils.load_prompts(args.dataset, args.split, tokenizer, args.prompt_key, args.answer_key,
+    data = data_utils.load_prompts(args.dataset, args.eval_split, tokenizer, args.prompt_key, args.answer_key,
                                    args.prompt_template, args.chat_template, args.max_prompt_length,
-                                   limit=args.num_prompts)
+                                   limit=args.eval_num_prompts)
     reward_fn = load_reward_fn(args.reward_fn, args.dataset)
     probe_reward_fn(reward_fn, data.rows)
     answer_fn = load_answer_fn(args.reward_fn, args.dataset)

@@ -85,8 +85,10 @@ ONE_STEP = {
     "unit_ppo": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--reward_model_path", "{unit_rm}"],
                  "metrics.jsonl"),
     # an evaluation tool, not a trainer: a few prompts, no training; its metrics go to summary.json
-    "evaluate": (["--generator", "hf", "--num_prompts", "4", "--num_samples", "2", "--k", "1", "2",
+    "evaluate": (["--generator", "hf", "--eval_num_prompts", "4", "--num_samples", "2", "--k", "1", "2",
                   "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),
+    "evaluate_text": (["--generator", "hf", "--eval_num_prompts", "4", "--max_new_tokens", "8", "--num_bootstrap", "10"],
+                      "summary.json"),
 }
 SCRIPTS = sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__")
 

@@ -218,7 +218,7 @@ def check_outputs(out: Path, num_prompts: int, num_samples: int, ks: list[int]) 
 
 
 def test_evaluate_hf_end_to_end(tmp_path):
-    proc = evaluate(tmp_path / "hf", "--generator", "hf", "--num_prompts", "10", "--k", "1", "2", "4")
+    proc = evaluate(tmp_path / "hf", "--generator", "hf", "--eval_num_prompts", "10", "--k", "1", "2", "4")
     summary = check_outputs(tmp_path / "hf", 10, 4, [1, 2, 4])
     assert proc.stdout.count("\n") == 2 and proc.stdout.splitlines()[-1].startswith("done: 10 prompts")
     bar = [line for line in proc.stderr.splitlines() if line.strip()]  # text=True turned the bar's \r into \n
@@ -239,7 +239,7 @@ def run_in_process(out: Path, monkeypatch, capsys, *flags: str) -> tuple[int, st
     return code, capsys.readouterr().err
 
 
-HF_SMALL = ["--generator", "hf", "--num_prompts", "10", "--num_samples", "2", "--k", "1", "2", "--max_new_tokens",
+HF_SMALL = ["--generator", "hf", "--eval_num_prompts", "10", "--num_samples", "2", "--k", "1", "2", "--max_new_tokens",
             "12", "--num_bootstrap", "100"]
 
 
@@ -282,7 +282,10 @@ def test_hf_resume_recomputes_nothing_and_equals_a_straight_run(tmp_path, monkey
     (["--temperature", "0"], "error: temperature: must be in (0, inf)"),
     (["--model_name_or_path", "/nonexistent/model"], "error: model_name_or_path: /nonexistent/model does not exist"),
     (["--reward_fn", "nope.py:score"], "error: reward_fn: file nope.py does not exist"),
-    (["--split", "validation"], "error: built-in task has splits 'train' and 'test', not 'validation'"),
+    (["--eval_split", "validation"], "error: built-in task has splits 'train' and 'test', not 'validation'"),
+    (["--eval_num_prompts", "0"], "error: eval_num_prompts: must be in [1, inf)"),  # was the whole split
+    (["--num_prompts", "4"], "error: --num_prompts: --eval_num_prompts names evaluate.py's prompt count now"),
+    (["--split", "train"], "error: --split: --eval_split names evaluate.py's split now"),
 ])
 def test_bad_flags_are_one_line_errors_and_write_nothing(tmp_path, monkeypatch, capsys, flags, message):
     monkeypatch.chdir(tmp_path)
@@ -293,12 +296,12 @@ def test_bad_flags_are_one_line_errors_and_write_nothing(tmp_path, monkeypatch, 
 
 def test_resuming_with_other_settings_is_an_error_that_changes_nothing(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    flags = ["--generator", "hf", "--num_prompts", "4", "--num_samples", "2", "--k", "1", "--num_bootstrap", "10"]
+    flags = ["--generator", "hf", "--eval_num_prompts", "4", "--num_samples", "2", "--k", "1", "--num_bootstrap", "10"]
     assert run_in_process(out, monkeypatch, capsys, *flags)[0] == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    code, err = run_in_process(out, monkeypatch, capsys, *flags, "--temperature", "0.5", "--num_prompts", "5")
+    code, err = run_in_process(out, monkeypatch, capsys, *flags, "--temperature", "0.5", "--eval_num_prompts", "5")
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: output_dir: {out} holds an evaluation with other settings: --num_prompts 4 (now 5), "
+    assert err.startswith(f"error: output_dir: {out} holds an evaluation with other settings: --eval_num_prompts 4 (now 5), "
                           "--temperature 1.0 (now 0.5)"), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
@@ -306,7 +309,7 @@ def test_resuming_with_other_settings_is_an_error_that_changes_nothing(tmp_path,
 @pytest.mark.slow
 def test_evaluate_vllm_end_to_end_and_resume(tmp_path):
     """vLLM: an evaluation stopped after some prompts, then resumed, writes the files of an uninterrupted one."""
-    flags = ["--num_prompts", "10", "--chunk_size", "3"]
+    flags = ["--eval_num_prompts", "10", "--chunk_size", "3"]
     evaluate(tmp_path / "straight", *flags)
     check_outputs(tmp_path / "straight", 10, 4, [1, 4])
     proc = evaluate(tmp_path / "resumed", *flags, "--stop_after_prompts", "4")
@@ -324,7 +327,7 @@ def test_evaluate_vllm_end_to_end_and_resume(tmp_path):
 def test_two_ranks_equal_one_rank(tmp_path, generator):
     """accelerate launch, 2 CPU processes: each rank generates its share of the calls, rank 0 merges; the files are
     those of one process."""
-    flags = ["--generator", generator, "--num_prompts", "70", "--num_samples", "2", "--k", "1", "2",
+    flags = ["--generator", generator, "--eval_num_prompts", "70", "--num_samples", "2", "--k", "1", "2",
              "--chunk_size", "16"]
     evaluate(tmp_path / "one", *flags)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero0.yaml",
@@ -350,7 +353,7 @@ def test_a_grpo_runs_last_held_out_numbers_equal_evaluate_on_its_final_checkpoin
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     last = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r][-1]
     evaluate(tmp_path / "eval", "--model_name_or_path", str(run / "final"), "--generator", generator,
-             "--num_prompts", "70", "--num_samples", "4", "--temperature", "1.0", "--k", "4", "--seed", "3")
+             "--eval_num_prompts", "70", "--num_samples", "4", "--temperature", "1.0", "--k", "4", "--seed", "3")
     metrics = json.loads((tmp_path / "eval" / "summary.json").read_text())["metrics"]
     assert metrics["eval/accuracy"] == last["eval/accuracy"]
     assert metrics["eval/pass@4"] == last["eval/pass@4"]
@@ -364,7 +367,7 @@ def test_a_changed_model_is_named_in_the_resume_error(tmp_path, monkeypatch, cap
     model = tmp_path / "model"
     shutil.copytree(resolve_model_path("builtin:tiny-sft"), model)
     out = tmp_path / "out"
-    flags = ["--model_name_or_path", str(model), "--generator", "hf", "--num_prompts", "2", "--num_samples", "1",
+    flags = ["--model_name_or_path", str(model), "--generator", "hf", "--eval_num_prompts", "2", "--num_samples", "1",
              "--k", "1", "--num_bootstrap", "0", "--no_greedy"]
     assert run_in_process(out, monkeypatch, capsys, *flags)[0] == 0
     (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())  # retrained in place
