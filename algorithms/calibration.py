@@ -6,8 +6,9 @@ ForecastProbs (p_a for each, and p_gold for the gold answer). Default objective:
     R = log clip(p_gold, eps, 1) - lambda * |sum_{a in A} p_a - 1| + C        eps = 1e-4, lambda = 5, C = 5
     A_i = (R_i - mean_G R) / (std_G R + 1e-4)      (the paper runs PPO; C cancels here)
 Built-in reader (`--reader parser`): a deterministic parser of the last line `13@70;14@30` (answer@percent, tens);
-`--reader lm`: a frozen LM prompted for both steps (zero-shot). Stage 1 (summary-distillation SFT):
-scripts/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
+`--reader lm`: a frozen LM prompted for both steps (zero-shot), refused at start-up unless a probe shows its
+forecasts follow stated chances (shared/reader.py probe_reader; the built-in models fail it). Stage 1 (summary-
+distillation SFT): scripts/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
 
 Delta from GRPO (algorithms/grpo.py): the reader's reward (lc_reward, read_confidence) and a held-out evaluation of
 calibration (calibration_metrics); grpo.py's other estimators, GSPO, CISPO and DPPO are not carried (grpo.py has them).
@@ -15,7 +16,7 @@ calibration (calibration_metrics); grpo.py's other estimators, GSPO, CISPO and D
 Launch:
     python algorithms/calibration.py                           # CPU, built-in task, tiny model, about 15 minutes
     python algorithms/calibration.py --generator hf            # HF generate instead of vLLM
-    python algorithms/calibration.py --model_name_or_path builtin:smollm2-135m --chat_template --reader lm \
+    python algorithms/calibration.py --model_name_or_path builtin:smollm2-135m --chat_template \
         --prompt_template "{prompt} Sum the digits. End with one line like 13@70;14@30 (answer@percent)."
 """
 
@@ -44,7 +45,7 @@ from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task, task_summary
-from shared.reader import LMReader
+from shared.reader import LMReader, probe_reader
 from shared.rewards import compute_rewards
 from shared.models import resolve_model_path
 from shared.tracking import Timer, Tracker
@@ -185,7 +186,7 @@ class Args:
     sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions every this many steps"""
     reader: Literal["parser", "lm"] = "parser"
-    """`parser`: the built-in reader of `answer@percent;...` last lines; `lm`: a frozen LM prompted to extract and forecast"""
+    """`parser`: the built-in reader of `answer@percent;...` last lines; `lm`: a frozen LM prompted to extract and forecast (start-up probe)"""
     reader_model_path: str = ""
     """the LM reader (`--reader lm`); empty: the policy's starting model, frozen"""
     reader_max_new_tokens: Annotated[int, Ge(1)] = 32
@@ -446,6 +447,11 @@ def main(args: Args) -> str:
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     headline = "eval/ece"  # the held-out number printed at start and end
+    read = parser_reader  # the frozen reader: (rows, texts, finished) -> (forecasts over A, p_gold)
+    if args.reader == "lm":  # refused (one line, nothing written) unless its forecasts follow stated chances
+        read = LMReader(load_causal_lm(reader_path, default_dtype(info.device)).to(info.device),
+                        load_tokenizer(reader_path), args.reader_max_new_tokens)
+        probe_reader(read)
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -467,10 +473,6 @@ def main(args: Args) -> str:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
                                            args.gradient_accumulation_steps, args.max_grad_norm, dtype)
-    read = parser_reader  # the frozen reader: (rows, texts, finished) -> (forecasts over A, p_gold)
-    if args.reader == "lm":
-        read = LMReader(load_causal_lm(reader_path, dtype).to(info.device), load_tokenizer(reader_path),
-                        args.reader_max_new_tokens)
     # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
     ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)

@@ -3,6 +3,7 @@ two prompts about a text, ExtractAnswers and ForecastProbs (Band et al. 2024, ht
 zero-shot. Plumbing only: the reward and the metrics computed from its forecasts stay in the script.
 
     read = LMReader(model, tokenizer, max_new_tokens)
+    probe_reader(read)                                 # ValueError unless its forecasts follow stated chances
     forecasts, p_golds = read(rows, texts, finished)   # [{answer: p}], [p of row["answer"]]
 """
 
@@ -67,3 +68,25 @@ class LMReader:
             p_golds.append(forecasts[-1][gold] if gold in forecasts[-1] else
                            self.forecast(row["prompt"], text, gold) if done else 0.0)
         return forecasts, p_golds
+
+
+PROBE_ROW = {"prompt": "What is 12 + 7?", "answer": "19"}
+PROBE_CHANCES = (90, 50, 10)  # percent, stated in the probe texts
+
+
+def probe_reader(read, min_gap: float = 0.3) -> None:
+    """Raises ValueError (one line, with what the reader did) unless the reader reads stated claims: on the texts
+    `The sum is 19. I am c% sure of it.` (c = 90, 50, 10) it must extract exactly `19`, its p(19) must fall by at
+    least min_gap from c = 90 to c = 10 and never rise, and at c = 90 a wrong answer (18) must get less than 19.
+    RL against a reader that fails this trains on noise (its reward does not depend on the stated confidence)."""
+    texts = [f"The sum is 19. I am {c}% sure of it." for c in PROBE_CHANCES]
+    forecasts, p_golds = read([PROBE_ROW] * len(texts), texts, [True] * len(texts))
+    p_wrong = read([{**PROBE_ROW, "answer": "18"}], texts[:1], [True])[1][0]
+    extracted = all(list(f) == ["19"] for f in forecasts)
+    follows = p_golds[0] - p_golds[-1] >= min_gap and all(a >= b for a, b in zip(p_golds, p_golds[1:]))
+    if not (extracted and follows and p_wrong < p_golds[0]):
+        shown = "/".join(f"{p:.3f}" for p in p_golds)
+        raise ValueError(f"reader: its forecasts do not follow stated chances (probe `The sum is 19. I am c% sure of "
+                         f"it.`, c = {'/'.join(map(str, PROBE_CHANCES))}: p(19) {shown}, p(18) at 90% {p_wrong:.3f}, "
+                         f"extracted {[list(f) for f in forecasts][0]}); RL against it would train on noise: use "
+                         f"--reader parser, or a --reader_model_path that reads claims")

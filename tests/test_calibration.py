@@ -1,6 +1,6 @@
 """algorithms/calibration.py (linguistic calibration): the reader, the reward and the calibration metrics against
 hand-computed numbers and the reference's definitions (tatsu-lab/linguistic_calibration), then exact resume, a
-two-process run and two steps on builtin:smollm2-135m."""
+two-process run, and the start-up probe that refuses a reader whose forecasts ignore stated chances."""
 
 import json
 import math
@@ -213,16 +213,48 @@ def test_two_processes_score_as_one(resumed, tmp_path):
             assert x["reward"] == pytest.approx(reward(x["completion"], gold, x["finish_reason"] == "stop", 5.0))
 
 
+class FakeReader:
+    """A reader whose p(gold) is `follow` * the stated percent / 100 + (1 - follow) * 0.12, extracting `extract`."""
+
+    def __init__(self, follow: float, extract: str | None = None):
+        self.follow, self.extract = follow, extract
+
+    def __call__(self, rows, texts, finished):
+        import re
+        stated = [int(re.search(r"(\d+)%", t).group(1)) / 100 for t in texts]
+        claimed = [re.search(r"is (\d+)\.", t).group(1) for t in texts]
+        ps = [self.follow * c + (1 - self.follow) * 0.12 for c in stated]
+        forecasts = [{self.extract or a: p} for a, p in zip(claimed, ps)]
+        return forecasts, [p if r["answer"] == a else (1 - p) / 10 for r, a, p in zip(rows, claimed, ps)]
+
+
+@pytest.mark.parametrize("reader, refused", [(FakeReader(1.0), False), (FakeReader(0.5), False),
+                                             (FakeReader(0.0), True), (FakeReader(0.2), True),
+                                             (FakeReader(1.0, extract="12 + 7 = 19"), True)])
+def test_the_probe_refuses_a_reader_that_ignores_stated_chances(reader, refused):
+    from shared.reader import probe_reader
+
+    if refused:
+        with pytest.raises(ValueError, match=r"^reader: its forecasts do not follow stated chances"):
+            probe_reader(reader)
+    else:
+        probe_reader(reader)
+
+
 @pytest.mark.real_model
-@pytest.mark.slow
-def test_two_steps_on_smollm2_with_the_lm_reader(tmp_path):
-    run([sys.executable, "algorithms/calibration.py", "--output_dir", str(tmp_path), "--model_name_or_path",
-         "builtin:smollm2-135m", "--chat_template", "--reader", "lm", "--reader_max_new_tokens", "8",
-         "--generator", "hf", "--max_new_tokens", "12", "--learning_rate", "1e-5", "--num_generations", "2",
-         "--local_num_prompts", "2", "--local_micro_batch_size", "4", "--num_minibatches", "1", "--total_episodes",
-         "8", "--eval_num_prompts", "2", "--dev_num_prompts", "0", "--best_metric", "", "--eval_every", "0",
-         "--save_every", "0", "--no_save_model"], timeout=900)
-    rows = metrics(tmp_path)
-    trained = [r for r in rows if "lc/reward" in r]
-    assert len(trained) == 2 and all(math.isfinite(r["lc/reward"]) for r in trained)
-    assert all(0 <= r["lc/no_answer_frac"] <= 1 for r in trained) and "eval/log_loss" in rows[-1]
+def test_the_zero_shot_smollm2_reader_is_refused_at_start_up(tmp_path):
+    """The review's finding: the zero-shot SmolLM2 reader's p(gold) stays at 0.12-0.15 while the stated chance moves
+    from 90% to 10%, and its extraction returns the equation; RL against it trains on noise, so it is refused with one
+    line before anything is written."""
+    out = tmp_path / "out"
+    import os
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "algorithms/calibration.py", "--output_dir", str(out), "--model_name_or_path",
+                           "builtin:smollm2-135m", "--chat_template", "--reader", "lm", "--reader_max_new_tokens", "8",
+                           "--generator", "hf"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert err and err[0].startswith("error: reader: its forecasts do not follow stated chances"), proc.stderr[-2000:]
+    assert not out.exists() or not any(out.iterdir())
