@@ -11,7 +11,8 @@ forecasts follow stated chances (shared/reader.py probe_reader; the built-in mod
 distillation SFT): scripts/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
 
 Delta from GRPO (algorithms/grpo.py): the reader's reward (lc_reward, read_confidence) and a held-out evaluation of
-calibration (calibration_metrics); grpo.py's other estimators, GSPO, CISPO and DPPO are not carried (grpo.py has them).
+calibration (calibration_metrics). grpo.py's flags are here but --reward_model_path (the reader is the reward) and
+--advantage_estimator maxrl (it needs 0/1 rewards); its --advantage_estimator, GSPO, CISPO and DPPO work unchanged.
 
 Launch:
     python algorithms/calibration.py                           # CPU, built-in task, tiny model, about 15 minutes
@@ -150,14 +151,20 @@ class Args:
     """completion length limit; a completion that hits it has no answer for the reader (the lowest reward)"""
     stop: tuple[str, ...] = ()
     """stop strings (`--stop '</answer>'`): end a completion, kept like EOS; rewards see the text before it (EOS always stops)"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "maxrl"] = "grpo"
+    """`grpo`: r - group mean, then --advantage_scaling; `reinforce_pp_baseline`: batch-whitened; `rloo`; `maxrl`; docs/grpo.md"""
     advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """`group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
+    """with `grpo`: `group`: (r-mean)/(std_group+1e-4) (GRPO); `batch`: divide by the batch std; `none`: r-mean (Dr. GRPO)"""
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
-    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound)"""
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound; CISPO has none)"""
     epsilon_high: Annotated[float, Ge(0)] = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
+    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"
+    """`clip`: PPO-clip; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi; `dppo_*`: -ratio A, masked past a divergence"""
     beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -209,11 +216,34 @@ class Args:
 
 
 # ALGO LOGIC: algorithm-local pure functions
-def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [P, G] -> advantages [P, G], one per completion: (r_i - mean_G r) / (std + eps), std Bessel-corrected
-    (TRL `nanstd`) of the group (`group`, DeepSeekMath §4.1.2) or of the batch (`batch`), or no division
-    (`none`, Dr. GRPO). A group whose rewards are all equal gets exactly zero advantage (no NaN)."""
+def compute_advantages(rewards: torch.Tensor, scaling: str, eps: float = 1e-4, estimator: str = "grpo",
+                       token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G], one per completion (docs/grpo.md, Variants).
+
+    grpo: (r_i - mean_G r) / (std + eps), std Bessel-corrected (TRL `nanstd`) of the group (`group`, DeepSeekMath
+          §4.1.2) or of the batch (`batch`), or no division (`none`, Dr. GRPO)
+    rloo: r_i - (sum_j r_j - r_i) / (G - 1), the mean of the G-1 *other* samples (Ahmadian et al. 2024)
+    reinforce_pp_baseline: (c_i - mu) / max(sigma, eps), c_i = r_i - mean_G r, mu and sigma the mean and population
+          std of c over the batch's completion tokens, c_i counted token_counts[i] times or once (Hu et al. 2025)
+    maxrl: (r_i - mean_G r) / mean_G r, rewards 0 or 1 only (MaxRL, arXiv 2602.02710); a group without success gets 0
+    Equal rewards in a group: A = 0 under grpo, rloo and maxrl (no NaN), -mu / sigma under reinforce_pp_baseline."""
+    if estimator == "rloo":
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.shape[1] - 1)  # leave-one-out mean
+        return rewards - baseline
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "maxrl":
+        non_binary = rewards[(rewards != 0) & (rewards != 1)]
+        if len(non_binary):
+            raise ValueError(f"advantage_estimator maxrl: needs rewards 0 or 1, got {non_binary[0].item():g}")
+        return centered / rewards.mean(dim=1, keepdim=True).clamp(min=eps)  # a mean of 0: every r is 0, A = 0
+    if estimator == "reinforce_pp_baseline":
+        n = torch.ones_like(rewards) if token_counts is None else token_counts.to(rewards.dtype)
+        total = n.sum().clamp(min=1)
+        mu = (centered * n).sum() / total  # token-weighted batch mean
+        sigma = (((centered - mu) ** 2 * n).sum() / total).sqrt()  # population std (OpenRLHF: var clamped at 1e-8)
+        return (centered - mu) / sigma.clamp(min=eps)
+    if estimator != "grpo":
+        raise ValueError(f"advantage_estimator: expected grpo, rloo, reinforce_pp_baseline or maxrl, got {estimator!r}")
     if scaling == "none":
         return centered
     if scaling == "group":
@@ -237,17 +267,71 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
     raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
+def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
+                         level: str = "token") -> torch.Tensor:
+    """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
+    token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i: GSPO's length-normalised ratio
+              (Zheng et al. 2025, arXiv 2507.18071, §4.1), equal in value and gradient to GSPO-token (§4.3) with
+              one advantage per completion, as here (tests/test_grpo.py)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = torch.ones_like(log_ratio) if mask is None else mask
+        log_s = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+        return log_s * m  # broadcast to the completion's tokens; padding keeps ratio 1
+    raise ValueError(f"importance_level: expected token or sequence, got {level!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float, mask: torch.Tensor | None = None):
-    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator,
-    rho = pi_theta / pi_old per token. The log-ratio is masked before exp, so padding has rho = 1, never inf (then
-    inf * 0 = NaN in the masked sum)."""
-    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+                      eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
+    """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
+    level="sequence": rho is GSPO's s_i, clipped once per completion (GSPO's Eq. 5 with --loss_aggregation seq_mean).
+    The log-ratio is masked before exp: padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
     return loss, is_clipped.float(), ratio
+
+
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
+                    mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
+    indicator of tokens whose weight was truncated. The weight is detached: every token keeps the gradient
+    -w A grad log pi, also where PPO-clip would zero it. No lower bound (MiniMax-M1 sets none; ScaleRL's CISPO,
+    arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not apply. The loss value contains
+    log pi and is not an objective."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    loss = -weight * advantages * (logp if mask is None else logp * mask)
+    is_clipped = ratio > 1 + eps_high
+    return loss, is_clipped.float(), ratio
+
+
+def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                   eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
+    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
+    M = 0 on a token whose p = pi(y_t) left the trust region around the sampler's p_s = pi_sampler(y_t) (the anchor
+    of the paper's Sec. 5.2, verl, prime-rl and TRL) in the direction its advantage pushes (A > 0: up, eps_high):
+      tv: |p - p_s| > eps                                              (verl `dppo_tv`)
+      kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
+    (A < 0: down, eps_low). rho = pi / pi_old (the --tis weight carries pi_old / pi_sampler); the mask is detached,
+    kept tokens get the unclipped gradient -A grad rho."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
+    p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
+    if divergence == "tv":
+        out_up, out_down = p - p_s > eps_high, p - p_s < -eps_low
+    elif divergence == "kl":
+        kl = p_s * (logp_sampler - logp.detach()) + (1 - p_s) * torch.log((1 - p_s + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > p_s), (kl > eps_low) & (p < p_s)
+    else:
+        raise ValueError(f"policy_loss: expected dppo_tv or dppo_kl, got dppo_{divergence}")
+    masked = torch.where(advantages > 0, out_up, (advantages < 0) & out_down)
+    return -ratio * advantages * (~masked), masked.float(), ratio
 
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -426,6 +510,13 @@ def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: GRPO needs at least 2 completions per prompt (with 1 every advantage is 0)")
+    if args.advantage_estimator != "grpo" and args.advantage_scaling != "group":
+        raise ValueError(f"advantage_scaling: applies to --advantage_estimator grpo only ({args.advantage_estimator} "
+                         "has its own normalisation)")
+    if args.advantage_estimator == "maxrl":
+        raise ValueError("advantage_estimator: maxrl needs rewards 0 or 1 (a grader), not the reader's log-score")
+    if args.policy_loss.startswith("dppo") and args.importance_level != "token":
+        raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
 
 
 def main(args: Args) -> str:
@@ -555,7 +646,12 @@ def main(args: Args) -> str:
         mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)
-        all_adv = compute_advantages(all_scores, args.advantage_scaling)
+        token_counts = None
+        if args.advantage_estimator == "reinforce_pp_baseline":  # whitening weighs completions by trained tokens
+            token_counts = torch.tensor(sum(info.gather_objects(mask.sum(1).tolist()), []))
+            token_counts = token_counts.view(args.num_prompts, args.num_generations)
+        all_adv = compute_advantages(all_scores, args.advantage_scaling, estimator=args.advantage_estimator,
+                                     token_counts=token_counts)
         zero_std_groups = (all_scores.std(1) == 0).float().mean().item()
         adv = all_adv.view(-1)[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
 
@@ -588,8 +684,16 @@ def main(args: Args) -> str:
                         logp_old = old_logp[idx] if reuse else logp.detach()
                         if not reuse:
                             old_logp[idx] = logp_old  # for the step's mismatch metrics
-                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high, m_mask)
+                        if args.policy_loss == "cispo":
+                            pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
+                                                                    m_mask, args.importance_level)
+                        elif args.policy_loss.startswith("dppo"):
+                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, sampler_logp[idx], adv_tok[idx],
+                                                                   args.epsilon_low, args.epsilon_high,
+                                                                   args.policy_loss[5:], m_mask)
+                        else:
+                            pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                      args.epsilon_high, m_mask, args.importance_level)
                         # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w

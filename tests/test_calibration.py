@@ -170,6 +170,14 @@ def test_the_update_is_grpo_s_the_reward_aside():
                        grpo.aggregate_loss(loss, mask, "global_token", 6, 20, 20, 1, 5))
 
 
+def test_maxrl_is_refused_the_reader_s_log_score_is_not_0_or_1():
+    from algorithms.calibration import Args, validate
+
+    with pytest.raises(ValueError, match=r"^advantage_estimator: maxrl needs rewards 0 or 1"):
+        validate(Args(advantage_estimator="maxrl"))
+    validate(Args(advantage_estimator="rloo", policy_loss="cispo", importance_level="sequence"))
+
+
 # ---- runs -----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):

@@ -136,13 +136,11 @@ CHOICES = {
     "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short")},
     "implicit_prm": GENERATOR,
 }
-# the variant files: dapo.py keeps grpo.py's choices; calibration.py leaves out the estimators, GSPO and CISPO; the
-# async files generate with vLLM only
+# the variant files: dapo.py, grpo_tools.py and calibration.py keep grpo.py's choices; the async files generate with
+# vLLM only
 CHOICES["dapo"] = CHOICES["grpo"]
 CHOICES["grpo_tools"] = {**CHOICES["grpo"], "tool_turns": ("inline", "chat")}
-CHOICES["calibration"] = {**{k: v for k, v in CHOICES["grpo"].items()
-                             if k not in ("advantage_estimator", "importance_level", "policy_loss")},
-                          "reader": ("parser", "lm")}
+CHOICES["calibration"] = {**CHOICES["grpo"], "reader": ("parser", "lm")}
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
