@@ -145,6 +145,8 @@ class Args:
     """seconds a judge call may take"""
     judge_workers: Annotated[int, Ge(1)] = 8
     """judge calls in flight at once"""
+    judge_structured: bool = False
+    """constrain each reply to a score or verdict with vLLM's structured outputs (a vLLM endpoint; for small judges)"""
 
     # to be filled at runtime
     world_size: tyro.conf.Suppress[int] = 0
@@ -166,6 +168,7 @@ PAIRWISE = ("You are an impartial judge. Which of the two responses below answer
             "[Response A]\n{a}\n\n[Response B]\n{b}\n\nGive a short justification, then end your reply with a line "
             "\"Verdict: A\", \"Verdict: B\" or \"Verdict: tie\".")
 SCORE_RANGE = (1, 10)
+VERDICTS = ("A", "B", "tie")
 _SCORE = re.compile(r"score\s*[:=]\s*\**\s*(\d+(?:\.\d+)?)", re.I)
 _VERDICT = re.compile(r"verdict\s*[:=]\s*\**\s*\[?\(?\s*(a|b|tie)\b", re.I)
 
@@ -242,9 +245,11 @@ class Judge:
             raise ValueError(f"judge_model: {self.model!r} is not served by {self.args.judge_base_url} "
                              f"(it serves {', '.join(models)})")
 
-    def ask(self, prompt: str) -> str | None:
+    def ask(self, prompt: str, choices: tuple[str, ...] = ()) -> str | None:
+        """The reply to one question; `choices` (with --judge_structured): the only replies vLLM may give."""
         import openai
 
+        extra = {"structured_outputs": {"choice": list(choices)}} if self.args.judge_structured and choices else None
         for attempt in range(self.args.judge_max_retries + 1):
             with self.lock:
                 self.calls += 1
@@ -252,7 +257,7 @@ class Judge:
             try:
                 reply = self.client.chat.completions.create(
                     model=self.model, messages=[{"role": "user", "content": prompt}],
-                    max_tokens=self.args.judge_max_tokens, temperature=self.args.judge_temperature)
+                    max_tokens=self.args.judge_max_tokens, temperature=self.args.judge_temperature, extra_body=extra)
                 return reply.choices[0].message.content or ""
             except openai.APIStatusError as e:  # an HTTP error: retried if the server may recover (429, 5xx)
                 error = f"HTTP {e.status_code}: {' '.join(str(e.message).split())[:300]}"
@@ -290,8 +295,10 @@ def run_judge(judge: Judge, preds: list[dict], baseline: dict | None, criteria: 
                                                                    a=other, b=p["completion"])))
     from tqdm.auto import tqdm
 
+    scores = tuple(str(v) for v in range(SCORE_RANGE[0], SCORE_RANGE[1] + 1))
+    choices = [VERDICTS if key.startswith("pair/") else scores for _, key, _ in jobs]
     with ThreadPoolExecutor(workers) as pool:
-        replies = list(tqdm(pool.map(judge.ask, [j[2] for j in jobs]), total=len(jobs), desc="judge",
+        replies = list(tqdm(pool.map(judge.ask, [j[2] for j in jobs], choices), total=len(jobs), desc="judge",
                             dynamic_ncols=True))
     unparsed = 0
     for (p, key, _), reply in zip(jobs, replies):

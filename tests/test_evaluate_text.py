@@ -262,3 +262,18 @@ def test_a_real_vllm_judge_scores_compares_and_counts_what_does_not_parse(judge_
     wins = [et.combine_orders(r["judge"]["pair/model_first"]["parsed"], r["judge"]["pair/baseline_first"]["parsed"])
             for r in records]
     assert m.get("eval/judge/win_rate/count", 0) == sum(w is not None for w in wins)
+
+
+def test_a_structured_judge_reply_always_parses(judge_url, tmp_path, monkeypatch, capsys):
+    """--judge_structured: vLLM constrains each reply to a score 1-10 or A / B / tie, so even the tiny judge's parse."""
+    preds = write_jsonl(tmp_path / "p.jsonl", PREDS[:2])
+    out = tmp_path / "run"
+    code, err, s = run(["--predictions_path", str(preds), "--output_dir", str(out), *OFF, "--judge_base_url",
+                        judge_url, "--judge_baseline_path", str(preds), "--judge_max_tokens", "4",
+                        "--judge_structured", "--judge_criteria", "efficiency"], monkeypatch, capsys)
+    assert code == 0, err
+    m = s["metrics"]
+    assert (m["judge/questions"], m["judge/failed"], m["judge/unparsed"]) == (6, 0, 0)
+    assert m["eval/judge/efficiency/count"] == 2 and m["eval/judge/win_rate/count"] == 2
+    records = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert all(r["judge"]["pair/model_first"]["reply"] in et.VERDICTS for r in records)
