@@ -3,8 +3,8 @@
 Paper: Cui et al. 2025, "Process Reinforcement through Implicit Rewards" (https://arxiv.org/abs/2502.01456); code:
 verl's recipe/prime. The implicit PRM pi_phi (init: the start model) and its frozen reference pi_ref give completion
 token t the process reward beta * q_t, q_t = log pi_phi(y_t) - log pi_ref(y_t) (0 on the last token). On each batch
-pi_phi takes one step of BCE(sigmoid(beta * sum_t q_t), acc) on the grader's 0/1 outcome acc, then scores the batch
-(`--prm_update before`, verl) or the step's own forward scores it (`after`).
+pi_phi takes --prm_num_minibatches steps (1; verl's recipe: 4) of BCE(sigmoid(beta * sum_t q_t), acc) on the grader's
+0/1 outcome acc, then scores the batch (`--prm_update before`, verl) or the steps' own forwards score it (`after`).
 
 Default objective (maximised): grpo.py's PPO-clip with token advantages (verl `compute_rloo_advantage_return`)
     A_it = whiten(sum_{s>=t} R_is),  R = c_p * rloo(r / max_{j,s} |sum_{u>=s} r_ju|) + c_o * rloo(acc at the last token)
@@ -14,7 +14,10 @@ Default objective (maximised): grpo.py's PPO-clip with token advantages (verl `c
 Delta from GRPO (algorithms/grpo.py): a second trained model (the PRM, own AdamW) and its frozen reference; token
 advantages from RLOO on both reward sources; verl's accuracy filter: oversample_factor times the prompts are sampled,
 groups with accuracy in [accuracy_lower, accuracy_upper] and no truncated completion are trained first, failing ones
-fill the batch only when too few pass. grpo.py's other estimators, losses, GSPO and LoRA are not here.
+fill the batch only when too few pass. grpo.py's --policy_loss (CISPO, DPPO), GSPO, --mask_truncated_completions,
+TIS and LoRA (on the policy; the PRM trains every weight) work as there; its advantage estimators and
+--reward_model_path do not apply (the advantage is PRIME's RLOO; the PRM is the reward model). The PRM's optimizer:
+--prm_num_minibatches steps per batch, clipped at --prm_max_grad_norm (defaults 1 and 1.0; verl's recipe: 4 and 10).
 Defaults: grpo.py's, with oversample_factor 2 (verl: 4): on CPU an update costs more than sampling, so sampling twice
 the prompts and training on the half whose groups carry an outcome signal keeps a run about as long as grpo.py's at
 the same number of generated samples (total_episodes counts every generated sample); n = 8 as grpo.py.
@@ -27,6 +30,7 @@ Launch:
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --chat_template --dataset openai/gsm8k:main \
         --prompt_key question --answer_key answer --reward_fn gsm8k --max_new_tokens 512 --learning_rate 5e-7 \
         --prm_learning_rate 1e-6 --num_generations 4 --oversample_factor 4 --max_prompt_length 512 \
+        --prm_num_minibatches 4 --prm_max_grad_norm 10 \
         --prompt_template "{prompt}\nSolve step by step. End with a line '#### <answer>'."
 """
 
@@ -54,6 +58,7 @@ from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
+from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task, task_summary
 from shared.rewards import check_labels, probe_reward_fn, score_completions
 from shared.models import resolve_model_path
@@ -103,6 +108,16 @@ class Args:
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
     gradient_checkpointing: bool = True
     """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
+    lora_r: Annotated[int, Ge(0)] = 0
+    """LoRA rank: train rank-r adapters on the policy, frozen otherwise (0: off, every weight trains)"""
+    lora_alpha: Annotated[int, Ge(1)] = 32
+    """LoRA alpha: the adapters' update B A is scaled by lora_alpha / lora_r"""
+    lora_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
+    """dropout on the adapters' input in training forwards (0 keeps log-probs deterministic)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: `all-linear` (attention and MLP linears, not the output head) or names (`q_proj,v_proj`)"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """how vLLM gets a LoRA policy: merged weights (`merged`) or the adapter alone, served by vLLM's LoRA (`adapter`); docs/lora.md"""
     save_model: bool = True
     """save the final policy (output_dir/final) and the implicit PRM (output_dir/prm) as HF checkpoints"""
 
@@ -145,6 +160,10 @@ class Args:
     """AdamW learning rate of the implicit PRM (own optimizer; implicit_prm.py's default; verl at 7B: 1e-6, policy 5e-7)"""
     prm_beta: Annotated[float, Gt(0)] = 0.05
     """beta of the PRM: r_t = beta * (log pi_phi - log pi_ref) and its CE loss (verl `beta_train`)"""
+    prm_num_minibatches: Annotated[int, Ge(1)] = 1
+    """PRM optimizer steps per batch, on consecutive slices of it (verl's recipe: 4, reward_model.mini_batch_size 64 of 256)"""
+    prm_max_grad_norm: Annotated[float, Ge(0)] = 1.0
+    """gradient clipping norm of the PRM (verl's recipe: 10, reward_model.model.optim.grad_clip)"""
     prm_update: Literal["before", "after"] = "before"
     """`before`: update the PRM on the batch, then score it (verl); `after`: rewards from the update's own forward"""
     reward_dpo_coef: Annotated[float, Ge(0)] = 5.0
@@ -170,13 +189,19 @@ class Args:
     loss_aggregation: Literal["seq_mean", "token_mean", "global_token", "constant"] = "global_token"
     """`seq_mean` (GRPO) | `token_mean` (per rank) | `global_token` (DAPO, all ranks) | `constant` (Dr. GRPO)"""
     epsilon_low: Annotated[float, Interval(ge=0, le=1)] = 0.2
-    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound)"""
+    """lower clip range of PPO-clip: ratio >= 1 - epsilon_low (1: no lower bound; CISPO has none)"""
     epsilon_high: Annotated[float, Ge(0)] = 0.28
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
+    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"
+    """`clip`: PPO-clip; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi; `dppo_*`: -ratio A, masked past a divergence"""
     beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
         "token_truncate"
     """sampler/trainer mismatch correction: `none`, per token, per completion or by its geometric mean; docs/mismatch.md"""
@@ -294,21 +319,26 @@ def dpo_accuracy(q: torch.Tensor, acc: torch.Tensor, mask: torch.Tensor, n: int)
 
 def update_prm(prm, guard, prm_ref_logp: torch.Tensor, input_ids: torch.Tensor, attn: torch.Tensor,
                resp: torch.Tensor, lengths: list[int], mask: torch.Tensor, acc: torch.Tensor, beta: float,
-               num_micro_batches: int, layout: str, order: str) -> tuple[torch.Tensor, float, float | None]:
-    """One optimizer step of the implicit PRM on this batch (the CE loss's batch mean, in num_micro_batches
-    micro-batches) and the batch's token rewards q [B, T] before beta, detached: from the step's own forward, i.e.
-    the PRM before the step (`after`), or from a forward of the updated PRM (`before`, verl's default). Returns
-    (q, loss, gradient norm)."""
+               num_micro_batches: int, layout: str, order: str,
+               num_minibatches: int = 1) -> tuple[torch.Tensor, float, float | None]:
+    """num_minibatches optimizer steps of the implicit PRM on this batch, one per consecutive slice of B /
+    num_minibatches rows (verl's `update_rm`: batch.split(mini_batch_size)), each the CE loss's mean over its slice in
+    num_micro_batches / num_minibatches micro-batches, and the batch's token rewards q [B, T] before beta, detached:
+    from the steps' own forwards, i.e. each slice scored by the PRM before its step (`after`), or from a forward of
+    the updated PRM (`before`, verl's default). Returns (q, mean loss of the steps, last gradient norm)."""
     q = torch.zeros_like(mask)
     loss_sum, norm = 0.0, None
-    for idx in data_utils.micro_batches(list(range(mask.shape[0])), lengths, num_micro_batches, layout):
-        logp = micro_batch_logprobs(prm, input_ids[idx], attn[idx], resp[idx], layout, 1.0)[0]
-        q_mb = implicit_rewards(logp, prm_ref_logp[idx], mask[idx])
-        loss = prm_ce_loss(q_mb, acc[idx], mask[idx], beta) * len(idx) / mask.shape[0]
-        guard.backward(prm, loss)
-        norm = guard.step(prm)
-        q[idx] = q_mb.detach()
-        loss_sum += loss.item()
+    size = mask.shape[0] // num_minibatches
+    for mb in range(num_minibatches):
+        rows = list(range(mb * size, (mb + 1) * size))
+        for idx in data_utils.micro_batches(rows, lengths, num_micro_batches // num_minibatches, layout):
+            logp = micro_batch_logprobs(prm, input_ids[idx], attn[idx], resp[idx], layout, 1.0)[0]
+            q_mb = implicit_rewards(logp, prm_ref_logp[idx], mask[idx])
+            loss = prm_ce_loss(q_mb, acc[idx], mask[idx], beta) * len(idx) / size
+            guard.backward(prm, loss)
+            norm = guard.step(prm)
+            q[idx] = q_mb.detach()
+            loss_sum += loss.item() / num_minibatches
     if order == "before":
         logp = batch_logprobs([prm], input_ids, attn, resp, lengths, num_micro_batches, layout, 1.0)[0]
         q = implicit_rewards(logp, prm_ref_logp, mask)
@@ -329,16 +359,71 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
     raise ValueError(f"kl_estimator: expected k1, k2 or k3, got {estimator!r}")
 
 
+def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
+                         level: str = "token") -> torch.Tensor:
+    """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
+    token:    log rho_{i,t} = log pi(y_t) - log pi_old(y_t)                                   PPO, GRPO
+    sequence: log s_i = (1/|y_i|) sum_t log rho_{i,t} on every token of completion i: GSPO's length-normalised ratio
+              (Zheng et al. 2025, arXiv 2507.18071, §4.1), equal in value and gradient to GSPO-token (§4.3) with
+              one advantage per completion, as here (tests/test_grpo.py)."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = torch.ones_like(log_ratio) if mask is None else mask
+        log_s = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+        return log_s * m  # broadcast to the completion's tokens; padding keeps ratio 1
+    raise ValueError(f"importance_level: expected token or sequence, got {level!r}")
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float, mask: torch.Tensor | None = None):
+                      eps_high: float, mask: torch.Tensor | None = None, level: str = "token"):
     """PPO-clip per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) and the clipped-token indicator.
+    level="sequence": rho is GSPO's s_i, clipped once per completion (GSPO's Eq. 5 with --loss_aggregation seq_mean).
     The log-ratio is masked before exp: padding has rho = 1, never inf (inf * 0 = NaN in the masked sum)."""
-    ratio = torch.exp(logp - logp_old if mask is None else (logp - logp_old) * mask)
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = ((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))
     return loss, is_clipped.float(), ratio
+
+
+def cispo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, eps_high: float,
+                    mask: torch.Tensor | None = None, level: str = "token"):
+    """CISPO per-token loss -sg(min(rho, 1+eps_high)) * A * log pi (MiniMax-M1, arXiv 2506.13585, §3.1) and the
+    indicator of tokens whose weight was truncated. The weight is detached: every token keeps the gradient
+    -w A grad log pi, also where PPO-clip would zero it. No lower bound (MiniMax-M1 sets none; ScaleRL's CISPO,
+    arXiv 2510.13786, truncates at 5: --epsilon_high 4), so --epsilon_low does not apply. The loss value contains
+    log pi and is not an objective."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    weight = ratio.clamp(max=1 + eps_high).detach()  # sg(r_hat): no gradient through the weight
+    loss = -weight * advantages * (logp if mask is None else logp * mask)
+    is_clipped = ratio > 1 + eps_high
+    return loss, is_clipped.float(), ratio
+
+
+def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                   eps_low: float, eps_high: float, divergence: str, mask: torch.Tensor | None = None):
+    """DPPO per-token loss -M * rho * A (arXiv 2602.04879) and the indicator of masked tokens: no ratio clipping;
+    M = 0 on a token whose p = pi(y_t) left the trust region around the sampler's p_s = pi_sampler(y_t) (the anchor
+    of the paper's Sec. 5.2, verl, prime-rl and TRL) in the direction its advantage pushes (A > 0: up, eps_high):
+      tv: |p - p_s| > eps                                              (verl `dppo_tv`)
+      kl: p_s log(p_s / p) + (1 - p_s) log((1 - p_s) / (1 - p)) > eps, the binary KL (verl `dppo_kl`)
+    (A < 0: down, eps_low). rho = pi / pi_old (the --tis weight carries pi_old / pi_sampler); the mask is detached,
+    kept tokens get the unclipped gradient -A grad rho."""
+    log_ratio = logp - logp_old if mask is None else (logp - logp_old) * mask
+    ratio = torch.exp(log_ratio)
+    p, p_s = torch.exp(logp.detach()), torch.exp(logp_sampler)
+    if divergence == "tv":
+        out_up, out_down = p - p_s > eps_high, p - p_s < -eps_low
+    elif divergence == "kl":
+        kl = p_s * (logp_sampler - logp.detach()) + (1 - p_s) * torch.log((1 - p_s + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > p_s), (kl > eps_low) & (p < p_s)
+    else:
+        raise ValueError(f"policy_loss: expected dppo_tv or dppo_kl, got dppo_{divergence}")
+    masked = torch.where(advantages > 0, out_up, (advantages < 0) & out_down)
+    return -ratio * advantages * (~masked), masked.float(), ratio
 
 
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -395,12 +480,23 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: 
     raise ValueError(f"loss_aggregation: expected seq_mean, token_mean, global_token or constant, got {mode!r}")
 
 
+def completion_mask(response_mask: torch.Tensor, finished: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """[B, L-1] loss mask aligned with forward_logprobs (position t predicts token t+1): 1 on completion tokens,
+    EOS included; rows of truncated completions (no EOS) are zeroed when mask_truncated (DAPO overlong filter)."""
+    mask = response_mask[:, 1:].float()
+    if mask_truncated:
+        mask = mask * finished.float().to(mask.device)[:, None]
+    return mask
+
+
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.num_generations < 2:
         raise ValueError("num_generations: PRIME needs at least 2 completions per prompt (leave-one-out baselines)")
     if args.accuracy_lower > args.accuracy_upper:
         raise ValueError(f"accuracy_lower: {args.accuracy_lower} is above accuracy_upper ({args.accuracy_upper})")
+    if args.policy_loss.startswith("dppo") and args.importance_level != "token":
+        raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
 
 
 def main(args: Args) -> str:
@@ -413,6 +509,9 @@ def main(args: Args) -> str:
     if args.num_steps < 1:
         raise ValueError(f"total_episodes: {args.total_episodes} is smaller than one step's samples "
                          f"({args.generated_batch_size})")
+    if (args.local_batch_size // args.local_micro_batch_size) % args.prm_num_minibatches:
+        raise ValueError(f"prm_num_minibatches: {args.prm_num_minibatches} does not divide the "
+                         f"{args.local_batch_size // args.local_micro_batch_size} micro-batches of a rank's batch")
 
     # TRY NOT TO MODIFY: seeding (same seed on all ranks for init and data order, then a per-rank seed)
     seed_everything(args.seed)
@@ -421,6 +520,7 @@ def main(args: Args) -> str:
     # data: validated before anything is written (a bad row, model path or reward function stops here, one line)
     model_path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(model_path)
+    check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     # train / held-out / dev prompts and the grader (its 0/1 outcome is the PRM's label and the outcome reward)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, "")
     check_labels(probe_reward_fn(reward_fn, train_data.rows), reward_fn)  # the PRM's labels must be 0 or 1
@@ -442,6 +542,7 @@ def main(args: Args) -> str:
     policy = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
     if args.micro_batching == "packed":  # a model that cannot pack: one line now, not wrong gradients later
         check_packing(policy, train_data.prompt_ids)
+    policy = add_lora(policy, args)  # --lora_r > 0: only LoRA adapters train (shared/lora.py); else unchanged
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     policy, optimizer, scheduler = prepare(policy, optimizer, scheduler, info, args.local_micro_batch_size,
@@ -450,11 +551,12 @@ def main(args: Args) -> str:
     prm = load_causal_lm(model_path, dtype, args.gradient_checkpointing).to(info.device)
     prm_optimizer = torch.optim.AdamW(prm.parameters(), lr=args.prm_learning_rate, weight_decay=0.0, fused=True)
     prm, prm_optimizer, _ = prepare(prm, prm_optimizer, torch.optim.lr_scheduler.LambdaLR(prm_optimizer, lambda s: 1.0),
-                                    info, args.local_micro_batch_size, args.local_batch_size // args.local_micro_batch_size,
-                                    args.max_grad_norm, dtype)
+                                    info, args.local_micro_batch_size,
+                                    args.local_batch_size // args.local_micro_batch_size // args.prm_num_minibatches,
+                                    args.prm_max_grad_norm, dtype)
     prm_ref = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype)
-    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0)
-    ref_policy = load_reference(policy, model_path, dtype, info, False) if args.beta > 0 else None
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -464,7 +566,7 @@ def main(args: Args) -> str:
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep)
+                               enable_sleep_mode=args.vllm_enable_sleep, lora_sync=args.lora_sync)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def evaluate(step: int) -> dict:  # grader accuracy and pass@k on eval and dev (shared/evaluation.py)
@@ -521,7 +623,7 @@ def main(args: Args) -> str:
         # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
         local_idx, comps, texts, scores = rollout(step)
 
-        # 3. the accuracy filter: local_num_prompts of this rank's sampled groups, passing groups first
+        # 2. (end) the accuracy filter: local_num_prompts of this rank's sampled groups, passing groups first
         G, acc_all = args.num_generations, torch.tensor(scores, dtype=torch.float32).view(-1, args.num_generations)
         truncated = torch.tensor([not c.finished for c in comps]).view(-1, G) & args.filter_truncated
         kept, passing = filter_groups(acc_all, truncated, args.accuracy_lower, args.accuracy_upper,
@@ -533,12 +635,12 @@ def main(args: Args) -> str:
         local_idx = [local_idx[p] for p in kept]
         comps, texts, scores = [comps[i] for i in rows_kept], [texts[i] for i in rows_kept], [scores[i] for i in rows_kept]
 
-        # tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
+        # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(G)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
-        mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
+        mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
         acc = torch.tensor(scores, dtype=torch.float32, device=info.device)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
@@ -551,15 +653,15 @@ def main(args: Args) -> str:
             prm_ref_logp = batch_logprobs([prm_ref], input_ids, attn, resp, lengths, num_micro, args.micro_batching,
                                           1.0)[0]
 
-        # 5. ALGO LOGIC: the implicit PRM: one step on this batch's outcomes; token rewards, normalised over all ranks
+        # 5. ALGO LOGIC: advantages: the implicit PRM's steps on this batch's outcomes, its token rewards normalised
+        # over all ranks, RLOO per group (a group is on one rank), returns whitened over all ranks' completion tokens
         with timer("prm"):
             q, prm_loss, prm_norm = update_prm(prm, guard, prm_ref_logp, input_ids, attn, resp, lengths, mask, acc,
-                                               args.prm_beta, num_micro, args.micro_batching, args.prm_update)
+                                               args.prm_beta, num_micro, args.micro_batching, args.prm_update,
+                                               args.prm_num_minibatches)
         token_rewards = process_rewards(q, mask, args.prm_beta)
         scale = info.all_reduce(reward_scale(token_rewards).cpu().reshape(1), "max")
         token_rewards = token_rewards / (scale.to(info.device) + 1e-6)
-
-        # advantages: RLOO per group (a group is on one rank), returns whitened over all ranks' completion tokens
         returns = prime_returns(token_rewards, acc, mask, G, args.reward_dpo_coef, args.reward_gt_coef)
         sums = info.all_reduce(torch.stack([(returns * mask).sum(), (returns**2 * mask).sum(), mask.sum()]).double().cpu())
         adv_tok = masked_whiten(returns, mask, sums.to(info.device))
@@ -583,8 +685,16 @@ def main(args: Args) -> str:
                         logp_old = old_logp[idx] if reuse else logp.detach()
                         if not reuse:
                             old_logp[idx] = logp_old  # for the step's mismatch metrics
-                        pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
-                                                                  args.epsilon_high, m_mask)
+                        if args.policy_loss == "cispo":
+                            pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,
+                                                                    m_mask, args.importance_level)
+                        elif args.policy_loss.startswith("dppo"):
+                            pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, sampler_logp[idx], adv_tok[idx],
+                                                                   args.epsilon_low, args.epsilon_high,
+                                                                   args.policy_loss[5:], m_mask)
+                        else:
+                            pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
+                                                                      args.epsilon_high, m_mask, args.importance_level)
                         # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w

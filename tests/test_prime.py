@@ -174,6 +174,57 @@ def test_prm_update_order_and_no_gradient_to_the_reference(tiny_model):
     assert all(p.grad is None for p in ref.parameters())
 
 
+def test_prm_takes_one_clipped_step_per_minibatch_as_verl(tiny_model):
+    """--prm_num_minibatches k: k optimizer steps on consecutive slices of the batch, each on its slice's CE mean and
+    clipped at --prm_max_grad_norm (verl's recipe: reward_model.mini_batch_size 64 of 256 samples, grad_clip 10): the
+    PRM ends where plain AdamW with clip_grad_norm_ on the two slices in turn ends; the one-step default differs."""
+    import copy
+
+    from shared import data
+    from shared.distributed import NonFiniteGuard, init_distributed, prepare
+    from shared.logprobs import forward_logprobs
+
+    model, tok = tiny_model
+    info = init_distributed()
+    prompts = [tok(x).input_ids for x in ["1+2+3=", "4+5=", "7+1+1=", "2+2="]]
+    comps = [tok(x, add_special_tokens=False).input_ids + [tok.eos_token_id] for x in ["3\n6", "9", "8\n9", "5"]]
+    ids, attn, resp = data.pad_batch(prompts, comps, tok.pad_token_id)
+    mask, acc, lengths = resp[:, 1:].float(), torch.tensor([1.0, 0.0, 1.0, 0.0]), attn.sum(1).tolist()
+    ref = copy.deepcopy(model).requires_grad_(False)
+    ref_logp = forward_logprobs(ref, ids, attn, resp, 1.0)[0]
+    clip, lr = 0.05, 1e-2  # a clip below the gradient's norm: every step is clipped
+    by_hand = copy.deepcopy(model)
+    opt = torch.optim.AdamW(by_hand.parameters(), lr=lr)
+    for rows in ([0, 1], [2, 3]):
+        q = implicit_rewards(forward_logprobs(by_hand, ids[rows], attn[rows], resp[rows], 1.0)[0], ref_logp[rows],
+                             mask[rows])
+        prm_ce_loss(q, acc[rows], mask[rows], 0.05).backward()
+        assert torch.nn.utils.clip_grad_norm_(by_hand.parameters(), clip) > clip
+        opt.step()
+        opt.zero_grad()
+    weights = {}
+    for k in (2, 1):
+        prm = copy.deepcopy(model)
+        engine, *_ = prepare(prm, torch.optim.AdamW(prm.parameters(), lr=lr), None, info, 2, 2 // k, clip,
+                             torch.float32)
+        update_prm(engine, NonFiniteGuard(1), ref_logp, ids, attn, resp, lengths, mask, acc, 0.05, 2, "padded",
+                   "after", num_minibatches=k)
+        weights[k] = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    expected = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
+    torch.testing.assert_close(weights[2], expected, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(weights[1], expected, atol=1e-4)
+
+
+def test_prm_minibatches_must_divide_the_micro_batches(tmp_path):
+    from algorithms.prime import main
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="^prm_num_minibatches: 3 does not divide the 2 micro-batches"):
+        main(Args(output_dir=str(out), local_num_prompts=2, num_generations=4, local_micro_batch_size=4,
+                  prm_num_minibatches=3, generator="hf"))
+    assert not out.exists()
+
+
 # ---- end-to-end: exact resume in one process and under ZeRO-2 with 2 processes ------------------------------------
 def launch(cmd, timeout=900):
     from tests.test_reliability import launch as run
