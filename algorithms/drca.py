@@ -41,7 +41,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enab
                                 full_named_parameters, init_distributed, load_causal_lm, load_reference,
                                 load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.localisation import load_slips, localisation_metrics
 from shared.logprobs import forward_logprobs, response_entropies
 from shared.mismatch import mismatch_metrics
@@ -289,6 +289,28 @@ def shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Te
     return (torch.clamp(rewards, -reward_clip, reward_clip) - beta * kl) * mask, kl
 
 
+def drca_metrics(units: list, credits: list[list[float]], num_counterfactuals: int, raw_rewards: torch.Tensor,
+                 mask: torch.Tensor, reward_clip: float, world_size: int) -> dict[str, float]:
+    """This rank's DRCA metrics of a step: units per response, the fraction without a unit, the credits' mean and
+    std, the scorer calls (responses + counterfactuals, times world_size: their mean over ranks is the step's total)
+    and the fraction of actions whose reward reward_clip clips."""
+    flat, avg = [d for c in credits for d in c], lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    return {"drca/units_per_seq": sum(len(u) for u in units) / len(units),
+            "drca/unitless_frac": 1 - sum(1 for u in units if u) / len(units),
+            "drca/credit_mean": avg(flat), "drca/credit_std": max(avg([d * d for d in flat]) - avg(flat) ** 2, 0.0) ** 0.5,
+            "drca/rm_calls": float(len(units) + num_counterfactuals) * world_size,
+            "drca/token_reward_clipfrac": ((raw_rewards.abs() > reward_clip).float() * mask).sum().item()
+            / mask.sum().item()}
+
+
+def sum_identity_error(raw_rewards: torch.Tensor, credits: list[list[float]], scores: torch.Tensor, units: list,
+                       drca_beta: float) -> float:
+    """max over responses with units of |sum_a r_a - drca_beta * sum_k d_k - (1 - drca_beta) R|, rewards before
+    clipping: 0 up to rounding (drca/sum_identity_err)."""
+    return max([abs(raw_rewards[i].sum().item() - drca_beta * sum(credits[i]) - (1 - drca_beta) * scores[i].item())
+                for i in range(len(units)) if units[i]], default=0.0)
+
+
 # ALGO LOGIC: algorithm-local pure functions
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
     """GAE over the masked (completion) positions of [B, T] tensors.
@@ -530,6 +552,18 @@ def main(args: Args) -> str:
             credits[i].append(scores[i].item() - cf_score)
         return units, credits, len(cfs)
 
+    def drca_rewards(prompts, responses, unit_entropy, scores, mask):
+        """Step 4's units, credits, number of counterfactuals, per-action rewards (unit_token_rewards; no unit with
+        drca_beta = 0: plain PPO) and their sum_identity_error; `unit_entropy`: each action's entropy (--entropy_source)."""
+        entropies = [unit_entropy[i, len(p) - 1 :].cpu() for i, p in enumerate(prompts)] if args.drca_beta else None
+        units, credits, num_counterfactuals = unit_credits(prompts, responses, entropies, scores)
+        action_units = [[(len(p) + s - 1, len(p) + e - 1) for s, e in u] for p, u in zip(prompts, units)]
+        last_action = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(1)
+        raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
+                                         args.unitless_fallback)
+        return units, credits, num_counterfactuals, raw_rewards, sum_identity_error(raw_rewards, credits, scores, units,
+                                                                                    args.drca_beta)
+
     def slip_credits(prompts, responses):
         """Units and credits of held-out slip responses as in training (entropies from --entropy_source)."""
         source = ref_policy if args.entropy_source == "reference" and ref_policy is not None else policy
@@ -579,7 +613,6 @@ def main(args: Args) -> str:
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, responses, tokenizer.pad_token_id, info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
-        last_action = (mask * torch.arange(mask.shape[1], device=info.device)).argmax(1)
         finished = torch.tensor([c.finished for c in comps], device=info.device)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
@@ -607,12 +640,8 @@ def main(args: Args) -> str:
         old_values = old_values * mask
 
         # 4. rewards: units, credits d_k = R - R~_k (a scorer call per counterfactual), r_t as in the module docstring
-        with timer("reward"):  # drca_beta = 0 is plain PPO: no unit is needed
-            entropies = [unit_entropy[i, len(p) - 1 :].cpu() for i, p in enumerate(prompts)] if args.drca_beta else None
-            units, credits, num_counterfactuals = unit_credits(prompts, responses, entropies, scores)
-        action_units = [[(len(p) + s - 1, len(p) + e - 1) for s, e in u] for p, u in zip(prompts, units)]
-        raw_rewards = unit_token_rewards(scores, action_units, credits, last_action, mask.shape[1], args.drca_beta,
-                                         args.unitless_fallback)
+        with timer("reward"):
+            units, credits, num_cf, raw_rewards, identity_err = drca_rewards(prompts, responses, unit_entropy, scores, mask)
         rewards, kl_k1 = shaped_rewards(raw_rewards, old_logp, ref_logp if ref_policy is not None else old_logp, mask,
                                         beta if args.kl_placement == "reward" else 0.0, args.reward_clip)
 
@@ -682,41 +711,28 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = mask.sum(1)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
-        flat, avg = [d for c in credits for d in c], lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
         local.update({
-            "objective/scores": scores.mean().item(),
+            **completion_metrics(scores.tolist(), comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
             else 0.0,
-            "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
+            "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
-            "val/sequence_lengths": lengths.mean().item(),
-            "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
-            "drca/units_per_seq": sum(len(u) for u in units) / len(units),
-            "drca/unitless_frac": 1 - sum(1 for u in units if u) / len(units),
-            "drca/credit_mean": avg(flat), "drca/credit_std": max(avg([d * d for d in flat]) - avg(flat) ** 2, 0.0) ** 0.5,
-            "drca/rm_calls": float(len(prompts) + num_counterfactuals),  # scorer calls: responses + counterfactuals
-            "drca/token_reward_clipfrac": ((raw_rewards.abs() > args.reward_clip).float() * mask).sum().item()
-            / mask.sum().item(),
+            **drca_metrics(units, credits, num_cf, raw_rewards, mask, args.reward_clip, info.world_size),
         })
         metrics = info.mean_over_ranks(local)
         if args.adaptive_kl:
             beta = adaptive_kl_update(beta, metrics["objective/kl"], args.kl_target, args.batch_size, args.kl_horizon)
-        metrics["drca/rm_calls"] *= info.world_size  # per step, all ranks
-        # sum_a r_a = drca_beta * sum_k d_k + (1 - drca_beta) R before clipping (0 up to rounding), max over ranks
-        metrics["drca/sum_identity_err"] = max(info.gather_objects(max([abs(raw_rewards[i].sum().item() - args.drca_beta
-            * sum(credits[i]) - (1 - args.drca_beta) * scores[i].item()) for i in range(len(units)) if units[i]], default=0.0)))
+        metrics["drca/sum_identity_err"] = max(info.gather_objects(identity_err))  # max over ranks
         metrics.update({"objective/rlhf_reward": metrics["objective/scores"] + metrics["objective/non_score_reward"],
                         "objective/kl_coef": beta, "lr": scheduler.get_last_lr()[0],
                         "episode": step * args.batch_size, "optim/nonfinite_skipped": guard.skipped, **timer.pop()})

@@ -35,17 +35,17 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final, save_hf
 from shared.cli import derive_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enable_gradient_checkpointing,
-                                full_named_parameters, init_distributed, load_causal_lm, load_tokenizer,
-                                prepare, prepare_frozen, seed_everything)
+                                full_named_parameters, init_distributed, load_causal_lm, load_reference,
+                                load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import forward_logprobs
 from shared.mismatch import mismatch_metrics
-from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.prompts import load_prompt_task
+from shared.lora import add_lora, check_lora
+from shared.prompts import load_prompt_task, task_summary
 from shared.rewards import compute_rewards
 from shared.rollout_queue import async_checkpoint_state, resume_async
 from shared.scalar import head, load_scalar_model, token_values
@@ -107,7 +107,7 @@ class Args:
     save_model: bool = True
     """save the final policy (output_dir/final) and critic (output_dir/critic) as HF checkpoints"""
 
-    # reliability (shared/checkpoint.py; docs/ppo.md#reliability)
+    # reliability (shared/checkpoint.py; docs/running.md#reliability)
     save_every: Annotated[int, Ge(0)] = 25
     """save a resumable checkpoint in output_dir/checkpoints every this many steps (0: only on SIGTERM/SIGINT/stop_after_steps)"""
     keep_checkpoints: Annotated[int, Ge(1)] = 2
@@ -341,6 +341,7 @@ def main(args: Args) -> str:
     # train / held-out / dev prompts and the grader
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    headline = "eval/accuracy"  # printed at start and end: the grader's held-out accuracy
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -349,9 +350,7 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
 
     # models and optimizers: policy, critic (own optimizer), frozen reference
     dtype = default_dtype(info.device)
@@ -373,10 +372,8 @@ def main(args: Args) -> str:
                                           torch.optim.lr_scheduler.LambdaLR(critic_optimizer, schedule), info,
                                           args.local_micro_batch_size, args.gradient_accumulation_steps,
                                           args.max_grad_norm, dtype)
-    ref_policy = None
-    if args.beta > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
-        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
-                                                                                  info, dtype)
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -421,12 +418,8 @@ def main(args: Args) -> str:
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
-        first_eval = metrics["eval/accuracy"]
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     critic.train()
     local_idx: list[int] = []
@@ -444,7 +437,6 @@ def main(args: Args) -> str:
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
-        finished = torch.tensor([c.finished for c in comps], device=info.device)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
         # 2. scores: the grader (0 if truncated)
@@ -540,22 +532,18 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = mask.sum(1)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
         local.update({
-            "objective/scores": scores.mean().item(),
+            **completion_metrics(scores.tolist(), comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
-            "val/sequence_lengths": lengths.mean().item(),
-            "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
         })
@@ -590,15 +578,13 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
+    # output_dir/final and output_dir/critic (scripts/value_prediction.py), saved before the end-of-run checks
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
-        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)  # for scripts/value_prediction.py
+        save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
-                  f"in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final

@@ -46,7 +46,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enab
                                 full_named_parameters, init_distributed, load_causal_lm, load_reference,
                                 load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import forward_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
@@ -564,24 +564,20 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = mask.sum(1)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
         local.update({
-            "objective/scores": scores.mean().item(),
+            **completion_metrics(scores.tolist(), comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
             else 0.0,
-            "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
+            "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
-            "val/sequence_lengths": lengths.mean().item(),
-            "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
         })

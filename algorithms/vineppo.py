@@ -27,7 +27,6 @@ Launch:
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -38,17 +37,17 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from shared import data as data_utils
-from shared.checkpoint import BestModel, Checkpointer, save_hf
+from shared.checkpoint import BestModel, Checkpointer, save_final
 from shared.cli import derive_sizes, run_cli
 from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full_named_parameters,
-                                init_distributed, load_causal_lm, load_tokenizer, prepare,
-                                prepare_frozen, seed_everything)
+                                init_distributed, load_causal_lm, load_reference, load_tokenizer, prepare,
+                                seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import forward_logprobs
 from shared.mismatch import mismatch_metrics
-from shared.lora import adapters_disabled, add_lora, check_lora
-from shared.prompts import load_prompt_task
+from shared.lora import add_lora, check_lora
+from shared.prompts import load_prompt_task, task_summary
 from shared.rewards import compute_rewards
 from shared.steps import StepSplitError, get_splitter, step_token_starts
 from shared.models import resolve_model_path
@@ -330,6 +329,19 @@ def token_advantages(starts: list[int], step_adv: list[float], num_tokens: int) 
     return out
 
 
+def mc_metrics(values: list[float], rollouts: list, num_unique: int, state_index: list[list], starts: list,
+               parse_failed_frac: float) -> dict[str, float]:
+    """This rank's Monte Carlo metrics of a step: the states' values (mean, std), the fraction of rollouts cut at
+    max_new_tokens, unique states over states rolled out, steps per split response, failed splits, rollouts made."""
+    avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    num_states = sum(k is not None for row in state_index for k in row)
+    return {"mc_values/mean": avg(values), "mc_values/std": torch.tensor(values).std().item() if len(values) > 1 else 0.0,
+            "val/mc_roll_trunc_frac": avg([not c.finished for c in rollouts]),
+            "val/unique_state_frac": num_unique / max(num_states, 1),
+            "val/steps_per_response": avg([len(st) for st in starts if st is not None]),
+            "val/parse_failed": parse_failed_frac, "val/mc_rollouts": float(len(rollouts))}
+
+
 def response_advantages(starts: list, state_index: list[list], values: list[float], scores: list[float],
                         offsets: list[int], lengths: list[int], mask: torch.Tensor):
     """Advantages like `mask` ([B, T]): each response's states' MC values (back-filled past the cap) give its step
@@ -360,6 +372,7 @@ def main(args: Args) -> str:
     # train / held-out / dev prompts and the grader
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer)
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
+    headline = "eval/accuracy"  # printed at start and end: the grader's held-out accuracy
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -368,9 +381,7 @@ def main(args: Args) -> str:
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's")
-    tracker.write(f"{len(train_data.rows)} train prompts ({train_data.num_filtered} over max_prompt_length dropped), "
-                  f"{len(eval_data.rows)} eval prompts, {len(dev_data.rows)} dev prompts, {args.num_steps} steps of "
-                  f"{args.batch_size} completions")
+    tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
     splitter_name = args.step_splitter
     if splitter_name == "auto":
         lowered = args.dataset.lower()
@@ -386,10 +397,8 @@ def main(args: Args) -> str:
     policy, optimizer, scheduler = prepare(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                            info, args.local_micro_batch_size, args.gradient_accumulation_steps,
                                            args.max_grad_norm, dtype)
-    ref_policy = None
-    if args.beta > 0:  # LoRA: the reference is the policy with its adapters disabled (the base; no second copy)
-        ref_policy = adapters_disabled(policy) if args.lora_r else prepare_frozen(load_causal_lm(model_path, dtype),
-                                                                                  info, dtype)
+    # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
+    ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -419,12 +428,8 @@ def main(args: Args) -> str:
     # training loop
     timer = Timer()
     start = time.time()
-    if start_step == 0:
-        metrics = evaluate(0)
-        tracker.log({**metrics, "data/train_prompts": len(train_data.rows),
-                     "data/skipped_too_long": train_data.num_filtered}, 0)
-        tracker.write(f"[step 0] held-out accuracy {metrics['eval/accuracy']:.3f}")
-        first_eval = metrics["eval/accuracy"]
+    if start_step == 0:  # the held-out value before training, logged with the train set's size
+        first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     local_idx: list[int] = []
     for step in range(start_step + 1, args.num_steps + 1):
@@ -443,7 +448,6 @@ def main(args: Args) -> str:
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
-        finished = torch.tensor([c.finished for c in comps], device=info.device)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
         # 2. scores: the grader (0 if truncated)
@@ -549,30 +553,22 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 9. log (reduced over ranks once per step)
-        num_states = sum(k is not None for row in traj_states for k in row)
-        mc_trunc = [not cont.finished for _, cont in flat]
-        avg = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
         local.update({
-            "objective/scores": torch.tensor(scores).mean().item(),
+            **completion_metrics(scores, comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
-            "mc_values/mean": avg(values), "mc_values/std": torch.tensor(values).std().item() if len(values) > 1 else 0.0,
-            "val/mc_roll_trunc_frac": avg(mc_trunc), "val/unique_state_frac": len(requests) / max(num_states, 1),
-            "val/steps_per_response": avg([len(st) for st in starts if st is not None]),
-            "val/parse_failed": parse_failed / len(comps), "val/mc_rollouts": float(len(flat)),
-            "val/sequence_lengths": avg([len(c.token_ids) for c in comps]),
-            "val/stop_rate": finished.float().mean().item(),
-            "optim/grad_norm": avg(grad_norms),
+            **mc_metrics(values, [cont for _, cont in flat], len(requests), traj_states, starts, parse_failed / len(comps)),
+            "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
         })
         metrics = info.mean_over_ranks(local)
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": step * args.batch_size,
                         "optim/nonfinite_skipped": guard.skipped, **timer.pop()})
+        # evaluation: the engine holds this step's weights (synced above)
         if args.eval_every and step % args.eval_every == 0 and step != args.num_steps:
             with timer("eval"), ckpt.user_code(step, engines, tracker, trained=True, **resumable,
                                                first_eval=first_eval):
@@ -596,14 +592,11 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    final = ""  # saved before the end-of-run checks, so a failure there loses nothing
-    if args.save_model:
-        final = str(save_hf(policy, tokenizer, os.path.join(args.output_dir, "final"), info))
+    # output_dir/final, saved before the end-of-run checks
+    final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     metrics.update(check_ranks(policy, info, local_idx))
     metrics.update(check_engine(generator, policy, eval_data.prompt_ids[:4], info, args.max_new_tokens))
-    tracker.log(metrics, args.num_steps)
-    tracker.write(f"held-out accuracy {first_eval:.3f} -> {metrics['eval/accuracy']:.3f} "
-                  f"in {metrics['time/total']:.0f}s")
+    tracker.log_end(metrics, args.num_steps, headline, first_eval)
     ckpt.finish()
     tracker.close()
     return final

@@ -69,30 +69,25 @@ VARIANTS = {
     "grpo_tools": ("grpo", 93, set(), {"exp_name", "output_dir", "model_name_or_path", "dataset", "max_new_tokens"},
                    set(), {"main"}),
     "grpo_async": ("grpo", 123, {"vllm_enable_sleep"}, {"exp_name", "output_dir"}, set(), {"main"}),
-    "opd": ("grpo", 360, {"advantage_estimator", "kl_estimator", "policy_loss"}, {"beta", "exp_name", "output_dir"},
-            {"cispo_surrogate", "dppo_surrogate", "kl_penalty"}, {"compute_advantages", "main", "validate"}),
-    "prime": ("grpo", 497, {"advantage_estimator", "advantage_scaling", "importance_level", "lora_alpha", "lora_dropout",
-                            "lora_r", "lora_sync", "lora_target_modules", "mask_truncated_completions", "policy_loss",
-                            "reward_model_path"}, {"exp_name", "output_dir"},
-              {"cispo_surrogate", "completion_mask", "compute_advantages", "dppo_surrogate", "log_importance_ratio"},
-              {"clipped_surrogate", "main", "validate"}),
+    "opd": ("grpo", 302, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
+    "prime": ("grpo", 396, {"advantage_estimator", "advantage_scaling", "reward_model_path"}, {"exp_name", "output_dir"},
+              {"compute_advantages"}, {"main", "validate"}),
     "calibration": ("grpo", 267, {"reward_model_path"},
                     {"best_metric", "eval_num_samples", "exp_name", "max_new_tokens", "model_name_or_path", "output_dir"},
                     set(), {"main", "validate"}),
     "ppo_async": ("ppo", 132, {"vllm_enable_sleep"}, {"exp_name", "output_dir", "tis"}, set(), {"main"}),
-    "ppo_rlhf": ("ppo", 228, set(), {"beta", "exp_name", "lam", "output_dir"}, set(), {"critic_values", "main"}),
-    "vineppo": ("ppo", 331, {"cliprange_value", "critic_learning_rate", "gamma", "lam"}, {"exp_name", "output_dir"},
+    "ppo_rlhf": ("ppo", 190, set(), {"beta", "exp_name", "lam", "output_dir"}, set(), {"critic_values", "main"}),
+    "vineppo": ("ppo", 340, {"cliprange_value", "critic_learning_rate", "gamma", "lam"}, {"exp_name", "output_dir"},
                 {"compute_gae", "critic_values", "init_value_head", "score_rewards", "value_loss"}, {"main"}),
-    "drca": ("ppo_rlhf", 262, set(),
+    "drca": ("ppo_rlhf", 282, set(),
              {"exp_name", "output_dir", "total_episodes", "lam", "cliprange_value", "beta", "eval_every"},
              {"score_rewards"}, {"main", "validate"}),
-    "unit_ppo": ("ppo_rlhf", 235, set(), {"exp_name", "output_dir", "reward_model_path"}, {"score_rewards"},
+    "unit_ppo": ("ppo_rlhf", 260, set(), {"exp_name", "output_dir", "reward_model_path"}, {"score_rewards"},
                  {"main", "validate"}),
     "unit_rm": ("rm", 276, set(), {"exp_name", "output_dir"}, set(), {"main", "score_pairs"}),
 }
-# base flags whose type a variant narrows: the async files generate with vLLM only (the queue runs an engine), opd.py's
-# --beta is the JSD mix in [0, 1]
-TYPES_CHANGED = {"grpo_async": {"generator"}, "ppo_async": {"generator"}, "opd": {"beta"}}
+# base flags whose type a variant narrows: the async files generate with vLLM only (the queue runs an engine)
+TYPES_CHANGED = {"grpo_async": {"generator"}, "ppo_async": {"generator"}}
 # every copy (a file and the base its docstring names): ppo.py, implicit_prm.py and genrm.py reuse their bases'
 # functions but not their loops, so only the docstring rule below holds for them
 COPIES = {**{new: v[0] for new, v in VARIANTS.items()}, "ppo": "grpo", "implicit_prm": "rm", "genrm": "sft"}
