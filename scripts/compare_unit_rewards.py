@@ -96,8 +96,9 @@ def main() -> None:
         for arm in PPO_ARMS:
             curves = [[r for r in rows(out / f"{arm}_seed{s}") if "eval/accuracy" in r] for s in a.seeds]
             n = min(len(c) for c in curves)
-            summary[arm] = {"curve": [{"episode": curves[0][k].get("episode", curves[0][k]["step"]),
-                                       "step": curves[0][k]["step"],
+            # samples at each evaluation: step x the run's completions per step (the end-of-run row has no episode)
+            batch_size = json.loads((out / f"{arm}_seed{a.seeds[0]}" / "args.json").read_text())["batch_size"]
+            summary[arm] = {"curve": [{"episode": curves[0][k]["step"] * batch_size, "step": curves[0][k]["step"],
                                        "accuracy": spread([c[k]["eval/accuracy"] for c in curves])} for k in range(n)],
                             "minutes": spread([c[-1].get("time/total", 0) / 60 for c in curves])}
     summary["env"]["builtin_models"] = bc.builtin_models()
