@@ -1,4 +1,4 @@
-"""DPO: Direct Preference Optimization, with cDPO, robust DPO, IPO, hinge and DPO-Positive. Docs: docs/dpo.md
+"""DPO: Direct Preference Optimization, with cDPO, robust DPO, IPO, hinge, DPO-Positive, SimPO and ORPO. Docs: docs/dpo.md
 
 Paper: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290. No reward model and no sampling during
 training: on pairs (x, y_w, y_l) the policy's log-likelihood ratio to a frozen reference is pushed up on
@@ -11,6 +11,11 @@ the chosen response and down on the rejected one. With s(y) = sum of response-to
     hinge (SLiC)    relu(1 - beta delta)
     ipo             (delta' - 1/(2 beta))^2, delta' from length-averaged log-ratios (TRL) or summed
     dpop (DPO+)     cdpo on z = delta - lambda max(0, s_ref(y_w) - s_theta(y_w))   (Pal et al. 2024)
+
+and two losses without a reference model, on length-averaged log-probs a(y) = s_theta(y) / |y|:
+
+    simpo           -log sigmoid(beta (a(y_w) - a(y_l)) - gamma)                      (Meng et al. 2024; TRL's CPO)
+    orpo            -a(y_w) - lambda log sigmoid(log odds(y_w) - log odds(y_l)),  odds(y) = e^a / (1 - e^a)  (Hong et al. 2024)
 
 Pairs come from an offline preference dataset (`--pair_source offline`), or are generated from the
 starting policy and graded (`--pair_source self_generated`, VinePPO's DPO+ baseline: sample, mark samples
@@ -26,6 +31,7 @@ chosen responses along with the rejected ones and, measured here, the task accur
 Launch:
     python algorithms/dpo.py                                    # CPU, built-in pairs, about 1.5 minutes
     python algorithms/dpo.py --pair_source self_generated --loss_type dpop --logit_temperature 0.6
+    python algorithms/dpo.py --loss_type simpo --beta 2.0 --simpo_gamma 1.0       # no reference model (SimPO; orpo too)
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/dpo.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \
         --eval_split test --learning_rate 5e-7 --total_episodes 60000 --local_micro_batch_size 4 \
@@ -142,14 +148,18 @@ class Args:
     """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/rewards/accuracies` if no answers"""
 
     # algorithm args
-    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"] = "dpop"
-    """`sigmoid` (DPO), `cdpo`, `robust`, `hinge`, `ipo` or `dpop` (DPO-Positive, VinePPO's DPO+; why the default: docs/dpo.md)"""
+    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop", "simpo", "orpo"] = "dpop"
+    """`sigmoid` (DPO), `cdpo`, `robust`, `hinge`, `ipo`, `dpop` (DPO-Positive; the default: docs/dpo.md), `simpo`, `orpo`"""
     beta: Annotated[float, Ge(0)] = 0.1
     """beta: strength of the implicit KL to the reference (TRL 0.1; VinePPO DPO+ 0.1 MATH / 0.3 GSM8K)"""
     label_smoothing: Annotated[float, Interval(ge=0, lt=0.5)] = 0.0
     """eps: probability that a label is flipped, for cdpo / robust / dpop (must be 0 for sigmoid, hinge, ipo)"""
     dpop_lambda: Annotated[float, Ge(0)] = 50.0
     """lambda of DPO-Positive: weight of max(0, s_ref(y_w) - s_theta(y_w)) (VinePPO 50)"""
+    simpo_gamma: Annotated[float, Ge(0)] = 0.5
+    """gamma of SimPO: the target margin of beta-scaled average log-probs (TRL's CPOConfig default)"""
+    orpo_lambda: Annotated[float, Ge(0)] = 0.1
+    """lambda of ORPO: weight of the log-odds-ratio term beside the chosen NLL (TRL's ORPOConfig `beta`, 0.1)"""
     ipo_length_normalize: bool = True
     """IPO on length-averaged log-ratios (TRL, confirmed with the IPO authors); off: summed (OpenRLHF; docs/dpo.md)"""
     logit_temperature: Annotated[float, Gt(0)] = 1.0
@@ -249,6 +259,31 @@ def preference_loss(pol_w: torch.Tensor, pol_l: torch.Tensor, ref_w: torch.Tenso
     raise ValueError(f"loss_type: expected sigmoid, cdpo, robust, hinge, ipo or dpop, got {loss_type!r}")
 
 
+REFERENCE_FREE = ("simpo", "orpo")  # losses on the policy's own length-averaged log-probs: no reference model
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def reference_free_loss(avg_w: torch.Tensor, avg_l: torch.Tensor, loss_type: str, beta: float,
+                        simpo_gamma: float = 0.5, orpo_lambda: float = 0.1,
+                        label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair loss, [B], from length-averaged log-probs a(y) = s_theta(y) / |y| (no reference model).
+    simpo: -(1-eps) log sigmoid(z) - eps log sigmoid(-z), z = beta (a_w - a_l) - gamma  (TRL's CPO `simpo`)
+    orpo:  -a_w - lambda log sigmoid(log odds_w - log odds_l), log odds = a - log(1 - e^a)  (TRL's ORPO, whose NLL
+           term is the token mean over the batch's chosen responses: equal when the responses have one length)"""
+    eps = label_smoothing
+    if loss_type == "simpo":
+        z = beta * (avg_w - avg_l) - simpo_gamma
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    if loss_type == "orpo":
+        log_odds = (avg_w - avg_l) - (log1mexp(avg_w) - log1mexp(avg_l))
+        return -avg_w - orpo_lambda * F.logsigmoid(log_odds)
+    raise ValueError(f"loss_type: expected simpo or orpo, got {loss_type!r}")
+
+
 def make_pairs(samples: list[tuple[list[int], float]], threshold: float, max_pairs: int,
                rng: random.Random) -> list[tuple[list[int], list[int]]]:
     """VinePPO DPO+ pairs of one prompt: every (correct, incorrect) pair of its samples, where correct means
@@ -267,9 +302,11 @@ def validate(args: Args) -> None:
         raise ValueError(f"beta: must be > 0, got {args.beta}")
     if not 0 <= args.label_smoothing < 0.5:
         raise ValueError(f"label_smoothing: must be in [0, 0.5), got {args.label_smoothing}")
-    if args.label_smoothing and args.loss_type in ("sigmoid", "hinge", "ipo"):
+    if args.label_smoothing and args.loss_type in ("sigmoid", "hinge", "ipo", "orpo"):
         raise ValueError(f"label_smoothing: not used by loss_type={args.loss_type}; use --loss_type cdpo "
-                         "(conservative DPO), robust or dpop")
+                         "(conservative DPO), robust, dpop or simpo")
+    if args.loss_type in REFERENCE_FREE and args.ref_model_name_or_path:
+        raise ValueError(f"ref_model_name_or_path: loss_type={args.loss_type} uses no reference model")
 
 
 def unique_prompts(pairs: data_utils.PreferenceData, answer_key: str) -> data_utils.PromptData:
@@ -470,12 +507,13 @@ def main(args: Args) -> str:
         return merged
 
     ref_model = ref_cache = held_out_ref = dev_ref = None
-    if not args.precompute_ref_logps or ref_path != model_path:
+    reference_free = args.loss_type in REFERENCE_FREE  # SimPO, ORPO: no reference model, no reference log-probs
+    if not reference_free and (not args.precompute_ref_logps or ref_path != model_path):
         if args.lora_r and ref_path == model_path:  # LoRA: the policy with its adapters disabled (no second copy)
             ref_model = adapters_disabled(policy)
         else:
             ref_model = prepare_frozen(load_causal_lm(ref_path, dtype), info, dtype)
-    if args.precompute_ref_logps:
+    if args.precompute_ref_logps and not reference_free:
         with timer("ref_logps"):
             order = data_utils.PromptSampler(len(train), args.seed)
             needed = args.num_steps * args.batch_size
@@ -505,12 +543,20 @@ def main(args: Args) -> str:
         input_ids, attn, resp = pair_batch(d, idx)
         logps, lengths = sequence_logps(policy, input_ids, attn, resp, args.logit_temperature)
         pol_w, pol_l = logps[: len(idx)], logps[len(idx) :]
-        ref_w, ref_l = ref_for(d, idx, cache, input_ids, attn, resp)
-        ipo_lengths = (lengths[: len(idx)], lengths[len(idx) :]) if args.ipo_length_normalize else (None, None)
-        losses = preference_loss(pol_w, pol_l, ref_w, ref_l, args.loss_type, args.beta, args.label_smoothing,
-                                 args.dpop_lambda, *ipo_lengths)
-        with torch.no_grad():  # TRL's implicit rewards: beta * (s_theta - s_ref)
-            chosen_r, rejected_r = args.beta * (pol_w - ref_w), args.beta * (pol_l - ref_l)
+        if reference_free:  # SimPO, ORPO: the rewards are beta times the average log-probs (TRL's CPO and ORPO)
+            avg_w, avg_l = pol_w / lengths[: len(idx)], pol_l / lengths[len(idx) :]
+            losses = reference_free_loss(avg_w, avg_l, args.loss_type, args.beta, args.simpo_gamma,
+                                         args.orpo_lambda, args.label_smoothing)
+            ref_w, ref_l = pol_w.detach(), pol_l.detach()  # no DPO-Positive penalty to log
+            chosen_r, rejected_r = (args.beta * avg_w).detach(), (args.beta * avg_l).detach()
+        else:
+            ref_w, ref_l = ref_for(d, idx, cache, input_ids, attn, resp)
+            ipo_lengths = (lengths[: len(idx)], lengths[len(idx) :]) if args.ipo_length_normalize else (None, None)
+            losses = preference_loss(pol_w, pol_l, ref_w, ref_l, args.loss_type, args.beta, args.label_smoothing,
+                                     args.dpop_lambda, *ipo_lengths)
+            # TRL's implicit rewards: beta * (s_theta - s_ref)
+            chosen_r, rejected_r = (args.beta * (pol_w - ref_w)).detach(), (args.beta * (pol_l - ref_l)).detach()
+        with torch.no_grad():
             stats = torch.tensor([len(idx), losses.sum().item(), (chosen_r > rejected_r).sum().item(),
                                   chosen_r.sum().item(), rejected_r.sum().item(), pol_w.sum().item(),
                                   pol_l.sum().item(), torch.relu(ref_w - pol_w).sum().item()], dtype=torch.float64)

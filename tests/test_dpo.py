@@ -138,6 +138,6 @@ def test_self_generated_pairs_follow_vineppo():
 def test_validate_rejects_label_smoothing_where_it_does_nothing():
     with pytest.raises(ValueError, match="label_smoothing"):
         validate(Args(loss_type="sigmoid", label_smoothing=0.1))
-    with pytest.raises(ValueError, match="^loss_type: 'kto' is not one of sigmoid, cdpo, robust, hinge, ipo, dpop$"):
+    with pytest.raises(ValueError, match="^loss_type: 'kto' is not one of sigmoid, cdpo, robust, hinge, ipo, dpop, simpo, orpo$"):
         check_args(Args(loss_type="kto"))
     validate(Args(loss_type="cdpo", label_smoothing=0.1))
