@@ -475,6 +475,10 @@ def main(args: Args) -> dict:
                     for flag in ("bertscore_model", "perplexity_model") if getattr(args, flag)}
     verifier_paths = {v.partition("=")[0]: resolve_model_path(v.partition("=")[2], "verifiers")
                       for v in args.verifiers}
+    from shared.scalar import check_same_tokenizer
+
+    for path in verifier_paths.values():  # they score the policy's token ids
+        check_same_tokenizer(path, tokenizer, "verifiers")
     if baseline is not None:  # every completion to judge has its baseline on the same prompt and sample
         wanted = ([(p["index"], p["sample"]) for p in preds] if data is None else
                   [(i, j) for i in range(len(data.rows)) for j in range(1 if args.greedy else args.num_samples)])
