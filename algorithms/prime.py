@@ -533,7 +533,8 @@ def main(args: Args) -> str:
     tracker = Tracker(args, args.output_dir, run_name, info.is_main, args.num_steps, args.report_to,
                       args.project, resume=ckpt.tracker_state)
     if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
-        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's (val/sampler_kl)")
+        tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
+                      "val/sampler_kl and the TIS ratios show how much")
     tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
     tracker.write(f"each step samples {args.generated_batch_size} completions and trains on {args.batch_size}")
 
@@ -636,7 +637,7 @@ def main(args: Args) -> str:
         comps, texts, scores = [comps[i] for i in rows_kept], [texts[i] for i in rows_kept], [scores[i] for i in rows_kept]
 
         # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
-        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(G)]
+        prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         lengths = attn.sum(1).tolist()  # tokens per row: --micro_batching groups rows by them
