@@ -513,7 +513,7 @@ def main(args: Args) -> str:
         # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
         local_idx, comps, texts, scores = rollout(step)
 
-        # 3. tensors: [prompt | response | pad], response mask from lengths (pad == eos safe)
+        # 3. tensors: [prompt | completion | pad], response mask from lengths (pad == eos safe)
         prompts = [train_data.prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)

@@ -19,6 +19,9 @@ observation text is tokenised (alone). Past `max_tool_calls` calls no tool runs:
 token and the episode generates on (a round in which no episode may call is generated without the `=` stop);
 `max_tool_calls = 0` is plain generation. An observation that does not fit the budget ends the episode as
 truncated ("length"). Seeding: round r of a call uses the call's seed shifted by r (shared/generation.py's rule).
+Under ZeRO-3 (an engine with `synced_gpus`: HF generation, where every forward gathers the shards from all ranks)
+the ranks agree on the number of rounds: each round starts while any rank has an unfinished episode (an all-reduce),
+and a rank with none makes an empty call, the engine's dummy forward, so every rank makes the same engine calls.
 
 Chat turns (`turns="chat"`, `chat_tool_turn`): the result is not written into the assistant's text but comes as a
 `tool` message (`user` where the template has no tool role): the observation is what the chat template renders after
@@ -35,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from shared.distributed import max_over_ranks
 
 CALL_OPEN, CALL_STOP, RESULT_CLOSE, ERROR = "<<", "=", ">>", "ERR"
 MAX_EXPRESSION = 32  # characters
@@ -152,9 +157,14 @@ class ToolGenerator:
         episodes = [Episode() for _ in range(len(prompts) * n)]  # prompt-major, n per prompt
         contexts = [p for p in prompts for _ in range(n)]
         active = list(range(len(episodes)))
+        synced = getattr(self.engine, "synced_gpus", False)  # HF under ZeRO-3: every rank must make the same calls
         for rnd in range(max_new_tokens):  # every round generates at least one token of each active episode
-            if not active:
+            if not (max_over_ranks(int(bool(active))) if synced else active):  # synced: until no rank has one
                 break
+            if not active:  # this rank is done, another is not: an empty call (the engine's dummy forward)
+                self.engine.generate([], n=1, temperature=temperature, top_p=top_p, max_new_tokens=1,
+                                     seed=seed + rnd * ROUND_SEED, stop=self.stop)
+                continue
             may_call = any(episodes[i].calls < self.max_tool_calls for i in active)
             outs = self.engine.generate([contexts[i] + episodes[i].token_ids for i in active], n=1,
                                         temperature=temperature, top_p=top_p,
@@ -164,9 +174,6 @@ class ToolGenerator:
             for i, (c,) in zip(active, outs):
                 self._step(episodes[i], c, max_new_tokens)
             active = [i for i in active if not episodes[i].done]
-        if not prompts:  # an empty call still reaches the engine (HF under ZeRO-3 counts calls)
-            self.engine.generate([], n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                 seed=seed)
         return [episodes[k * n : (k + 1) * n] for k in range(len(prompts))]
 
     def _step(self, ep: Episode, c, max_new_tokens: int) -> None:

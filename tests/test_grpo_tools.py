@@ -203,14 +203,64 @@ def test_resume_is_exact_and_the_run_logs_tool_metrics(resumed):
     assert any("<<" in s["completion"] and ">>" in s["completion"] for s in samples)
 
 
+THREE_RANKS = """
+import json, sys
+sys.path[:0] = [{root!r}]
+from shared.distributed import init_distributed
+from shared.tiny import build_tokenizer
+from shared.tools import ToolGenerator
+from tests.test_grpo_tools import ScriptedEngine
+info = init_distributed()
+tok = build_tokenizer()
+texts = [["<<3+4=\\n<<7+5=\\n12<eos>"], ["12<eos>"], []][info.rank]  # rank 0: 3 rounds, rank 1: 1, rank 2: none
+prompts = [tok("3+4+5=").input_ids] * len(texts)
+engine = ScriptedEngine(tok, texts, len(prompts[0]) if prompts else 0)
+engine.synced_gpus = True
+out = ToolGenerator(engine, tok, 4).generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=1)
+text = [tok.decode(g[0].token_ids, skip_special_tokens=True) for g in out]
+print("result:" + json.dumps(info.gather_objects({{"calls": engine.calls, "text": text}})), flush=True)
+from shared.distributed import end_process_group
+end_process_group()  # a rank that leaves with gloo's threads running aborts ("terminate called ...")
+"""
+
+
+def test_ranks_under_zero3_make_the_same_generate_calls_whatever_their_rounds():
+    """HF generation under ZeRO-3 (`synced_gpus`): every forward gathers the shards from all ranks, so the ranks
+    must make the same number of generate calls (3 against 1 before: a hang or a desynchronised step). Three gloo
+    ranks whose episodes need 3, 1 and 0 rounds all make 3 calls (the finished ranks empty ones), and the episodes
+    are those of one rank alone. Without synced_gpus each rank makes only its own (the scripted tests above)."""
+    import os
+    import subprocess
+
+    from shared.distributed import _free_port
+
+    port, world = _free_port(), 3
+    procs = [subprocess.Popen([sys.executable, "-c", THREE_RANKS.format(root=str(ROOT))], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:]
+    result = json.loads([x for x in outs[0][0].splitlines() if x.startswith("result:")][-1].split(":", 1)[1])
+    assert [r["calls"] for r in result] == [3, 3, 3]
+    assert [r["text"] for r in result] == [["<<3+4=7>>\n<<7+5=12>>\n12"], ["12"], []]
+
+
 @pytest.mark.slow
-def test_two_processes_under_zero2_each_rank_runs_its_own_episodes(tmp_path):
-    """accelerate launch, 2 processes under ZeRO-2 (HF generation): each rank runs its episodes' rounds alone
-    (their numbers may differ), the ranks see different prompts and end with identical weights."""
+def test_two_processes_under_zero3_agree_on_the_rounds(tmp_path):
+    """accelerate launch, 2 processes under ZeRO-3 (HF generation, synced_gpus): the ranks' episodes need different
+    numbers of rounds, the ranks agree on them (an unmatched generate call would hang), see different prompts and end
+    with identical weights."""
     from tests.test_e2e import metrics
     from tests.test_reliability import launch
 
-    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml",
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
             "algorithms/grpo_tools.py", "--output_dir", str(tmp_path), "--local_num_prompts", "4", "--num_generations",
             "4", "--local_micro_batch_size", "16", "--total_episodes", "64", "--eval_every", "0", "--eval_num_prompts",
             "4", "--eval_num_samples", "2", "--dev_num_prompts", "0", "--best_metric", "", "--generator", "hf",

@@ -66,7 +66,7 @@ def test_shared_never_imports_an_algorithm_and_no_algorithm_imports_another():
 # changes, base functions it does not carry, its functions whose code differs from the base's)
 VARIANTS = {
     "dapo": ("grpo", 131, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
-    "grpo_tools": ("grpo", 93, set(), {"exp_name", "output_dir", "model_name_or_path", "dataset", "max_new_tokens"},
+    "grpo_tools": ("grpo", 91, set(), {"exp_name", "output_dir", "model_name_or_path", "dataset", "max_new_tokens"},
                    set(), {"main"}),
     "grpo_async": ("grpo", 123, {"vllm_enable_sleep"}, {"exp_name", "output_dir"}, set(), {"main"}),
     "opd": ("grpo", 302, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
