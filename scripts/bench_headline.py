@@ -51,6 +51,7 @@ METRICS.update(dapo=METRICS["grpo"], grpo_async=METRICS["grpo"])  # grpo's varia
 METRICS.update(ppo=METRICS["grpo"], ppo_async=METRICS["grpo"])
 METRICS["ppo_rlhf"] = ["eval/reward", "eval/accuracy"]  # the reward model's held-out score first: what it trains on
 METRICS["prime"] = METRICS["grpo"]
+METRICS["kto"] = METRICS["dpo"]  # dpo.py's held-out metrics: task accuracy, then the held-out pairs' reward accuracy
 METRICS["opd"] = METRICS["grpo"]  # scripts/bench_opd.py runs it (and its control) through run_one
 # implicit_prm.py: slip localisation on held-out slip pairs, then its held-out rows' pair ordering and accuracy
 METRICS["implicit_prm"] = ["prm/localisation", "prm/localisation_chance", "eval/dpo_acc", "eval/acc"]
