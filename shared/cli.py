@@ -180,9 +180,8 @@ RENAMED = {
     "base_actor_learning_rate": "--learning_rate is its name now (repulse.py: the policy's, as in every script)",
     "actor_learning_rate": "--proposal_learning_rate is its name now (repulse.py: the proposal's)",
     "loss_type": "--objective is its name now (repulse.py: neg_training or reinforce)",
-    # implicit_prm.py's old name of the PRM's scale (prime.py's name); not a plain rename (renamed_flag): --beta stays
-    # the KL coefficient (and DPO's temperature) everywhere else. opd.py's JSD mix was --beta too (now --jsd_beta);
-    # no stored command used it, and opd.py's --beta is the KL coefficient now, where --kl_coef points
+    # the implicit PRM's scale is --prm_beta in implicit_prm.py and prime.py; not a plain rename (renamed_flag): --beta
+    # is the KL coefficient (and DPO's temperature) in every script that has it, opd.py's JSD mix is --jsd_beta
     "beta": "--prm_beta is its name in implicit_prm.py now (the implicit PRM's scale; prime.py's name)",
     # evaluate.py's old names; not plain renames (renamed_flag): scripts/ tools still take --split and --num_prompts
     "split": "--eval_split names evaluate.py's split now, as in the training scripts (training split: --train_split)",
