@@ -193,7 +193,7 @@ class Args:
     sample_every: Annotated[int, Ge(0)] = 25
     """log a table of sample completions every this many steps"""
     reader: Literal["parser", "lm"] = "parser"
-    """`parser`: the built-in reader of `answer@percent;...` last lines; `lm`: a frozen LM prompted to extract and forecast (start-up probe)"""
+    """`parser`: the built-in reader of `answer@percent;...` last lines; `lm`: a frozen LM (refused unless it passes a probe)"""
     reader_model_path: str = ""
     """the LM reader (`--reader lm`); empty: the policy's starting model, frozen"""
     reader_max_new_tokens: Annotated[int, Ge(1)] = 32
