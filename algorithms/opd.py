@@ -682,9 +682,9 @@ def main(args: Args) -> str:
         mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
         with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
+            num_micro = args.local_batch_size // args.local_micro_batch_size
             old_logp, teacher_logp, ref_logp = batch_logprobs([policy, teacher, ref_policy], input_ids, attn, resp,
-                                                              lengths, args.local_batch_size // args.local_micro_batch_size,
-                                                              args.micro_batching, args.temperature)
+                                                              lengths, num_micro, args.micro_batching, args.temperature)
 
         # 5. advantages per token: the teacher's A_t (or the control's -c) with --loss pg, plus reward_coef x the task
         # reward's advantage, computed on the global batch so that `batch` scaling uses every rank's rewards

@@ -102,7 +102,8 @@ def child(a) -> dict:
         policy.zero_grad(set_to_none=True)
         return total.item()
 
-    out = {"impl": a.impl, "loss": a.loss, "gradient_checkpointing": a.gradient_checkpointing == "on", "batch": a.batch, "prompt_len": a.prompt_len,
+    out = {"impl": a.impl, "loss": a.loss, "gradient_checkpointing": a.gradient_checkpointing == "on", "batch": a.batch,
+           "prompt_len": a.prompt_len,
            "completion_len": a.completion_len, "vocab": V, "dtype": str(dtype).replace("torch.", ""),
            "one_distribution_fp32_mb": a.batch * (seq_len - 1) * V * 4 / 2**20}
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -148,7 +149,8 @@ def render(d: dict) -> str:
     machine = env.get("device", "")
     lines.append("")
     lines.append(f"One micro-step (both forwards, the loss over the completion tokens, the backward into the student) "
-                 f"of {d['settings']['model']} as teacher and, perturbed, student, {r0['batch']} rows of {r0['prompt_len']} prompt "
+                 f"of {d['settings']['model']} as teacher and, perturbed, student, {r0['batch']} rows of "
+                 f"{r0['prompt_len']} prompt "
                  f"+ {r0['completion_len']} completion tokens, vocabulary {r0['vocab']:,}, {r0['dtype']}, gradient "
                  f"checkpointing {'on' if r0.get('gradient_checkpointing') else 'off'}; one "
                  f"[B, L-1, V] float32 distribution is {r0['one_distribution_fp32_mb']:,.0f} MB. `{d['command']}`, "
