@@ -10,7 +10,7 @@ samples --num_samples completions of the policy per held-out prompt (the same sa
 majority vote (maj@N), each verifier's best-of-N (bon/<name>@N) and weighted vote, and pass@N, the ceiling; mean and
 min-max over the seeds.
 With --labelled_prompts P the verifiers train on one shared set of the policy's graded samples instead of sampling
-their own: evaluate.py samples --labelled_samples completions of P training prompts (--split train, seed 1, the
+their own: evaluate.py samples --labelled_samples completions of P training prompts (--eval_split train, seed 1, the
 --extra flags) and grades them; genrm.py and implicit_prm.py read the rows as --data_path, rm.py the pairs (a correct
 and an incorrect completion of the same prompt, every such combination) as --dataset. This is how a dataset without
 preference pairs (the SmolLM2 chat-sums data, docs/real_models.md) gets the Bradley-Terry verifier too, and how
@@ -46,20 +46,21 @@ def evaluate(work: Path, a, name: str, specs: list[str], extra: list[str]) -> di
     ev = work / name
     if not (ev / "summary.json").exists():
         run_child(["algorithms/evaluate.py", "--model_name_or_path", a.policy, "--generator", a.generator,
-                   "--output_dir", str(ev), "--num_prompts", str(a.num_prompts), "--num_samples", str(a.num_samples),
+                   "--output_dir", str(ev), "--eval_num_prompts", str(a.num_prompts),
+                   "--num_samples", str(a.num_samples),
                    "--k", "1", *map(str, a.k), "--num_bootstrap", "0", "--verifiers", *specs, *extra],
                   work / "logs" / name, env=child_env())
     return json.loads((ev / "summary.json").read_text())["metrics"]
 
 
 def labelled_data(work: Path, a, extra: list[str]) -> dict:
-    """The policy's graded samples of --labelled_prompts training prompts (evaluate.py --split train, seed 1), written
-    as labelled rows {prompt, completion, response, label} (genrm.py, implicit_prm.py) and as preference pairs
-    {prompt, chosen, rejected}: every (correct, incorrect) combination of one prompt's samples (rm.py)."""
+    """The policy's graded samples of --labelled_prompts training prompts (evaluate.py --eval_split train, seed 1),
+    written as labelled rows {prompt, completion, response, label} (genrm.py, implicit_prm.py) and as preference
+    pairs {prompt, chosen, rejected}: every (correct, incorrect) combination of one prompt's samples (rm.py)."""
     out = work / "labelled"
     if not (out / "summary.json").exists():
         run_child(["algorithms/evaluate.py", "--model_name_or_path", a.policy, "--generator", a.generator,
-                   "--output_dir", str(out), "--split", "train", "--num_prompts", str(a.labelled_prompts),
+                   "--output_dir", str(out), "--eval_split", "train", "--eval_num_prompts", str(a.labelled_prompts),
                    "--num_samples", str(a.labelled_samples), "--k", "1", "--no_greedy", "--num_bootstrap", "0",
                    *extra], work / "logs" / "labelled", env=child_env())
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines() if line.strip()]

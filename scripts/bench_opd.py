@@ -7,7 +7,7 @@ default run (docs/bench/grpo_variants, the same evaluation).
 
 Three arms, each seed k, every run the script with the flags shown and --seed k (scripts/bench_headline.py's run_one:
 a fresh model cache, finished runs kept in <out>/<arm>/ and not run again):
-  teacher  python algorithms/evaluate.py --model_name_or_path builtin:tiny-grpo --num_prompts 500 --seed k: the
+  teacher  python algorithms/evaluate.py --model_name_or_path builtin:tiny-grpo --eval_num_prompts 500 --seed k: the
            training scripts' held-out evaluation (500 prompts, 4 samples each, the seed's sampling seed)
   opd      python algorithms/opd.py --total_episodes N --eval_every E
   control  the same with --control_adv c: A_t = -c on every generated token, no teacher signal; c = the mean |A_t|
@@ -35,7 +35,8 @@ def teacher_accuracy(out: Path, seed: int) -> dict:
     """The teacher's held-out accuracy and pass@4 with the evaluation of a training run of seed `seed`."""
     run_dir = out / "teacher" / f"seed{seed}"
     if not (run_dir / "summary.json").exists():
-        argv = ["algorithms/evaluate.py", "--model_name_or_path", TEACHER, "--num_prompts", "500", "--num_samples", "4",
+        argv = ["algorithms/evaluate.py", "--model_name_or_path", TEACHER, "--eval_num_prompts", "500",
+                "--num_samples", "4",
                 "--seed", str(seed), "--num_bootstrap", "0", "--output_dir", str(run_dir)]
         print(f"[bench] teacher seed {seed}: python {' '.join(argv)}", flush=True)
         env = bc.child_env({"CLEANRLHF_CACHE": str(out / "cache")})

@@ -40,7 +40,7 @@ from shared.cli import RENAMED  # noqa: E402  (the flags a stored command may na
 BLOCK = re.compile(r"(<!-- table (\S+) ([^\s,]+(?:,\s*[^\s,]+)*) -->\n)(.*?)(<!-- end table -->)", re.S)
 SCRIPTS_BLOCK = re.compile(r"(<!-- scripts (\w+)(?:(!?=)(\S+))? -->)(.*?)(<!-- end scripts -->)", re.S)
 # the order lists of scripts name them in: the README's algorithm table's order, then any other file by name
-SCRIPT_ORDER = ("sft", "rm", "unit_rm", "dpo", "grpo", "dapo", "grpo_async", "grpo_tools", "opd", "prime", "calibration",
+SCRIPT_ORDER = ("sft", "rm", "unit_rm", "dpo", "kto", "grpo", "dapo", "grpo_async", "grpo_tools", "opd", "prime", "calibration",
                 "ppo", "ppo_async", "ppo_rlhf", "drca", "unit_ppo", "vineppo", "repulse", "restem", "genrm",
                 "implicit_prm", "evaluate")
 
@@ -374,6 +374,25 @@ def lora_learning(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dpo_losses(files: list[dict]) -> str:
+    """docs/dpo.md: dpo.py's default run, the same run with another --loss_type (bench_headline.py, one file per
+    loss, --flags) and kto.py's default run, the same seeds: held-out task and pair accuracy, start -> end."""
+    lines = ["| run | held-out accuracy: start -> end | held-out pair accuracy, end | minutes |", "|---|---|---|---|"]
+    notes = []
+    for d in files:
+        r = d["results"].get("dpo") or d["results"]["kto"]
+        flags = d.get("flags") or ""
+        lines.append(f"| `{r['command'].split(' --seed')[0]}` | {r['start']['eval/accuracy']['mean']:.3f} -> "
+                     f"{_spread3(r['final']['eval/accuracy'])} | {_spread3(r['final']['eval/rewards/accuracies'])} | "
+                     f"{r['minutes']['mean']:.1f} |")
+        notes.append(f"{r['command'].split(' --seed')[0].removeprefix('python algorithms/')}: `{d['command']}`, "
+                     f"{d['env']['device']}")
+    seeds = sorted({s for d in files for r in d["results"].values() for s in r["seeds"]})
+    return "\n".join(lines + ["", f"Seeds {', '.join(seeds)}, mean (min-max); task accuracy by the grader, 4 samples per "
+                               "held-out prompt; pair accuracy: the implicit reward ranks the chosen response first. "
+                               + "; ".join(notes) + "."])
+
+
 def lora_memory(d: dict) -> str:
     """scripts/bench_lora_memory.py: what LoRA saves on builtin:smollm2-135m, full fine-tuning vs LoRA."""
     a, runs = d["model_alone"], d["grpo_runs"]
@@ -522,7 +541,7 @@ def opd_vs_grpo(files: list[dict]) -> str:
                   f"algorithms/grpo.py --seed <k>` ({_provenance(dg, '')[:-1]}); opd.py and the control: "
                   f"`{re.sub(r' --seed [0-9]+', '', opd_run['command'])} --seed <k>` and the same with `--control_adv "
                   f"{do['control_adv']:g}` (c: the mean |A_t| of the opd runs' first batch), teacher: "
-                  f"`python algorithms/evaluate.py --model_name_or_path {do['teacher']['model']} --num_prompts 500 "
+                  f"`python algorithms/evaluate.py --model_name_or_path {do['teacher']['model']} --eval_num_prompts 500 "
                   f"--seed <k>` ({_provenance(do, '')[:-1]}); minutes per run: grpo "
                   f"{arms['grpo.py']['minutes']['mean']:.1f}, opd {do['results']['opd']['minutes']['mean']:.1f}, "
                   f"control {do['results']['control']['minutes']['mean']:.1f} (other jobs shared the cores)."]
@@ -1629,8 +1648,8 @@ RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_reward
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
-             "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo}
-MULTI = {"grpo_variants", "bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
+             "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses}
+MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 

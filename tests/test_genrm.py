@@ -244,7 +244,7 @@ def test_grpo_takes_a_genrm_checkpoint_as_its_reward_and_evaluate_selects_best_o
     scores = [r["objective/scores"] for r in metrics(tmp_path / "repulse") if "objective/scores" in r]
     assert scores and all(0 <= s <= 1 for s in scores) and any(0 < s < 1 for s in scores)
     run([sys.executable, "algorithms/evaluate.py", "--output_dir", str(tmp_path / "ev"), "--generator", "hf",
-         "--num_prompts", "4", "--num_samples", "4", "--k", "1", "4", "--num_bootstrap", "10", "--max_new_tokens", "12",
+         "--eval_num_prompts", "4", "--num_samples", "4", "--k", "1", "4", "--num_bootstrap", "10", "--max_new_tokens", "12",
          "--verifiers", f"genrm={final}", "rm=builtin:tiny-rm"])
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())["metrics"]
     records = [json.loads(line) for line in (tmp_path / "ev" / "completions.jsonl").read_text().splitlines()]

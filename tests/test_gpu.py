@@ -183,7 +183,7 @@ def test_every_script_trains_two_steps_in_bf16_on_gpu(name, tmp_path, request):
 def test_evaluate_py_on_gpu(tmp_path):
     """algorithms/evaluate.py with the HF backend in bf16: a summary with greedy and sampled accuracy."""
     _run([sys.executable, "algorithms/evaluate.py", "--model_name_or_path", MODEL, "--output_dir", str(tmp_path),
-          "--generator", "hf", "--num_prompts", "8", "--num_samples", "4", "--max_new_tokens", "16"])
+          "--generator", "hf", "--eval_num_prompts", "8", "--num_samples", "4", "--max_new_tokens", "16"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert summary["num_prompts"] == 8 and len(rows) == 8 and all(len(r["samples"]) == 4 for r in rows)
