@@ -17,9 +17,10 @@ the bandit baseline: the mean of the globally normalised v_k on the last token);
 model with a fresh head (the reference), not from the reward model; eval/reward is not computed (the unit RM has no
 sequence score at EOS), so the headline is the grader's held-out accuracy.
 
-Launch (unit_rm.py first: its output_dir/final is the reward model; tau must be the one it was trained with):
-    python algorithms/unit_rm.py                                       # first: the unit RM (runs/unit_rm/final)
-    python algorithms/unit_ppo.py                                      # CPU, built-in task, on that RM
+Launch (the reward model is unit_rm.py's output_dir/final; tau must be the one it was trained with):
+    python algorithms/unit_ppo.py                  # CPU, built-in task, builtin:tiny-unit-rm (a unit_rm.py run)
+    python algorithms/unit_rm.py                   # your own unit RM, then:
+    python algorithms/unit_ppo.py --reward_model_path runs/unit_rm/final
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/unit_ppo.py
     accelerate launch --config_file scripts/accelerate/zero3.yaml --num_processes 8 algorithms/unit_ppo.py \
         --model_name_or_path <sft model> --reward_model_path <unit_rm.py's output_dir/final> --tau 2 \
@@ -47,7 +48,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, enab
                                 full_named_parameters, init_distributed, load_causal_lm, load_reference,
                                 load_tokenizer, prepare, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
-from shared.generation import check_engine, completion_decoder, make_generator
+from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
 from shared.logprobs import forward_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
@@ -86,8 +87,8 @@ class Args:
     """prompts longer than this many tokens are dropped (and counted)"""
     reward_fn: str = "auto"
     """grader for eval/accuracy: `auto` (by dataset), `builtin`, `gsm8k`, `math`, `math_verify`, `none`, or `module:function`"""
-    reward_model_path: str = "runs/unit_rm/final"
-    """unit reward model: unit_rm.py's output_dir/final, with its unit_normalizer.json (default: unit_rm.py's default run)"""
+    reward_model_path: str = "builtin:tiny-unit-rm"
+    """unit reward model: unit_rm.py's output_dir/final, with its unit_normalizer.json (`builtin:tiny-unit-rm`: a built-in one)"""
     critic_model_path: str = ""
     """initialise the critic from this checkpoint (default: the SFT policy with a fresh value head, as the reference code)"""
     report_to: Literal["none", "wandb", "trackio"] = "none"
@@ -350,6 +351,55 @@ def place_unit_rewards(unit_rewards: list[float], ends: list[int], n: int, place
     return out
 
 
+def rollout_unit_values(reward_model, entropy_model, input_ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
+                        prompts: list[list[int]], responses: list[list[int]], tau: float, micro_batch_size: int):
+    """Each completion's unit ends (peak_unit_ends on entropy_model's entropies at its action positions; without an
+    entropy model one unit at its last token) and the reward model's value v_k at each end, micro-batch by micro-batch
+    over the padded batch (input_ids / attn / resp as data_utils.pad_batch builds them): (ends, values) as lists."""
+    ends, unit_v = [], []
+    with torch.no_grad():
+        for s in range(0, len(responses), micro_batch_size):
+            sl = slice(s, s + micro_batch_size)
+            if entropy_model is not None:
+                ent = forward_logprobs(entropy_model, input_ids[sl], attn[sl], resp[sl], 1.0, True)[1]
+                # position j's entropy (predicting token j + 1) is entry j + 1 of the response's entropies;
+                # a completion of EOS alone has no unit: it is read at its one token, as the bandit
+                e = [peak_unit_ends(ent[j, len(prompts[s + j]) : len(prompts[s + j]) - 1 + len(r)].tolist() + [0.0],
+                                    tau) or [len(r) - 1] for j, r in enumerate(responses[sl])]
+            else:
+                e = [[len(r) - 1] for r in responses[sl]]
+            v, _ = gather_unit_values(token_values(reward_model, input_ids[sl], attn[sl]),
+                                      [len(p) for p in prompts[sl]], e)
+            ends += e
+            unit_v += [v[j, : len(e[j])].tolist() for j in range(len(e))]
+    return ends, unit_v
+
+
+def normalize_units(unit_values: list[list[float]], norm: dict, reward_model, bandit: bool) -> list[list[float]]:
+    """Each completion's rhat_k: position_normalize by the location-aware normaliser, or for the bandit baseline
+    (segment_last_avg) v_k normalised by the reward model's stored reward_mean / reward_std (unset: 0 and 1)."""
+    if not bandit:
+        return [position_normalize(v, norm) for v in unit_values]
+    cfg = getattr(reward_model, "module", reward_model).config
+    mu, sd = cfg.reward_mean or 0.0, cfg.reward_std or 1.0
+    return [[(x - mu) / sd for x in v] for v in unit_values]
+
+
+def dense_unit_rewards(unit_rewards: list[list[float]], ends: list[list[int]], first: list[int], lengths: list[int],
+                       finished: list[bool], mask: torch.Tensor, placement: str, penalty_reward_value: float,
+                       reward_clip: float) -> torch.Tensor:
+    """Per-action rewards like `mask` [B, T]: completion i's place_unit_rewards from column first[i] (its first
+    action; position t predicts token t + 1) over its lengths[i] actions; a completion not `finished` gets only
+    penalty_reward_value on its last action (--non_stop_penalty); clipped to +-reward_clip, 0 outside the mask."""
+    dense = torch.zeros_like(mask)
+    for i, (r, e) in enumerate(zip(unit_rewards, ends)):
+        row = place_unit_rewards(r, e, lengths[i], placement)
+        if not finished[i]:
+            row = [0.0] * (len(row) - 1) + [penalty_reward_value]
+        dense[i, first[i] : first[i] + len(row)] = torch.tensor(row, device=mask.device)
+    return dense.clamp(-reward_clip, reward_clip) * mask
+
+
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str,
                mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from samples of pi, d = logp - logp_ref: k1 = d; k2 = d^2/2;
@@ -444,9 +494,6 @@ def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.adaptive_kl and args.beta == 0:
         raise ValueError("adaptive_kl: needs beta > 0 to adapt")
-    if args.reward_model_path == "runs/unit_rm/final" and not os.path.exists(args.reward_model_path):
-        raise ValueError("reward_model_path: runs/unit_rm/final does not exist; train the unit reward model first "
-                         "(python algorithms/unit_rm.py) or pass unit_rm.py's output_dir/final")
     if args.reward_fn == "none":
         raise ValueError("reward_fn: unit_ppo.py's evaluation needs a grader (the unit RM gives no sequence score)")
 
@@ -562,45 +609,18 @@ def main(args: Args) -> str:
         input_ids, attn, resp = data_utils.pad_batch(prompts, [c.token_ids for c in comps], tokenizer.pad_token_id,
                                                      info.device)
         mask = resp[:, 1:].float()  # position t predicts token t+1: 1 on completion tokens, EOS included
-        finished = torch.tensor([c.finished for c in comps], device=info.device)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
 
         # 2. dense rewards: units at the SFT policy's entropy peaks, the RM read at each unit end, normalised by the
         # unit's position and spread over its actions (--reward_placement)
         with timer("reward"):
-            texts = [decode(c.token_ids) for c in comps]
-            responses = [c.token_ids for c in comps]
-            ends, unit_v = [], []
-            with torch.no_grad():
-                for s in range(0, args.local_batch_size, args.local_micro_batch_size):
-                    sl = slice(s, s + args.local_micro_batch_size)
-                    if ref_policy is not None and args.tau != BANDIT_TAU:
-                        ent = forward_logprobs(ref_policy, input_ids[sl], attn[sl], resp[sl], 1.0, True)[1]
-                        # position j's entropy (predicting token j + 1) is entry j + 1 of the response's entropies;
-                        # a completion of EOS alone has no unit: it is read at its one token, as the bandit
-                        e = [peak_unit_ends(ent[j, len(prompts[s + j]) : len(prompts[s + j]) - 1 + len(r)].tolist()
-                                            + [0.0], args.tau) or [len(r) - 1]
-                             for j, r in enumerate(responses[sl])]
-                    else:
-                        e = [[len(r) - 1] for r in responses[sl]]
-                    v, m = gather_unit_values(token_values(reward_model, input_ids[sl], attn[sl]),
-                                              [len(p) for p in prompts[sl]], e)
-                    ends += e
-                    unit_v += [v[j, : len(e[j])].tolist() for j in range(len(e))]
-            if args.reward_placement == "segment_last_avg":  # the bandit: v_k normalised by the RM's stored stats
-                cfg = getattr(reward_model, "module", reward_model).config
-                mu, sd = cfg.reward_mean or 0.0, cfg.reward_std or 1.0
-                unit_r = [[(x - mu) / sd for x in v] for v in unit_v]
-            else:
-                unit_r = [position_normalize(v, normalizer) for v in unit_v]
-            dense = torch.zeros_like(mask)
-            for i, (r, e) in enumerate(zip(unit_r, ends)):
-                row = place_unit_rewards(r, e, len(responses[i]), args.reward_placement)
-                if args.non_stop_penalty and not comps[i].finished:
-                    row = [0.0] * (len(row) - 1) + [args.penalty_reward_value]
-                first = len(prompts[i]) - 1  # column of the first action (position t predicts token t + 1)
-                dense[i, first : first + len(row)] = torch.tensor(row, device=info.device)
-            dense = dense.clamp(-args.reward_clip, args.reward_clip) * mask
+            texts, responses = [decode(c.token_ids) for c in comps], [c.token_ids for c in comps]
+            ends, unit_v = rollout_unit_values(reward_model, ref_policy if args.tau != BANDIT_TAU else None, input_ids,
+                                               attn, resp, prompts, responses, args.tau, args.local_micro_batch_size)
+            unit_r = normalize_units(unit_v, normalizer, reward_model, args.reward_placement == "segment_last_avg")
+            dense = dense_unit_rewards(unit_r, ends, [len(p) - 1 for p in prompts], [len(r) for r in responses],
+                                       [c.finished or not args.non_stop_penalty for c in comps], mask,
+                                       args.reward_placement, args.penalty_reward_value, args.reward_clip)
             scores = dense.sum(1)  # each completion's total reward before the KL term (logged)
 
         # 3. log-probs and values before the update (no grad): old policy, reference, critic
@@ -688,25 +708,21 @@ def main(args: Args) -> str:
             generator.sync_weights(full_named_parameters(policy, info))
 
         # 8. log (reduced over ranks once per step)
-        lengths = mask.sum(1)
         ret_var = torch.var(returns[mask > 0]) if mask.sum() > 1 else torch.tensor(0.0)
         local = {k: sum(v) / len(v) for k, v in stats.items()}
         with torch.no_grad():  # the mismatch of the whole batch, before the update (docs/mismatch.md)
-            local.update(mismatch_metrics(old_logp, sampler_logp, mask,
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap,
-                                                      args.tis_mask_low),
-                                          tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)))
+            w_step = tis_weights(old_logp, sampler_logp, mask, args.tis, args.tis_cap, args.tis_mask_low)
+            w_raw = tis_weights(old_logp, sampler_logp, mask, args.tis, math.inf, 0.0)  # before truncation or mask
+            local.update(mismatch_metrics(old_logp, sampler_logp, mask, w_step, w_raw))
         local.update({
-            "objective/scores": scores.mean().item(),
+            **completion_metrics(scores.tolist(), comps),  # objective/scores(_std), val/sequence_lengths, stop_rate
             "objective/units": sum(len(e) for e in ends) / len(ends),
             "objective/kl": kl_k1.sum(1).mean().item(),
             "objective/non_score_reward": -(beta * kl_k1).sum(1).mean().item() if args.kl_placement == "reward"
             else 0.0,
-            "objective/entropy": (entropy_sum / lengths.clamp(min=1)).mean().item(),
+            "objective/entropy": (entropy_sum / mask.sum(1).clamp(min=1)).mean().item(),
             "val/values_mean": (old_values.sum() / mask.sum()).item(),
             "val/explained_variance": (1 - torch.var((returns - old_values)[mask > 0]) / ret_var.clamp(min=1e-8)).item(),
-            "val/sequence_lengths": lengths.mean().item(),
-            "val/stop_rate": finished.float().mean().item(),
             "optim/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "optim/critic_grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
         })

@@ -220,6 +220,17 @@ def response_unit_ends(entropies, responses: list[list[int]], tau: float, where:
     return out
 
 
+def check_units(splits: dict, min_tokens: int, dataset: str) -> None:
+    """A ValueError naming the dataset, split, pair and side of the first response with fewer than min_tokens tokens
+    (EOS included): a unit needs a token before EOS (2), the bandit's one unit at EOS needs only EOS (1)."""
+    for name, d in splits.items():
+        for i in range(len(d)):
+            for side, ids in (("chosen", d.chosen_ids[i]), ("rejected", d.rejected_ids[i])):
+                if len(ids) < min_tokens:
+                    raise ValueError(f"dataset {dataset!r}: {name} pair {i}: the {side} response has no unit "
+                                     f"({len(ids)} token(s); a unit needs a token before EOS)")
+
+
 def gather_unit_values(values: torch.Tensor, prompt_lens: list[int], ends: list[list[int]]):
     """v_k = values[i, prompt_len_i + e_k] for each row i of a right-padded [N, L] batch: ([N, K_max], mask [N, K_max])."""
     k_max = max(len(e) for e in ends)
@@ -337,12 +348,7 @@ def main(args: Args) -> str:
         return out
 
     train_margin, held_out_margin, dev_margin = margins(train), margins(held_out), margins(dev)
-    for name, d in (("train", train), ("dev", dev), ("eval", held_out)):  # a unit needs a token before EOS
-        for i in range(len(d)):
-            for side, ids in (("chosen", d.chosen_ids[i]), ("rejected", d.rejected_ids[i])):
-                if len(ids) < (1 if args.tau == BANDIT_TAU else 2):
-                    raise ValueError(f"dataset {args.dataset!r}: {name} pair {i}: the {side} response has no unit "
-                                     f"({len(ids)} token(s); a unit needs a token before EOS)")
+    check_units({"train": train, "dev": dev, "eval": held_out}, 1 if args.tau == BANDIT_TAU else 2, args.dataset)
     sampler = data_utils.PromptSampler(len(train), args.seed)
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)

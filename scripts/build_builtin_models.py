@@ -1,12 +1,12 @@
 """Rebuild the built-in tiny models from scratch and compare them with the committed ones (shared/builtin_models/).
 
-    python scripts/build_builtin_models.py                      # all seven, in runs/builtin_models
+    python scripts/build_builtin_models.py                      # all eight, in runs/builtin_models
     python scripts/build_builtin_models.py --models tiny tiny-sft
     python scripts/build_builtin_models.py --write              # replace the committed weights and their hashes
 
 Each model is built by its recipe (shared/tiny.py RECIPES: sft.py, rm.py or grpo.py, seed 1) in a child process on
 CPU with one thread (BUILD_ENV), from the model its recipe starts from (tiny -> tiny-sft -> tiny-rm -> tiny-cf-rm;
-tiny-sft -> tiny-lc-sft, tiny-grpo; tiny -> tiny-tools-sft): the one built in this invocation, else the committed one. On the machine that built the committed
+tiny-sft -> tiny-lc-sft, tiny-grpo, tiny-unit-rm; tiny -> tiny-tools-sft): the one built in this invocation, else the committed one. On the machine that built the committed
 weights a rebuild is bit-identical; on another CPU only `tiny` is (training sums in another order there), so the
 others come out as slightly different models of the same quality. `--write` copies the rebuilt models into
 shared/builtin_models/ and their hashes into shared/tiny.py's EXPECTED_SHA256: every stored result that starts from
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared import tiny  # noqa: E402
 
-ORDER = ("tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft", "tiny-tools-sft", "tiny-grpo")
+ORDER = ("tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft", "tiny-tools-sft", "tiny-grpo", "tiny-unit-rm")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
     builtin:tiny, builtin:tiny-sft, builtin:tiny-rm,  the built-in character-level tiny models (shared/tiny.py)
     builtin:tiny-cf-rm, builtin:tiny-lc-sft,
-    builtin:tiny-tools-sft, builtin:tiny-grpo
+    builtin:tiny-tools-sft, builtin:tiny-grpo, builtin:tiny-unit-rm
     builtin:smollm2-135m                              SmolLM2-135M-Instruct, a real pretrained chat model (below)
     org/name                                          a hub model, unchanged
     path/to/dir                                       a local HF checkpoint (config.json and weights)
@@ -35,7 +35,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VERSION = "v1"  # bump when the conversion changes, so stale caches are not reused
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")  # the weight files transformers and vLLM load
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-sft", "builtin:tiny-rm", "builtin:tiny-cf-rm", "builtin:tiny-lc-sft",
-                  "builtin:tiny-tools-sft", "builtin:tiny-grpo", "builtin:smollm2-135m")
+                  "builtin:tiny-tools-sft", "builtin:tiny-grpo", "builtin:tiny-unit-rm", "builtin:smollm2-135m")
 
 
 def smollm2_gguf() -> Path:
@@ -121,6 +121,7 @@ def resolve_model_path(name_or_path: str, flag: str = "model_name_or_path") -> s
                 "builtin:tiny-lc-sft": builtin_tiny_lc_sft,
                 "builtin:tiny-tools-sft": lambda: builtin_model("tiny-tools-sft"),
                 "builtin:tiny-grpo": lambda: builtin_model("tiny-grpo"),
+                "builtin:tiny-unit-rm": lambda: builtin_model("tiny-unit-rm"),
                 "builtin:smollm2-135m": builtin_smollm2}
     if name_or_path in builders:
         return str(builders[name_or_path]())

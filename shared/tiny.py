@@ -10,6 +10,9 @@
                         `builtin:counterfactual` (shared/task.py): a reward model that can score DRCA's counterfactuals
     builtin:tiny-grpo   builtin:tiny-sft trained by `algorithms/grpo.py` (its defaults but 51,200 samples, seed 1): the
                         default teacher of `algorithms/opd.py`, much stronger than tiny-sft on the built-in task
+    builtin:tiny-unit-rm  a unit-level (segment) reward model trained by `algorithms/unit_rm.py` (its defaults but
+                        32,000 pairs) from builtin:tiny-sft, with its unit_normalizer.json: `algorithms/unit_ppo.py`'s
+                        default reward model
 
 Their weights are committed in shared/builtin_models/<name>/ (2.7 MB each), so that every machine starts from the
 same bits: training is not bit-reproducible across CPUs (the order in which the kernels sum depends on the CPU model
@@ -61,9 +64,13 @@ RECIPES = {
     # the teacher of algorithms/opd.py: grpo.py's defaults from tiny-sft, half its samples (51,200: 100 steps, to keep
     # the build short), a model much stronger than tiny-sft on the built-in task
     "tiny-grpo": ("grpo.py", "tiny-sft", ("--total_episodes", "51200")),
+    # unit_ppo.py's default reward model: unit_rm.py's defaults but 32,000 pairs (a quarter: 500 steps, to keep the
+    # build short), its normaliser (final/unit_normalizer.json) beside the weights
+    "tiny-unit-rm": ("unit_rm.py", "tiny-sft", ("--total_episodes", "32000")),
 }
 # SHA-256 of model.safetensors of the committed weights (shared/builtin_models/<name>/)
 EXPECTED_SHA256 = {
+    "tiny-unit-rm": "7055a8b9e2aba8d0c20611f56c55e5fa7eeb4f865e835a08ab9ec451d0d23ac2",
     "tiny-tools-sft": "63d9635ee189e5ad39898b8031098bd42a910baf24531a7e59d7937ee9115375",
     "tiny-grpo": "62eb61f7ea20126c86b40b596f868c91259262d16df2c2178165fee6bf61318c",
     "tiny": "395d0a932928cfdaffe558995ca2c1e733de0fcf55879b6fe3e901855d75cffa",
@@ -257,6 +264,10 @@ def build_model(name: str, out: str | Path, base: str | Path | None = None) -> P
                "--dev_num_prompts", "0", *flags]  # the final model, trained on the whole train split
         _run_build(cmd, f"builtin:{name} with algorithms/{script}")
         shutil.move(str(tmp / "final"), out)  # the scripts write their final checkpoint under output_dir/final
+        normalizer = out / "unit_normalizer.json"  # unit_rm.py's: it names the entropy model as the recipe does
+        if normalizer.exists():
+            normalizer.write_text(json.dumps({**json.loads(normalizer.read_text()),
+                                              "model": f"builtin:{RECIPES[name][1]}"}, indent=1))
         rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines() if line.strip()]
         final_eval = {k: v for row in rows for k, v in row.items() if k.startswith("eval/")}  # the last of each
         shutil.rmtree(tmp, ignore_errors=True)

@@ -105,6 +105,13 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
         "drca": ("drca", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes", "80",
                           "--num_generations", "4", "--reward_model_path", d["rm"],
                           "--unit_pattern", "lines"], 3),
+        # units at the frozen SFT model's entropy peaks; the normaliser is fitted after the last step
+        "unit_rm": ("unit_rm", ["--dataset", d["pairs"], "--total_episodes", "192", "--local_micro_batch_size", "16",
+                                "--eval_num_pairs", "16", "--eval_every", "4", "--max_prompt_length", "24",
+                                "--normalizer_num_pairs", "16"], 7),
+        # dense unit rewards from the default reward model (builtin:tiny-unit-rm), its critic from the SFT policy
+        "unit_ppo": ("unit_ppo", [*RL_SMALL, "--dataset", d["prompts"], "--reward_fn", "builtin", "--total_episodes",
+                                  "80", "--num_generations", "4"], 3),
         # 2 iterations of 8 prompts x 4 samples, 2 epochs; K = 3 stops inside iteration 1's M-step
         "restem": ("restem", ["--model_name_or_path", "builtin:tiny-sft", "--dataset", d["prompts"], "--reward_fn",
                               "builtin", "--generator", "hf", "--total_episodes", "64", "--local_num_prompts", "8",
@@ -147,7 +154,7 @@ def cases(d: dict[str, str]) -> dict[str, tuple[str, list[str], int]]:
 # two ranks double the batch: these cases get more episodes, so that K steps stop before the end
 TWO_RANKS = {"sft": "80", "sft_lora": "80", "ppo": "160", "drca": "160", "grpo": "160", "grpo_variants": "160",
              "grpo_lora": "160", "vineppo": "160", "dpo": "384", "rm": "384", "repulse": "480", "restem": "128",
-             "prime": "192", "implicit_prm": "96"}
+             "prime": "192", "implicit_prm": "96", "unit_rm": "384", "unit_ppo": "160"}
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from algorithms.rm import bradley_terry_loss
-from algorithms.unit_rm import (credit_entropy, fit_log_normalizer, gather_unit_values, peak_unit_ends, position_stats,
-                                response_unit_ends, sequence_reward, unit_rm_loss)
+from algorithms.unit_rm import (check_units, credit_entropy, fit_log_normalizer, gather_unit_values, peak_unit_ends,
+                                position_stats, response_unit_ends, sequence_reward, unit_rm_loss)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +44,23 @@ def test_response_unit_ends_shifts_response_entropies_and_refuses_a_response_wit
     assert response_unit_ends([ent], [[5, 6, 7, 8, 2]], 1.5, "dataset") == [[1, 3]]
     with pytest.raises(ValueError, match="dataset: row 1: the response has no unit"):
         response_unit_ends([ent, ent[:1]], [[5, 6, 7, 8, 2], [2]], 1.5, "dataset")
+
+
+def test_a_pair_whose_response_has_no_unit_is_refused_at_start_up_naming_split_pair_and_side():
+    class Pairs:  # the fields of shared/data.py's PreferenceData that the check reads
+        def __init__(self, chosen, rejected):
+            self.chosen_ids, self.rejected_ids = chosen, rejected
+
+        def __len__(self):
+            return len(self.chosen_ids)
+
+    good = Pairs([[5, 2], [6, 7, 2]], [[8, 2], [9, 2]])
+    check_units({"train": good, "eval": good}, 2, "d.jsonl")  # every response has a token before EOS
+    bad = Pairs([[5, 2], [6, 2]], [[8, 2], [2]])  # pair 1's rejected side is EOS alone
+    with pytest.raises(ValueError, match=r"^dataset 'd.jsonl': eval pair 1: the rejected response has no unit "
+                                         r"\(1 token\(s\); a unit needs a token before EOS\)$"):
+        check_units({"train": good, "eval": bad}, 2, "d.jsonl")
+    check_units({"eval": bad}, 1, "d.jsonl")  # tau = 1000: the one unit is read at EOS, which every response has
 
 
 def test_unit_values_are_read_at_each_unit_end():
