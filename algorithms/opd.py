@@ -591,6 +591,9 @@ def main(args: Args) -> str:
     if args.top_p < 1.0:  # with --tis none only (shared/cli.py)
         tracker.write("warning: top_p < 1 makes the trainer's log-probs differ from the sampler's; "
                       "val/sampler_kl and the TIS ratios show how much")
+    if args.loss == "jsd" and args.beta > 0:  # TRL's GKD calls the JSD mix beta
+        tracker.write(f"note: --beta {args.beta:g} is the KL coefficient to the start model (grpo.py's); the JSD mix "
+                      f"is --jsd_beta ({args.jsd_beta:g})")
     tracker.write(task_summary(train_data, eval_data, dev_data, args.num_steps, args.batch_size))
 
     # models and optimizer
