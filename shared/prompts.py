@@ -23,6 +23,9 @@ def load_prompt_task(args, tokenizer, rm_path: str = "", graded: bool | None = N
     whether there is a grader at all (drca.py's `--reward_fn none`: none)."""
     if graded is None:
         graded = not rm_path or data_utils.has_column(args.dataset, (args.train_split, args.eval_split), args.answer_key)
+    if args.eval_num_prompts == 0:  # the sampler reads 0 as no limit: the whole eval split, every evaluation
+        raise ValueError("eval_num_prompts: 0 would evaluate the whole eval split at every evaluation; pass a count "
+                         "(a split with fewer rows is evaluated whole)")
     if graded and not args.answer_key:  # else no row has a gold answer, and the grader fails mid-run
         raise ValueError("answer_key: empty, but the reward function grades against the gold answer column (name it, "
                          "or score with --reward_model_path)")

@@ -31,6 +31,17 @@ def test_a_reward_beyond_float32_is_a_one_line_error():
     assert compute_rewards(edge, ["p"] * 2, ["c"] * 2, ["a"] * 2, [True] * 2, [{}] * 2) == [FLOAT32_MAX, -FLOAT32_MAX]
 
 
+def test_eval_num_prompts_0_is_refused_by_the_training_scripts():
+    """0 used to evaluate the whole eval split at every evaluation (the sampler reads 0 as no limit)."""
+    from algorithms.grpo import Args
+    from shared.prompts import load_prompt_task
+    from shared.tiny import builtin_tiny
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="^eval_num_prompts: 0 would evaluate the whole eval split"):
+        load_prompt_task(Args(eval_num_prompts=0), AutoTokenizer.from_pretrained(builtin_tiny()))
+
+
 def test_numpy_reward_values_are_numbers():
     """A list of np.float32 values (no Python float subclass) was refused as "expected a finite number"."""
     import numpy as np
