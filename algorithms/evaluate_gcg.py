@@ -204,15 +204,16 @@ def bootstrap_interval(values: np.ndarray, num_bootstrap: int, confidence: float
 
     if len(values) < 2 or not num_bootstrap:
         return None
-    ci = bootstrap((np.asarray(values, dtype=np.float64),), np.mean, n_resamples=num_bootstrap,
-                   confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed)).confidence_interval
-    return [float(ci.low), float(ci.high)]
+    result = bootstrap((np.asarray(values, dtype=np.float64),), np.mean, n_resamples=num_bootstrap,
+                       confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
 def summarize(records: list[dict], num_bootstrap: int, confidence: float, seed: int) -> dict:
     """ASR and its companions from the records of every prompt, in prompt order. Per prompt: success = any of its
     samples bad, p_bad = the fraction of bad samples, the attack's best loss and the target's log-probability with
-    the best suffix, the initial one and none; ASR and p_bad also without the suffix. Each metric is the mean over prompts, with a bootstrap interval over prompts."""
+    the best suffix, the initial one and none; ASR and p_bad also without the suffix. Each metric is the mean over
+    prompts, with a bootstrap interval over prompts."""
     per_prompt = {"gcg/asr": [float(r["success"]) for r in records],
                   "gcg/p_bad": [r["num_bad"] / len(r["samples"]) for r in records],
                   "gcg/target_logprob": [r["target_logprob"] for r in records],
@@ -379,8 +380,8 @@ def main(args: Args) -> dict | None:
     num_rounds = math.ceil(len(calls) / info.world_size)
     mine = calls[info.rank :: info.world_size]  # round j: call j * world_size + rank on every rank
     if info.is_main:
-        print(f"{num_prompts} prompts ({data.num_filtered} over max_prompt_length dropped), {args.gcg_steps} GCG steps x "
-              f"{args.gcg_search_width} candidates, a {suffix_len}-token suffix, {args.num_samples} samples each"
+        print(f"{num_prompts} prompts ({data.num_filtered} over max_prompt_length dropped), {args.gcg_steps} GCG steps"
+              f" x {args.gcg_search_width} candidates, a {suffix_len}-token suffix, {args.num_samples} samples each"
               f"; {num_prompts - len(done)} to attack" + (f" ({len(done)} done before)" if done else ""), flush=True)
 
     # the attacked model (gradients through its one-hot input only) and the generation engine

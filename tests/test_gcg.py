@@ -214,10 +214,13 @@ def write(path: Path, rows: list[dict]) -> str:
     ([{"prompt": "1+2=", "answer": "3"}], [], "error: dataset '", "row 0: missing key 'target'"),
     ([{"prompt": "1+2=", "answer": "3", "target": ""}], [], "error: dataset '", "row 0: field 'target' is empty"),
     ([{"prompt": "1+2=", "answer": "3", "target": " "}], [], "error: dataset '", "row 0: field 'target' is empty"),
-    ([{"prompt": "1+2=", "target": "4"}], ["--reward_model_path", "builtin:tiny-rm"], "error: reward_threshold: ", "-5"),
+    ([{"prompt": "1+2=", "target": "4"}], ["--reward_model_path", "builtin:tiny-rm"], "error: reward_threshold: ",
+     "-5"),
     ([{"prompt": "1+2=", "target": "4"}], ["--answer_key", ""], "error: answer_key: ", "gold answer"),
-    ([{"prompt": "1+2=", "answer": "3", "target": "4"}], ["--gcg_optim_str_init", " "], "error: gcg_optim_str_init: ", "empty"),
-    ([{"prompt": "1+2=", "answer": "3", "target": "4"}], ["--gcg_topk", "0"], "error: gcg_topk: must be in [1, inf)", ""),
+    ([{"prompt": "1+2=", "answer": "3", "target": "4"}], ["--gcg_optim_str_init", " "], "error: gcg_optim_str_init: ",
+     "empty"),
+    ([{"prompt": "1+2=", "answer": "3", "target": "4"}], ["--gcg_topk", "0"], "error: gcg_topk: must be in [1, inf)",
+     ""),
 ])
 def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatch, capsys, rows, flags, message, names):
     write(tmp_path / "targets.test.jsonl", rows)  # the test split of targets.jsonl: every row, none held out
@@ -246,4 +249,20 @@ def test_the_measurement_trains_at_the_stored_toy_settings_and_renders_its_table
     text = compare_gcg.render(d)
     assert "| start (builtin:tiny-sft) | - | 0.00, 1.00 | 0.50 |" in text
     assert "| REINFORCE (RLOO) | -10.00 | 0.00, 1.00 | 0.50 | 0.50 |" in text
-    assert text.rstrip().endswith("`python scripts/compare_gcg.py`, CPU X x2. Data: [gcg_toy.json](results/gcg_toy.json).")
+    assert text.rstrip().endswith("`python scripts/compare_gcg.py`, CPU X x2. Data: [gcg_toy.json]"
+                                  "(results/gcg_toy.json).")
+
+
+def test_a_reward_model_scores_the_prompt_without_the_suffix_unless_asked(tmp_path, monkeypatch, capsys):
+    flags = [*SMALL[:4], "--gcg_steps", "2", "--gcg_search_width", "8", "--num_samples", "4", "--num_bootstrap", "0",
+             "--reward_model_path", "builtin:tiny-rm", "--reward_threshold", "0"]
+    for name, extra in (("plain", []), ("suffix", ["--score_with_suffix"])):
+        assert run_in_process(tmp_path / name, monkeypatch, capsys, *flags, *extra)[0] == 0
+    a, b = ([json.loads(x) for x in (tmp_path / n / "completions.jsonl").read_text().splitlines()] for n in ("plain",
+                                                                                                              "suffix"))
+    for x, y in zip(a, b):  # the same attack and samples; only the prompt the reward model reads differs
+        assert x["suffix"] == y["suffix"]
+        assert [s["completion"] for s in x["samples"]] == [s["completion"] for s in y["samples"]]
+        assert [s["score"] for s in x["samples"]] != [s["score"] for s in y["samples"]]
+        assert x["samples_no_suffix"] == y["samples_no_suffix"]
+        assert all(s["bad"] == (s["score"] < 0) for s in x["samples"])
