@@ -1604,6 +1604,24 @@ def tuning(d: dict) -> str:
     return tuning_table(d)
 
 
+def _script_table(script: str, d: dict) -> str:
+    """The table that scripts/<script>.py's own `render` draws from its stored file (imported when rendered)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module(script).render(d)
+
+
+def opd_memory(d: dict) -> str:
+    """scripts/bench_opd_memory.py: peak memory of opd.py's full-distribution losses, whole against chunked."""
+    return _script_table("bench_opd_memory", d)
+
+
+def free_text(d: dict) -> str:
+    """scripts/compare_free_text.py: free-text metrics and judge win rates of the trained models against SFT."""
+    return _script_table("compare_free_text", d)
+
+
 def unit_rewards_rm(d: dict) -> str:
     """scripts/compare_unit_rewards.py --part rm: pair accuracy and localisation of the bandit, unit and token RMs."""
     s3 = _spread3
@@ -1648,7 +1666,8 @@ RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_reward
              "sums_calibration": sums_calibration, "logprob_memory": logprob_memory,
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
-             "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses}
+             "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses,
+             "opd_memory": opd_memory, "free_text": free_text}
 MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 

@@ -11,7 +11,7 @@ import pytest
 from shared import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = ["tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft", "tiny-tools-sft"]
+NAMES = ["tiny", "tiny-sft", "tiny-rm", "tiny-cf-rm", "tiny-lc-sft", "tiny-tools-sft", "tiny-unit-rm"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,8 +21,9 @@ SHARED_VOCABULARY = ["model_name_or_path", "dataset", "output_dir", "seed", "tot
                      "save_every", "keep_checkpoints", "resume", "stop_after_steps", "max_nonfinite_steps",
                      "best_metric"]
 NO_GENERATION = {"rm", "unit_rm"}  # trains on fixed pairs and never samples: no `generator` flag
-# evaluate.py trains nothing: the data, model and generation vocabulary only (no optimizer, checkpoints or tracker)
-EVAL_ONLY = {"evaluate"}
+# evaluate.py and evaluate_text.py train nothing: the data, model and generation vocabulary only (no optimizer,
+# checkpoints or tracker)
+EVAL_ONLY = {"evaluate", "evaluate_text", "evaluate_gcg"}
 EVAL_VOCABULARY = {"model_name_or_path", "dataset", "output_dir", "seed", "verbose", "generator"}
 # flags a script names otherwise (none: repulse.py's policy learning rate is --learning_rate as everywhere)
 RENAMED: dict[str, dict[str, str]] = {}
@@ -116,8 +117,9 @@ TIS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_ma
 CHOICES = {
     "sft": {"generator": ("hf", "vllm"), "loss_reduction": ("seq_mean", "token_mean")},
     "rm": {},
-    "dpo": {**GENERATOR, **LORA_SYNC, "loss_type": ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop"),
+    "dpo": {**GENERATOR, **LORA_SYNC, "loss_type": ("sigmoid", "cdpo", "robust", "hinge", "ipo", "dpop", "simpo", "orpo"),
             "pair_source": ("offline", "self_generated")},
+    "kto": {**GENERATOR, **LORA_SYNC, "example_source": ("offline", "self_generated")},
     "grpo": {**GENERATOR, **LORA_SYNC, "advantage_estimator": ("grpo", "rloo", "reinforce_pp_baseline", "maxrl"),
              "advantage_scaling": ("group", "batch", "none"),
              "loss_aggregation": ("seq_mean", "token_mean", "global_token", "constant"),
@@ -133,6 +135,8 @@ CHOICES = {
              "entropy_source": ("policy", "reference"), "counterfactual": ("truncate", "mask"),
              "unitless_fallback": ("terminal", "zeros"), "scorer": ("auto", "rm", "line_grader")},
     "evaluate": GENERATOR,
+    "evaluate_text": {**GENERATOR, "perplexity_of": ("completion", "reference")},
+    "evaluate_gcg": GENERATOR,
     "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short")},
     "implicit_prm": GENERATOR,
 }
@@ -144,14 +148,11 @@ CHOICES["calibration"] = {**CHOICES["grpo"], "reader": ("parser", "lm")}
 CHOICES["grpo_async"] = {**CHOICES["grpo"], "generator": ("vllm",)}
 CHOICES["ppo_async"] = {**CHOICES["ppo"], "generator": ("vllm",), "tis": CHOICES["ppo"]["tis"]}
 CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
-# prime.py: grpo.py's choices without the other estimators, losses, GSPO and LoRA; the PRM's update order
-CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items()
-                       if k not in ("advantage_estimator", "advantage_scaling", "importance_level", "policy_loss",
-                                    "lora_sync")}, "prm_update": ("before", "after")}
-# opd.py: grpo.py's choices without the other estimators, losses and the KL estimator; the distillation loss
-CHOICES["opd"] = {**{k: v for k, v in CHOICES["grpo"].items()
-                     if k not in ("advantage_estimator", "policy_loss", "kl_estimator")},
-                  "loss": ("pg", "jsd", "fkl_topk")}
+# prime.py: grpo.py's choices without the advantage estimators (PRIME's RLOO is its own); the PRM's update order
+CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items() if k not in ("advantage_estimator", "advantage_scaling")},
+                    "prm_update": ("before", "after")}
+# opd.py: grpo.py's choices and the distillation loss
+CHOICES["opd"] = {**CHOICES["grpo"], "loss": ("pg", "jsd", "fkl_topk")}
 # unit_rm.py keeps rm.py's (none); unit_ppo.py keeps ppo_rlhf.py's and places the unit rewards
 CHOICES["unit_rm"] = CHOICES["rm"]
 CHOICES["unit_ppo"] = {**CHOICES["ppo_rlhf"], "reward_placement": ("segment_normalization", "every_segment_last",
@@ -310,18 +311,17 @@ EXPECTED_RANGES = {
     "eval_temperature": (0, True, INF, False), "gamma": (0, True, 1, True), "lam": (0, True, 1, True),
     "warmup_ratio": (0, True, 1, False), "lora_dropout": (0, True, 1, False), "label_smoothing": (0, True, 0.5, False),
     "confidence": (0, False, 1, False), "cvar_level": (0, False, 1, True), "cliprange_value": (0, False, INF, False),
-    "response_skip_tokens": (-1, True, INF, False), "num_prompts": (0, True, INF, False),
+    "response_skip_tokens": (-1, True, INF, False),
     "penalty_reward_value": (INF, False, INF, False), "rew_trans_alpha": (INF, False, INF, False),
     "max_grad_norm": (0, True, INF, False), "epsilon_high": (0, True, INF, False), "beta": (0, True, INF, False),
+    "prm_beta": (0, False, INF, False), "jsd_beta": (0, True, 1, True),  # the implicit PRM's scale; GKD's JSD mix
 }
 
 
 def test_declared_ranges_equal_the_former_registrys():
     from shared.cli import declared_ranges
 
-    own = {("genrm", "local_micro_batch_size"): (2, True, None, False),  # half Yes, half No: at least 2 rows
-           ("implicit_prm", "beta"): (0, False, None, False),  # the reward's scale: beta = 0 makes every reward 0
-           ("opd", "beta"): (0, True, 1, True)}  # GKD's JSD interpolation: 0 forward KL, 1 reverse KL
+    own = {("genrm", "local_micro_batch_size"): (2, True, None, False)}  # half Yes, half No: at least 2 rows
     seen = set()
     for script in SCRIPTS:
         ranges = declared_ranges(importlib.import_module(f"algorithms.{script}").Args)
@@ -434,6 +434,9 @@ def test_a_malformed_best_metric_is_an_error_before_anything_is_written(script, 
     ("ppo", ["--num_samples_per_prompt", "4"], "error: --num_samples_per_prompt: --num_generations is its name now"),
     ("vineppo", ["--num_ppo_epochs", "1"], "error: --num_ppo_epochs: --num_iterations is its name now"),
     ("drca", ["--kl_coef", "0.1"], "error: --kl_coef: --beta is its name now"),
+    ("opd", ["--kl_coef", "0.1"], "error: --kl_coef: --beta is its name now"),  # the KL coefficient, as grpo.py's
+    ("implicit_prm", ["--beta", "0.1"], "error: --beta: --prm_beta is its name in implicit_prm.py now"),
+    ("grpo", ["--prm_beta", "0.1"], "error: --prm_beta: unknown flag"),
     ("ppo", ["--cliprange", "0.1"], "error: --cliprange: --epsilon_low and --epsilon_high are its names now"),
     ("ppo", ["--reward_model_path", "runs/rm/final"], "error: --reward_model_path: use algorithms/ppo_rlhf.py"),
     ("ppo", ["--kl_placement", "reward"], "error: --kl_placement: use algorithms/ppo_rlhf.py"),

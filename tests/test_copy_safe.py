@@ -49,6 +49,9 @@ ONE_STEP = {
     "dpo": (["--generator", "hf", "--total_episodes", "16", "--local_micro_batch_size", "16", *EVAL,
              "--eval_num_pairs", "16", "--num_sample_completions", "2", "--max_new_tokens", "8", "--no_save_model"],
             "metrics.jsonl"),
+    "kto": (["--generator", "hf", "--total_episodes", "16", "--local_micro_batch_size", "16", *EVAL,
+             "--eval_num_pairs", "16", "--num_sample_completions", "2", "--max_new_tokens", "8", "--no_save_model"],
+            "metrics.jsonl"),
     "grpo": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
     "dapo": ([*RL, "--num_generations", "4", "--num_iterations", "1", "--max_refill_rounds", "1"], "metrics.jsonl"),
     "grpo_tools": ([*RL, "--num_generations", "4", "--num_iterations", "1"], "metrics.jsonl"),
@@ -89,6 +92,8 @@ ONE_STEP = {
                   "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),
     "evaluate_text": (["--generator", "hf", "--eval_num_prompts", "4", "--max_new_tokens", "8", "--num_bootstrap", "10"],
                       "summary.json"),
+    "evaluate_gcg": (["--generator", "hf", "--eval_num_prompts", "2", "--gcg_steps", "2", "--gcg_search_width", "8",
+                      "--num_samples", "2", "--max_new_tokens", "8", "--num_bootstrap", "10"], "summary.json"),
 }
 SCRIPTS = sorted(p.stem for p in (ROOT / "algorithms").glob("*.py") if p.stem != "__init__")
 

@@ -90,7 +90,8 @@ VARIANTS = {
 TYPES_CHANGED = {"grpo_async": {"generator"}, "ppo_async": {"generator"}}
 # every copy (a file and the base its docstring names): ppo.py, implicit_prm.py and genrm.py reuse their bases'
 # functions but not their loops, so only the docstring rule below holds for them
-COPIES = {**{new: v[0] for new, v in VARIANTS.items()}, "ppo": "grpo", "implicit_prm": "rm", "genrm": "sft"}
+COPIES = {**{new: v[0] for new, v in VARIANTS.items()}, "ppo": "grpo", "implicit_prm": "rm", "genrm": "sft",
+          "kto": "dpo", "evaluate_gcg": "evaluate"}
 
 
 def changed_lines(base: str, new: str) -> int:
