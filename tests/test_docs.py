@@ -139,7 +139,7 @@ def _documented_defaults(page: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "grpo_tools", "grpo_async", "drca", "dpo", "ppo", "ppo_rlhf", "ppo_async", "vineppo",
                                   "rm", "sft", "repulse", "evaluate", "restem", "calibration", "genrm", "prime",
-                                  "implicit_prm", "opd"])
+                                  "implicit_prm", "opd", "kto"])
 def test_flag_tables_state_the_code_defaults(name):
     """A docs flag table that names a default must give the one in the script's Args (grpo.md once said
     num_iterations 1 while the code used 2)."""
