@@ -35,6 +35,7 @@ VARIANTS = {
     # the GSPO paper: its clip range, the sequence-mean objective, one pass over each batch in 4 minibatches
     "gspo": "--importance_level sequence --epsilon_low 3e-4 --epsilon_high 4e-4 --loss_aggregation seq_mean "
             "--num_iterations 1 --num_minibatches 4",
+    "sapo": "--policy_loss sapo",  # TRL's temperatures (1.0 positive, 1.05 negative)
     "dynamic_sampling": "",  # algorithms/dapo.py with its defaults
 }
 SCRIPT = {"dynamic_sampling": "dapo"}  # variants that are their own file; the others are grpo.py's flags

@@ -123,7 +123,7 @@ CHOICES = {
     "grpo": {**GENERATOR, **LORA_SYNC, "advantage_estimator": ("grpo", "rloo", "reinforce_pp_baseline", "maxrl"),
              "advantage_scaling": ("group", "batch", "none"),
              "loss_aggregation": ("seq_mean", "token_mean", "global_token", "constant"),
-             "importance_level": ("token", "sequence"), "policy_loss": ("clip", "cispo", "dppo_tv", "dppo_kl"),
+             "importance_level": ("token", "sequence"), "policy_loss": ("clip", "cispo", "dppo_tv", "dppo_kl", "sapo"),
              "kl_estimator": ("k1", "k2", "k3"), "tis": TIS, "micro_batching": ("padded", "sorted", "packed")},
     "ppo": {**GENERATOR, **LORA_SYNC, "tis": TIS},
     "vineppo": {**GENERATOR, **LORA_SYNC, "step_splitter": ("auto", "lines", "gsm8k", "math"), "tis": TIS},

@@ -123,6 +123,8 @@ VARIANTS = {
     "rloo": ["--advantage_estimator", "rloo"],
     "reinforce_pp_baseline": ["--advantage_estimator", "reinforce_pp_baseline", "--mask_truncated_completions"],
     "dppo_tv": ["--policy_loss", "dppo_tv"],
+    "sapo_offpolicy_mask_unbiased_kl": ["--policy_loss", "sapo", "--off_policy_mask_threshold", "0", "--beta", "0.01",
+                                        "--use_bias_correction_kl"],
     "dppo_kl_maxrl_entropy_geo": ["--policy_loss", "dppo_kl", "--advantage_estimator", "maxrl", "--entropy_coef", "0.01",
                                   "--tis", "geometric_mask", "--tis_cap", "1.001"],
 }

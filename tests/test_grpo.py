@@ -521,7 +521,7 @@ def test_variant_flags_parse():
      "error: advantage_scaling: applies to --advantage_estimator grpo only (rloo has its own normalisation)\n"),
     (["--epsilon_low", "1.5"], "error: epsilon_low: must be in [0, 1], got 1.5\n"),
     (["--importance_level", "seq"], "error: --importance_level: 'seq' is not one of token, sequence\n"),
-    (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo, dppo_tv, dppo_kl\n"),
+    (["--policy_loss", "ppo"], "error: --policy_loss: 'ppo' is not one of clip, cispo, dppo_tv, dppo_kl, sapo\n"),
     (["--advantage_estimator", "reinforce"],
      "error: --advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_pp_baseline, maxrl\n"),
     (["--mask_truncated_completions", "yes"], "error: unexpected argument 'yes'; see --help\n"),  # a switch: no value
