@@ -101,7 +101,7 @@ def main() -> None:
         for arm in ARMS:
             run_dir = a.out / f"{arm}_seed{seed}"
             cmd = [*train[arm], "--seed", str(seed), "--output_dir", rel(run_dir), *common]
-            summary["commands"][f"train_{arm}"] = "python " + shlex.join([*train[arm], "--seed", "<seed>", *common])
+            summary["commands"][f"train_{arm}"] = "python " + shlex.join([*train[arm], "--seed", "SEED", *common])
             if not (run_dir / "final" / "config.json").exists():
                 run(cmd, a.out / f"{arm}_seed{seed}.log")
     metrics = ["--eval_num_prompts", str(a.num_prompts), "--bertscore_model", "builtin:tiny-sft",
@@ -113,7 +113,7 @@ def main() -> None:
     for (arm, seed), model in evals.items():
         out = a.out / "eval" / f"{arm}_seed{seed}"
         cmd = ["algorithms/evaluate_text.py", "--model_name_or_path", model, "--output_dir", rel(out), *metrics]
-        summary["commands"]["evaluate"] = "python " + shlex.join([*cmd[:2], "<final>", *cmd[4:5], "<dir>", *metrics])
+        summary["commands"]["evaluate"] = "python " + shlex.join([*cmd[:2], "MODEL", cmd[3], "DIR", *metrics])
         if not (out / "summary.json").exists():
             run(cmd, a.out / "eval" / f"{arm}_seed{seed}.log")
     judge = None
@@ -128,8 +128,7 @@ def main() -> None:
             flags = ["--judge_base_url", f"http://127.0.0.1:{a.port}/v1", "--judge_structured", "--judge_max_tokens",
                      "4", "--judge_baseline_path", rel(base), "--verifiers", "--num_bootstrap", "0"]
             cmd = ["algorithms/evaluate_text.py", "--predictions_path", rel(preds), "--output_dir", rel(out), *flags]
-            summary["commands"]["judge"] = "python " + shlex.join([*cmd[:2], "<first predictions>", *cmd[4:5],
-                                                                  "<dir>", *flags])
+            summary["commands"]["judge"] = "python " + shlex.join([*cmd[:2], "PREDICTIONS", cmd[3], "DIR", *flags])
             if not (out / "summary.json").exists():
                 if judge is None:
                     judge = start_judge(a.judge_model, a.port, a.out / "judge_server.log")
@@ -138,9 +137,12 @@ def main() -> None:
         if judge is not None:
             judge.terminate()
             judge.wait(60)
-    summary["commands"]["judge_server"] = ("python -m vllm.entrypoints.openai.api_server --model <builtin:smollm2-135m's "
-                                           f"directory> --served-model-name judge --port {a.port} --max-model-len 2048 "
+    summary["commands"]["judge_server"] = ("python -m vllm.entrypoints.openai.api_server --model JUDGE_DIR "
+                                           f"--served-model-name judge --port {a.port} --max-model-len 2048 "
                                            "--enforce-eager --dtype float32")
+    summary["commands"]["placeholders"] = ("SEED: each seed; MODEL: builtin:tiny-sft or a run's final/; DIR: its output "
+                                           "directory; PREDICTIONS: the first --judge_prompts lines of its "
+                                           "predictions.jsonl; JUDGE_DIR: the directory of --judge_model")
     read = lambda kind, arm, seed: json.loads((a.out / kind / f"{arm}_seed{seed}" / "summary.json").read_text())  # noqa: E731
     for arm in ["start", *ARMS]:
         seeds = [0] if arm == "start" else a.seeds
@@ -169,7 +171,9 @@ def render(d: dict) -> str:
             return f"{v['mean']:.{digits}f}"
         return f"{v['mean']:.{digits}f} ({v['min']:.{digits}f}-{v['max']:.{digits}f})"
 
-    cols = SHOWN + JUDGED
+    # corpus BLEU is stored but not shown when it is 0 for every model (no completion of the built-in task has a 4-gram)
+    zero_bleu = all(d[arm].get("eval/bleu", {}).get("max", 1) == 0 for arm in ["start", *ARMS])
+    cols = [c for c in SHOWN if not (zero_bleu and c[0] == "eval/bleu")] + JUDGED
     lines = ["| model | " + " | ".join(name for _, name, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     names = {"start": "SFT start (`builtin:tiny-sft`)", "sft": "`sft.py`", "dpo": "`dpo.py`",
              "ppo_rlhf": "`ppo_rlhf.py`", "drca": "`drca.py`"}
@@ -181,7 +185,9 @@ def render(d: dict) -> str:
     lines.append("")
     lines.append(f"Seeds {', '.join(map(str, d['seeds']))} (the start: one greedy evaluation); {d['num_prompts']} held-out "
                  f"prompts of the built-in task, greedy; the judge ({d['judge_model']}, structured replies) on the first "
-                 f"{d['judge_prompts']} of them: {asked} questions, {failed} failed, {unparsed} unparsed. "
+                 f"{d['judge_prompts']} of them: {asked} questions, {failed} failed, {unparsed} unparsed."
+                 + (" Corpus BLEU is 0 for every model (three-number answers hold no 4-gram)." if zero_bleu else "")
+                 + " "
                  f"`{d['command']}`, {d['env']['device']}.")
     return "\n".join(lines) + "\n"
 
