@@ -189,7 +189,7 @@ def render(d: dict) -> str:
                  + (" Corpus BLEU is 0 for every model (three-number answers hold no 4-gram)." if zero_bleu else "")
                  + " "
                  f"`{d['command']}`, {d['env']['device']}.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
