@@ -19,8 +19,9 @@ full-distribution losses compare the tokenizer's real tokens). Flags that switch
 generalised JSD with --jsd_beta, backpropagated through the student's whole distribution on the completion positions,
 in chunks) or fkl_topk (forward KL on the teacher's --topk tokens, --topk_tail), --reward_coef (adds coef x the task
 reward's advantage, by grpo.py's --advantage_estimator), --control_adv c (A_it = -c on every generated token: the
-fixed-negative-advantage control, no teacher signal). grpo.py's other flags work as there: --policy_loss (CISPO, DPPO)
-on the teacher advantage, --beta and --kl_estimator (KL to the frozen start model; 0: not loaded), GSPO, TIS, LoRA.
+fixed-negative-advantage control, no teacher signal). grpo.py's other flags work as there: --policy_loss (CISPO, DPPO,
+SAPO) on the teacher advantage, --beta and --kl_estimator (KL to the frozen start model; 0: not loaded), GSPO, TIS,
+LoRA, and DeepSeek-V3.2's --off_policy_mask_threshold and --use_bias_correction_kl.
 
 Launch:
     python algorithms/opd.py                                   # CPU, built-in task, tiny-sft from tiny-grpo
@@ -193,12 +194,20 @@ class Args:
     """upper clip range: ratio <= 1 + epsilon_high (clip-higher, DAPO)"""
     importance_level: Literal["token", "sequence"] = "token"
     """importance ratio per `token` (PPO, GRPO) or per `sequence`: exp(mean log ratio), clipped once (GSPO; docs/grpo.md)"""
-    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"
-    """`clip`: PPO-clip; `cispo`: -sg(min(ratio, 1+epsilon_high)) A log pi; `dppo_*`: -ratio A, masked past a divergence"""
+    policy_loss: Literal["clip", "cispo", "dppo_tv", "dppo_kl", "sapo"] = "clip"
+    """`clip` PPO-clip; `cispo` -sg(min(ratio, 1+eps_high)) A log pi; `dppo_*` masked -ratio A; `sapo` a soft gate"""
+    sapo_temperature_pos: Annotated[float, Gt(0)] = 1.0
+    """`sapo`: the gate's temperature on tokens with advantage > 0 (TRL's default)"""
+    sapo_temperature_neg: Annotated[float, Gt(0)] = 1.05
+    """`sapo`: the gate's temperature on tokens with advantage <= 0 (TRL's default)"""
     beta: Annotated[float, Ge(0)] = 0.0
     """KL loss coefficient; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator in the loss: `k1` (log ratio), `k2` (half squared log ratio), `k3` (exp(-d)-1+d)"""
+    use_bias_correction_kl: bool = False
+    """weight the KL term by the importance ratio pi / pi_old (DeepSeek-V3.2's unbiased estimate; with --beta > 0)"""
+    off_policy_mask_threshold: Annotated[float, Ge(0)] | None = None
+    """drop completions with A < 0 whose mean log(pi_sampler / pi) exceeds this (DeepSeek-V3.2's delta); None: off"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_new_tokens from the loss (DAPO overlong filtering)"""
     tis: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = \
@@ -480,6 +489,36 @@ def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: tor
     return -ratio * advantages * (~masked), masked.float(), ratio
 
 
+def sapo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, tau_pos: float,
+                   tau_neg: float, mask: torch.Tensor | None = None, level: str = "token"):
+    """SAPO per-token loss -f(rho) * A, the soft gate f(rho) = (4 / tau) sigmoid(tau (rho - 1)) in place of the clip
+    (Gao et al. 2025, arXiv 2511.20347, Eq. 5; TRL's `sapo`), tau = tau_pos where A > 0, else tau_neg; and the
+    indicator of tokens whose gradient weight f'(rho) = 4 sigmoid (1 - sigmoid) fell below 1/2. On-policy (rho = 1)
+    the weight is 1, the plain policy gradient; it decays smoothly as rho leaves 1, faster for the larger tau."""
+    ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    loss = -(4 / tau) * gate * advantages
+    return loss, (4 * gate * (1 - gate) < 0.5).float(), ratio
+
+
+def off_policy_sequence_mask(logp: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, delta: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, Eq. 9; TRL's `off_policy_mask_threshold`), [B, T]
+    and detached: 0 on every token of a completion with a negative advantage whose mean over its tokens of
+    log pi_sampler - log pi (pi: the policy being trained) exceeds delta, 1 elsewhere."""
+    d = (logp_sampler - logp.detach()) * mask
+    mean_kl = d.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return ((advantages >= 0) | (mean_kl <= delta)).to(mask.dtype)
+
+
+def unbiased_kl(kl: torch.Tensor, logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
+                level: str = "token") -> torch.Tensor:
+    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Eq. 7; TRL's `use_bias_correction_kl`): the per-token
+    estimate weighted by the importance ratio pi / pi_old at --importance_level, not detached (as TRL)."""
+    return kl * torch.exp(log_importance_ratio(logp, logp_old, mask, level))
+
+
 def tis_weights(logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, mode: str,
                 cap: float, low: float = 0.0) -> torch.Tensor:
     """Importance weights w = pi_train_old / pi_sampler correcting sampler/trainer mismatch, detached.
@@ -737,9 +776,19 @@ def main(args: Args) -> str:
                             pg, is_clipped, ratio = dppo_surrogate(logp, logp_old, sampler_logp[idx], adv_tok[idx],
                                                                    args.epsilon_low, args.epsilon_high,
                                                                    args.policy_loss[5:], m_mask)
+                        elif args.policy_loss == "sapo":
+                            pg, is_clipped, ratio = sapo_surrogate(logp, logp_old, adv_tok[idx],
+                                                                   args.sapo_temperature_pos,
+                                                                   args.sapo_temperature_neg, m_mask,
+                                                                   args.importance_level)
                         else:
                             pg, is_clipped, ratio = clipped_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_low,
                                                                       args.epsilon_high, m_mask, args.importance_level)
+                        if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: stale negative samples out
+                            keep = off_policy_sequence_mask(logp, sampler_logp[idx], adv_tok[idx], m_mask,
+                                                            args.off_policy_mask_threshold)
+                            pg = pg * keep
+                            stats["policy/off_policy_masked"].append(1 - keep[:, 0].mean().item())
                         # TIS: w = pi_old / pi_sampler (same weights, the generator's kernels), truncated or masked
                         w = tis_weights(logp_old, sampler_logp[idx], m_mask, args.tis, args.tis_cap, args.tis_mask_low)
                         per_token = pg * w + divergence  # the divergence: --loss jsd / fkl_topk, same aggregator
@@ -748,6 +797,8 @@ def main(args: Args) -> str:
                         kl = torch.zeros_like(logp)
                         if ref_policy is not None:
                             kl = kl_penalty(logp, ref_logp[idx], args.kl_estimator, m_mask)
+                            if args.use_bias_correction_kl:
+                                kl = unbiased_kl(kl, logp, logp_old, m_mask, args.importance_level)
                             per_token = per_token + args.beta * kl  # KL in the loss, same aggregator as the PG term
                         loss = aggregate_loss(per_token, m_mask, args.loss_aggregation, args.local_minibatch_size,
                                               int(mb_tokens.item()), int(global_tokens), info.world_size,

@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-FILES = ["grpo", "grpo_async", "dapo", "grpo_tools", "calibration"]
+FILES = ["grpo", "grpo_async", "dapo", "grpo_tools", "calibration", "opd", "prime"]
 
 
 def trl_sapo(per_token_logps, old_per_token_logps, advantages, mask, level, pos, neg):
