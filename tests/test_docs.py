@@ -621,6 +621,15 @@ def test_the_repository_layout_names_every_file():
         assert {n for n in named if "." in n} - have == set(), (folder, sorted({n for n in named if "." in n} - have))
 
 
+def test_evaluate_md_names_the_scripts_that_evaluate_with_another_seed():
+    """evaluate.md says which training scripts sample their held-out evaluation with `seed + 7`, not eval_seed: exactly
+    the scripts whose code does."""
+    have = {p.name for p in (ROOT / "algorithms").glob("*.py") if "seed=args.seed + 7" in p.read_text()}
+    text = (ROOT / "docs" / "evaluate.md").read_text()
+    sentence = text[text.index("the one every RL script evaluates with;"):]
+    assert set(re.findall(r"\w+\.py", sentence[: sentence.index("evaluate with `seed + 7`")])) == have
+
+
 def test_no_command_holds_a_placeholder_for_flags():
     """A command on a page pastes as it stands: no `[the ... flags]` standing for flags written elsewhere."""
     found = [f"{p.name}: {m.group(0)}" for p in docs_tables.markdown_files()
