@@ -389,7 +389,8 @@ def dpo_losses(files: list[dict]) -> str:
                      f"{d['env']['device']}")
     seeds = sorted({s for d in files for r in d["results"].values() for s in r["seeds"]})
     return "\n".join(lines + ["", f"Seeds {', '.join(seeds)}, mean (min-max); task accuracy by the grader, 4 samples per "
-                               "held-out prompt; pair accuracy: the implicit reward ranks the chosen response first. "
+                               "held-out prompt; pair accuracy: the implicit reward ranks the chosen response first; minutes: a run's "
+                               "wall time on 2 cores shared with other jobs (upper bounds). "
                                + "; ".join(notes) + "."])
 
 
