@@ -345,7 +345,7 @@ def dppo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, logp_sampler: tor
 def sapo_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, tau_pos: float,
                    tau_neg: float, mask: torch.Tensor | None = None, level: str = "token"):
     """SAPO per-token loss -f(rho) * A, the soft gate f(rho) = (4 / tau) sigmoid(tau (rho - 1)) in place of the clip
-    (Gao et al. 2025, arXiv 2511.20347, Eq. 5; TRL's `sapo`), tau = tau_pos where A > 0, else tau_neg; and the
+    (Gao et al. 2025, arXiv 2511.20347; TRL's `sapo`), tau = tau_pos where A > 0, else tau_neg; and the
     indicator of tokens whose gradient weight f'(rho) = 4 sigmoid (1 - sigmoid) fell below 1/2. On-policy (rho = 1)
     the weight is 1, the plain policy gradient; it decays smoothly as rho leaves 1, faster for the larger tau."""
     ratio = torch.exp(log_importance_ratio(logp, logp_old, mask, level))
@@ -367,7 +367,7 @@ def off_policy_sequence_mask(logp: torch.Tensor, logp_sampler: torch.Tensor, adv
 
 def unbiased_kl(kl: torch.Tensor, logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
                 level: str = "token") -> torch.Tensor:
-    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Eq. 7; TRL's `use_bias_correction_kl`): the per-token
+    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556; TRL's `use_bias_correction_kl`): the per-token
     estimate weighted by the importance ratio pi / pi_old at --importance_level, not detached (as TRL)."""
     return kl * torch.exp(log_importance_ratio(logp, logp_old, mask, level))
 
