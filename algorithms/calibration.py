@@ -8,7 +8,7 @@ ForecastProbs (p_a for each, and p_gold for the gold answer). Default objective:
 Built-in reader (`--reader parser`): a deterministic parser of the last line `13@70;14@30` (answer@percent, tens);
 `--reader lm`: a frozen LM prompted for both steps (zero-shot), refused at start-up unless a probe shows its
 forecasts follow stated chances (shared/reader.py probe_reader; the built-in models fail it). Stage 1 (summary-
-distillation SFT): scripts/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
+distillation SFT): scripts/builders/lc_sft_data.py + algorithms/sft.py built the default start `builtin:tiny-lc-sft`.
 
 Delta from GRPO (algorithms/grpo.py): the reader's reward (lc_reward, read_confidence) and a held-out evaluation of
 calibration (calibration_metrics). grpo.py's flags are here but --reward_model_path (the reader is the reward) and

@@ -567,7 +567,7 @@ def main(args: Args) -> str:
     with ckpt.user_code(args.num_steps, engines, tracker, trained=True, **resumable, first_eval=first_eval):
         metrics = evaluate(args.num_steps)
     metrics["time/total"] = time.time() - start
-    # output_dir/final and output_dir/critic (scripts/value_prediction.py), saved before the end-of-run checks
+    # output_dir/final and output_dir/critic (scripts/experiments/value_prediction.py), saved before the end-of-run checks
     final = save_final(policy, tokenizer, args.output_dir, info) if args.save_model else ""
     if args.save_model:
         save_hf(critic, tokenizer, os.path.join(args.output_dir, "critic"), info)

@@ -33,8 +33,8 @@ indicator reward); the exact log P(bad) of p_theta is computed by enumerating th
 every step. Launch:
     python algorithms/repulse.py                                    # CPU toy, RePULSe, about 75 s
     python algorithms/repulse.py --objective reinforce --alpha 0    # the REINFORCE baseline on the toy
-    python scripts/repulse_toy.py                                   # the three methods x 3 seeds + plot
-    python scripts/repulse_toy.py --paper --hours 3                 # the paper's toy settings, resumable (hours)
+    python scripts/experiments/repulse_toy.py                                   # the three methods x 3 seeds + plot
+    python scripts/experiments/repulse_toy.py --paper --hours 3                 # the paper's toy settings, resumable (hours)
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/repulse.py   # several processes
     # the paper's settings on SmolLM-135M-Instruct with a reward model: docs/repulse.md, "Usage"
 """

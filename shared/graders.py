@@ -11,7 +11,7 @@ r"""Answer extraction and grading for GSM8K and MATH, following the VinePPO refe
 
 Gold texts: a MATH gold may be a worked solution (MATH's ``solution``: its last ``\boxed{}`` is the answer) or a bare
 answer (MATH-500's ``answer``), told apart by ``is_math_solution``; a GSM8K-format gold gives its ``####`` number.
-tests/grader_cases.py holds 76 hand-written cases (tests/test_graders.py); scripts/compare_graders.py runs them
+tests/grader_cases.py holds 76 hand-written cases (tests/test_graders.py); scripts/experiments/compare_graders.py runs them
 through math-verify too.
 
 Differences from the reference, all on purpose:

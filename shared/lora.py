@@ -22,7 +22,7 @@ The vLLM engine gets the policy in one of two ways (`--lora_sync`, the scripts' 
   - `adapter`: the engine is built with vLLM's LoRA (`enable_lora`, `max_lora_rank` = `vllm_lora_rank(--lora_r)`)
     and each sync writes only A and B (`write_adapter`: peft format, in a directory the generator owns) and has the
     engine load them (shared/generation.py); the base weights stay as loaded. Measured on builtin:smollm2-135m on
-    CPU (scripts/bench_lora_sync.py, docs/lora.md): the adapter sync is several times faster, but generation through
+    CPU (scripts/benchmarks/bench_lora_sync.py, docs/lora.md): the adapter sync is several times faster, but generation through
     vLLM's CPU LoRA kernels is about 3x slower, which outweighs it unless a step generates only a few dozen tokens,
     so `merged` is the default. Both serve the trained policy (tests/test_lora.py).
 """

@@ -5,7 +5,7 @@
     builtin:tiny-rm     a Bradley-Terry reward model trained by `algorithms/rm.py` (its defaults) from builtin:tiny-sft
                         on the built-in preference pairs
     builtin:tiny-tools-sft  builtin:tiny warm-started by sft.py on `builtin:sums-10` written with calculator calls
-                        (grpo_tools.py's start; scripts/tools_sft_data.py)
+                        (grpo_tools.py's start; scripts/builders/tools_sft_data.py)
     builtin:tiny-cf-rm  builtin:tiny-rm trained further by rm.py on the counterfactual-format pairs of
                         `builtin:counterfactual` (shared/task.py): a reward model that can score DRCA's counterfactuals
     builtin:tiny-grpo   builtin:tiny-sft trained by `algorithms/grpo.py` (its defaults but 51,200 samples, seed 1): the
@@ -20,7 +20,7 @@ and vendor, whatever threads or instruction sets are pinned), so a warm start re
 slightly different model, and everything measured from it moves. On first use a model is copied into
 `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`) under a lock, and its SHA-256 is checked against `EXPECTED_SHA256`.
 
-`python scripts/build_builtin_models.py` rebuilds all four from scratch with `RECIPES` (each in a child process on
+`python scripts/builders/build_builtin_models.py` rebuilds all four from scratch with `RECIPES` (each in a child process on
 CPU with one thread and seed 1: `BUILD_ENV`) and compares them with the committed ones; `--write` replaces them
 (then re-measure the stored results that start from them).
 """
@@ -58,7 +58,7 @@ RECIPES = {
     # the committed data file (its targets come from tiny-sft's own samples; the gold answers are not used)
     "tiny-lc-sft": ("sft.py", "tiny-sft", ("--dataset", "shared/builtin_models/lc_sft/sums.jsonl", "--reward_fn",
                                            "algorithms.calibration:reader_accuracy", "--max_new_tokens", "32")),
-    # builtin:sums-10 written with a calculator call (scripts/tools_sft_data.py), the tool's result not trained
+    # builtin:sums-10 written with a calculator call (scripts/builders/tools_sft_data.py), the tool's result not trained
     "tiny-tools-sft": ("sft.py", "tiny", ("--dataset", "shared/builtin_models/tools_sft/sums10.jsonl",
                                           "--tool_results", "--reward_fn", "builtin", "--max_new_tokens", "64")),
     # the teacher of algorithms/opd.py: grpo.py's defaults from tiny-sft, half its samples (51,200: 100 steps, to keep
@@ -223,7 +223,7 @@ def builtin_tiny_cf_rm() -> Path:
     return builtin_model("tiny-cf-rm")
 
 
-# Rebuilding from scratch (scripts/build_builtin_models.py, tests/test_builtin_models.py)
+# Rebuilding from scratch (scripts/builders/build_builtin_models.py, tests/test_builtin_models.py)
 def _clean_env() -> dict:
     """The environment for a clean single-process run: the launcher's rendezvous and DeepSpeed settings dropped."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -8,7 +8,7 @@ file under `TRACKIO_DIR` (default `~/.cache/huggingface/trackio`); see it with `
 
 Only the main process writes; other ranks get a tracker whose methods do nothing (no rank checks at
 call sites, as the no-op writer of vwxyzjn/summarize_from_feedback_details). Plot any run with
-`python scripts/plot.py <output_dir>`.
+`python scripts/tools/plot.py <output_dir>`.
 
 The progress bar shows the step, the values the script passes to `progress` (reward or loss) and the last
 held-out value of `eval_key` (`--best_metric`'s key, its `eval/` twin for a `dev/` metric), carried from the

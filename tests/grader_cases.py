@@ -2,7 +2,7 @@ r"""Hand-written grading cases: (task, question, gold, response, expected, what 
 
 `expected` is what a careful human grader says. `gold` is what a dataset's answer column holds: a bare answer
 (MATH-500's `answer`), a full solution with `\boxed{}` (MATH's `solution`) or a GSM8K answer ending in `#### N`.
-Used by tests/test_graders.py (our grader must get every case right) and scripts/compare_graders.py (ours vs
+Used by tests/test_graders.py (our grader must get every case right) and scripts/experiments/compare_graders.py (ours vs
 math-verify, results in docs/bench/graders/).
 """
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, next(SCRIPTS.glob(f"**/{name}.py")))  # scripts/<kind>/<name>.py
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -128,9 +128,9 @@ def test_grpo_batch_mapping_to_trl():
 
 
 def test_invocation_names_the_script_relative_to_the_repository():
-    script = str(SCRIPTS / "compare_drca_ppo.py")
+    script = str(SCRIPTS / "experiments" / "compare_drca_ppo.py")
     assert bc.invocation([script, "--seeds", "1", "2", "--extra", "--lr", "1e-4"]) == \
-        "python scripts/compare_drca_ppo.py --seeds 1 2 --extra --lr 1e-4"
+        "python scripts/experiments/compare_drca_ppo.py --seeds 1 2 --extra --lr 1e-4"
     assert bc.invocation(["/elsewhere/x.py", "a b"]) == "python /elsewhere/x.py 'a b'"
 
 
@@ -402,7 +402,7 @@ def test_bench_mismatch_real_model_renders_both_runs_step_by_step():
     sync = [{"step": 1, "val/sampler_kl": 2.29e-9, "val/sampler_logprob_diff": 1.84e-5, "val/tis_ratio_p99": 1.0,
              "val/tis_ratio_min": 0.99993, "val/tis_ratio_max": 1.0001, "val/tis_clipfrac": 0.0}]
     stale = [{**sync[0]}, {"step": 2, "val/sampler_kl": 8.32e-4, "val/tis_clipfrac": 3.56e-4}]
-    d = {"command": "python scripts/bench_mismatch.py --real_model 1 --out /check/work/main/runs/bench/m",
+    d = {"command": "python scripts/experiments/bench_mismatch.py --real_model 1 --out /check/work/main/runs/bench/m",
          "env": {"device": "CPU", "time": "2026-11-27", "git_commit": "abc1234"},
          "real_model": {"grpo": {"command": "python algorithms/grpo.py --dataset /home/u/repo/runs/d.jsonl",
                                  "steps": sync}, "grpo_async": {"command": "x", "steps": stale}}}

@@ -1,5 +1,5 @@
 """The built-in tiny models are committed files (shared/builtin_models/), so every machine starts from the same bits;
-their recipes (shared/tiny.py RECIPES, scripts/build_builtin_models.py) rebuild them: bit-identically on the machine
+their recipes (shared/tiny.py RECIPES, scripts/builders/build_builtin_models.py) rebuild them: bit-identically on the machine
 that built them, and as models of the same quality on another CPU."""
 
 import json

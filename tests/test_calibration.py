@@ -68,7 +68,7 @@ def test_summary_line_from_ten_samples():
     assert summary_line(["5"] * 10) == "5@100"
     assert summary_line(["1", "2", "3", "4", "5", "1", "1", "1", "1", "1"]) == "1@60;2@10;3@10;4@10"  # <= 4
     assert read_confidence(summary_line(["13"] * 7 + ["14"] * 3)) == {"13": 0.7, "14": 0.3}  # sums to 1 with M = 10
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "builders"))
     from lc_sft_data import distill
 
     samples = ["7\n12\n14", "7\n11\n13", "7\n12\n13", "7\n12\n13", "x", "7\n12\n14", "7\n12\n13", "1", "2", "3"]

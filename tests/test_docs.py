@@ -1,4 +1,4 @@
-"""Docs against their data: every generated table in README.md and docs/*.md equals what scripts/docs_tables.py
+"""Docs against their data: every generated table in README.md and docs/*.md equals what scripts/tools/docs_tables.py
 renders from the stored JSON it names, and the docs link to nothing outside the repository."""
 
 import ast
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
+spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "tools" / "docs_tables.py")
 docs_tables = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(docs_tables)
 
@@ -17,7 +17,7 @@ spec.loader.exec_module(docs_tables)
 @pytest.mark.parametrize("path", docs_tables.markdown_files(), ids=lambda p: p.name)
 def test_generated_tables_match_their_data_files(path):
     old, new = docs_tables.render_file(path)
-    assert old == new, f"{path.name}: a generated table differs from its data (run python scripts/docs_tables.py)"
+    assert old == new, f"{path.name}: a generated table differs from its data (run python scripts/tools/docs_tables.py)"
 
 
 def test_a_generated_table_names_an_existing_file_and_a_known_renderer(tmp_path, monkeypatch):
@@ -178,11 +178,11 @@ def test_a_summary_with_env_prints_its_command_and_machine_and_an_older_one_says
             ("drca", "final_accuracy", 0.6), ("drca", "final_reward", 0.2), ("drca", "minutes", 7.0)]},
         "drca_minus_ppo_final_accuracy": {"mean": -0.1, "per_seed": [-0.1]}}
     text = docs_tables.drca_vs_ppo(old)
-    assert "`python scripts/compare_drca_ppo.py --seeds 1` (this file records no machine" in text
-    new = {**old, "command": "python scripts/compare_drca_ppo.py --seeds 1",
+    assert "`python scripts/experiments/compare_drca_ppo.py --seeds 1` (this file records no machine" in text
+    new = {**old, "command": "python scripts/experiments/compare_drca_ppo.py --seeds 1",
            "env": {"device": "CPU X x2", "time": "2026-01-01 00:00:00", "git_commit": "abc1234"}}
     text = docs_tables.drca_vs_ppo(new)
-    assert text.endswith("`python scripts/compare_drca_ppo.py --seeds 1`, CPU X x2.")  # no time, no commit
+    assert text.endswith("`python scripts/experiments/compare_drca_ppo.py --seeds 1`, CPU X x2.")  # no time, no commit
     assert "abc1234" not in text and "2026" not in text
     assert "Both arms train on the score of builtin:tiny-rm; " in docs_tables.drca_vs_ppo(new)
     kl = docs_tables.drca_vs_ppo({**new, "extra": ["--reward_model_path", "builtin:tiny-cf-rm", "--kl_coef", "0.1"]})
@@ -281,7 +281,7 @@ def test_results_overview_has_default_runs_only_in_short_rows_and_names_what_is_
     grpo = next(r for r in rows if "algorithms/grpo.py" in r)
     assert f"| {start_end} | {minutes} |" in grpo
     assert "No default run stored for" in over and "[ppo_async.py](docs/ppo_async.md)" in over
-    assert "`python scripts/bench_headline.py --seeds 1 2 3" in over and "cpu_20261126_035550.json" in over
+    assert "`python scripts/experiments/bench_headline.py --seeds 1 2 3" in over and "cpu_20261126_035550.json" in over
     assert "load at most" not in over and "load:" not in over and "peak RSS" not in over and "commit" not in over
     restem = _headline_files("docs/bench/restem/cpu_20261125_013545.json")
     with pytest.raises(ValueError, match="no default-run file"):
@@ -541,7 +541,7 @@ def test_the_models_table_names_every_builtin_model():
 
 
 def test_a_generated_list_of_scripts_is_the_code_s():
-    """A `<!-- scripts FLAG -->` list on a page holds the scripts whose Args have FLAG (scripts/docs_tables.py renders
+    """A `<!-- scripts FLAG -->` list on a page holds the scripts whose Args have FLAG (scripts/tools/docs_tables.py renders
     it; the check of generated blocks keeps it current), and a wrong list is rewritten."""
     found = docs_tables.scripts_with("micro_batching")
     assert "grpo.py" in found and "sft.py" not in found
@@ -611,7 +611,7 @@ def test_the_repository_layout_names_every_file():
     block = block[block.index("```"):block.index("```", block.index("```") + 3)]
     parts = dict(re.findall(r"^(\w+)/ +(.*?)(?=^\w+/ |\Z)", block.removeprefix("```\n"), flags=re.M | re.S))
     for folder in ("algorithms", "shared", "scripts"):
-        have = {p.name for p in (ROOT / folder).iterdir() if not p.name.startswith(("_", "."))}
+        have = {p.name for p in (ROOT / folder).iterdir() if not p.name.startswith(("_", ".")) and p.name != "README.md"}
         entries = parts[folder]
         while re.search(r"\([^()]*\)", entries):  # what an entry says of itself, in parentheses, names other files
             entries = re.sub(r"\([^()]*\)", "", entries)
@@ -619,6 +619,19 @@ def test_the_repository_layout_names_every_file():
         named = {n.rstrip("/") for n in named}
         assert have - named == set(), (folder, sorted(have - named))
         assert {n for n in named if "." in n} - have == set(), (folder, sorted({n for n in named if "." in n} - have))
+
+
+def test_scripts_readme_names_every_file_in_its_folder():
+    """scripts/README.md names each file of scripts/<kind>/ on that folder's entry, and no file that is not there."""
+    block = (ROOT / "scripts" / "README.md").read_text().split("```")[1]
+    parts = dict(re.findall(r"^([\w.,+ ]+?)/? {2,}(.*?)(?=^\S|\Z)", block.lstrip("\n"), flags=re.M | re.S))
+    kinds = [p for p in (ROOT / "scripts").iterdir() if p.is_dir() and not p.name.startswith(("_", "."))]
+    assert {k.name for k in kinds} <= set(parts), sorted({k.name for k in kinds} - set(parts))
+    for kind in kinds:
+        have = {p.name for p in kind.iterdir() if not p.name.startswith(("_", "."))}
+        named = {n.rstrip("/") for n in re.findall(r"[\w.-]+\.(?:py|sh|yaml)\b|\b[a-z_]+/", parts[kind.name])}
+        named = {n for n in named if "." in n or (kind / n).is_dir()}  # "shared/builtin_models/" is not an entry
+        assert have == named, (kind.name, sorted(have - named), sorted(named - have))
 
 
 def test_evaluate_md_names_the_scripts_that_evaluate_with_another_seed():

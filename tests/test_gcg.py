@@ -233,7 +233,7 @@ def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatch,
 
 # ---------------------------------------------------------------- the measurement's commands and table
 def test_the_measurement_trains_at_the_stored_toy_settings_and_renders_its_table():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "experiments"))
     import compare_gcg
     from repulse_toy import PAPER
 
@@ -242,14 +242,14 @@ def test_the_measurement_trains_at_the_stored_toy_settings_and_renders_its_table
     assert [f for f in PAPER if f != "--no_save_model"] == argv[1 : 1 + len(PAPER) - 1]
     assert argv[-6:] == ["--alpha", "10", "--seed", "2", "--output_dir", "runs/x"]
     one = {k: {"mean": 0.5, "min": 0.0, "max": 1.0, "per_seed": [0.0, 1.0]} for k in compare_gcg.METRICS}
-    d = {"models": ["start", "reinforce"], "seeds": [1, 2], "command": "python scripts/compare_gcg.py",
+    d = {"models": ["start", "reinforce"], "seeds": [1, 2], "command": "python scripts/experiments/compare_gcg.py",
          "env": {"device": "CPU X x2"}, "summary": {"start": one, "reinforce": {**one, "final_log_p_bad": {
              "mean": -10.0, "min": -11.0, "max": -9.0, "per_seed": [-11.0, -9.0]}}},
          "settings": {"total_episodes": 250000, "gcg_steps": 250, "gcg_search_width": 512, "num_samples": 1000}}
     text = compare_gcg.render(d)
     assert "| start (builtin:tiny-sft) | - | 0.00, 1.00 | 0.50 |" in text
     assert "| REINFORCE (RLOO) | -10.00 | 0.00, 1.00 | 0.50 | 0.50 |" in text
-    assert text.rstrip().endswith("`python scripts/compare_gcg.py`, CPU X x2. Data: [gcg_toy.json]"
+    assert text.rstrip().endswith("`python scripts/experiments/compare_gcg.py`, CPU X x2. Data: [gcg_toy.json]"
                                   "(results/gcg_toy.json).")
 
 

@@ -1,4 +1,4 @@
-"""GPU checks (marker `gpu`; skipped where torch sees no CUDA device). `scripts/gpu_check.sh` runs them on a GPU
+"""GPU checks (marker `gpu`; skipped where torch sees no CUDA device). `scripts/benchmarks/gpu_check.sh` runs them on a GPU
 machine; CI has none, so there they are collected and skipped.
 
 What a GPU changes and a CPU run cannot show: bf16 weights and autocast-free bf16 matmuls, the CUDA kernels of

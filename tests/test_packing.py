@@ -233,12 +233,12 @@ def test_grpo_runs_in_every_layout_with_the_same_first_step(tmp_path):
         assert first[layout]["objective/kl"] == pytest.approx(first["padded"]["objective/kl"], abs=1e-4)
 
 
-# ---------------------------------------------------------------- the benchmark's summary (scripts/bench_packing.py)
+# ---------------------------------------------------------------- the benchmark's summary (scripts/benchmarks/bench_packing.py)
 def test_bench_summary_ratios_are_per_repeat_medians_over_padded():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_packing", Path(__file__).resolve().parents[1] /
-                                                  "scripts" / "bench_packing.py")
+                                                  "scripts" / "benchmarks" / "bench_packing.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 

@@ -1,4 +1,4 @@
-"""scripts/record_test_suite.py's junit parser and the `test_suite` table of scripts/docs_tables.py."""
+"""scripts/tools/record_test_suite.py's junit parser and the `test_suite` table of scripts/tools/docs_tables.py."""
 
 import importlib.util
 from pathlib import Path
@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, next((ROOT / "scripts").glob(f"**/{name}.py")))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -54,7 +54,7 @@ def test_junit_parser_counts_failures_and_orders_the_slowest():
 
 def _result(**over) -> dict:
     r = record.parse_junit(JUNIT)
-    return {"command": "python scripts/record_test_suite.py", "test_command": "bash scripts/test.sh",
+    return {"command": "python scripts/tools/record_test_suite.py", "test_command": "bash scripts/test.sh",
             "pytest_args": [], "exit_status": 1, **r, "uncommitted_changes": [],
             "env": {"device": "CPU X x2", "time": "2026-01-02 03:04:05", "git_commit": "abc1234",
                     "loadavg_at_start": [0.5, 0, 0], "loadavg_at_end": [2.04, 0, 0]}, **over}
@@ -64,7 +64,7 @@ def test_the_table_gives_counts_provenance_failures_and_the_five_slowest():
     text = docs_tables.test_suite(_result())
     lines = text.splitlines()
     assert lines[0] == ("2 passed, 1 failed, 2 skipped, 1 errors in 2 min 6 s, exit status 1, load average 0.5 at the "
-                        "start and 2.0 at the end: `python scripts/record_test_suite.py`, CPU X x2.")
+                        "start and 2.0 at the end: `python scripts/tools/record_test_suite.py`, CPU X x2.")
     assert "subset" not in text and "uncommitted" not in text
     assert "- `tests/test_b.py::test_bad` (failed): AssertionError: 1 != 2" in lines
     assert "- `tests/test_b.py::test_fixture` (error): failed on setup with \"ValueError: no model\"" in lines

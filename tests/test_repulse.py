@@ -449,14 +449,14 @@ def test_repulse_two_processes_deepspeed(tmp_path, stage):
 def _load_script(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, next((ROOT / "scripts").glob(f"**/{name}.py")))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_paper_sweep_summary_checks_the_goal_seed_by_seed(tmp_path):
-    """scripts/repulse_toy.py --paper: the goal (>= 1 nat below REINFORCE at held-out reward within 5%) is checked
+    """scripts/experiments/repulse_toy.py --paper: the goal (>= 1 nat below REINFORCE at held-out reward within 5%) is checked
     per seed against REINFORCE's run of the same seed, only over the seeds both finished; unfinished runs are pending;
     the docs renderer reads the summary."""
     sweep = _load_script("repulse_toy")
@@ -480,7 +480,7 @@ def test_paper_sweep_summary_checks_the_goal_seed_by_seed(tmp_path):
     (tmp_path / "repulse_a1_seed2" / "metrics.jsonl").write_text(json.dumps({"step": 0, "episode": 0}))
     names = sweep.configs(["reinforce", "repulse"], [0.1, 1.0], paper=True)
     assert list(names) == ["reinforce", "repulse_a0.1", "repulse_a1"] and names["repulse_a1"][-2:] == ["--alpha", "1"]
-    d = sweep.paper_summary(tmp_path, names, [1, 2], {"env": None, "command": "python scripts/repulse_toy.py --paper"})
+    d = sweep.paper_summary(tmp_path, names, [1, 2], {"env": None, "command": "python scripts/experiments/repulse_toy.py --paper"})
     assert d["pending"] == ["repulse_a1_seed2"] and not d["complete"]
     g = d["goal"]["repulse_a0.1"]
     assert [g["per_seed"][s]["met"] for s in ("1", "2")] == [True, False] and not g["met_on_every_seed"]
@@ -519,7 +519,7 @@ def test_paper_sweep_reuses_runs_stored_in_its_summary(tmp_path):
            "finished_under": {"git_commit": "abc1234", "invocation_time": "2026-11-26 06:40:00"}}
     stored = {"settings": {"common_flags": ["--x"], "config_flags": names},
               "runs": {"reinforce": {"1": run}, "repulse_a0.1": {}},
-              "invocations": [{"env": {"builtin_models": models}, "command": "python scripts/repulse_toy.py --paper"}]}
+              "invocations": [{"env": {"builtin_models": models}, "command": "python scripts/experiments/repulse_toy.py --paper"}]}
     path = tmp_path / "repulse_toy.json"
     path.write_text(json.dumps(stored))
     reused = sweep.stored_runs(path, ["--x"], names, models)
@@ -552,7 +552,7 @@ def test_paper_table_counts_the_runs_each_machine_finished():
 
 
 def test_toy_cost_script_times_the_pieces_and_computes_a_run(tmp_path, monkeypatch):
-    """scripts/repulse_toy_cost.py (the cost statement in docs/repulse.md) on the toy's own model: the pieces are
+    """scripts/benchmarks/repulse_toy_cost.py (the cost statement in docs/repulse.md) on the toy's own model: the pieces are
     timed, the exact log P(bad) whole (a small vocabulary), and a run's cost is the paper budget's sum of them."""
     import sys
 

@@ -224,7 +224,7 @@ def test_plot_script_writes_a_png(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "time": s, "eval/accuracy": s / 10})
                                                  for s in range(5)))
-    out = subprocess.run([sys.executable, "scripts/plot.py", str(run), "--keys", "eval/accuracy", "missing/key"],
+    out = subprocess.run([sys.executable, "scripts/tools/plot.py", str(run), "--keys", "eval/accuracy", "missing/key"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     png = run / "curves.png"

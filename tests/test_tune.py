@@ -1,4 +1,4 @@
-"""scripts/tune.py (docs/tuning.md): a study of a real script (sft.py, 2-step runs) and its resume, the one-line error
+"""scripts/tools/tune.py (docs/tuning.md): a study of a real script (sft.py, 2-step runs) and its resume, the one-line error
 of a search space naming a flag grpo.py lacks; and, on a stand-in script that logs a known curve (FAKE below: fast
 and deterministic), a crashed trial, a pruned trial, two workers on one SQLite study, a killed worker's trial."""
 
@@ -54,7 +54,7 @@ if __name__ == "__main__":
 
 
 def tune(*flags, check=True, timeout=300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "scripts/tune.py", *map(str, flags)], cwd=ROOT, env=ENV,
+    proc = subprocess.run([sys.executable, "scripts/tools/tune.py", *map(str, flags)], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -162,7 +162,7 @@ def test_two_workers_share_one_sqlite_study_and_run_no_trial_twice(tmp_path, fak
     space = write_space(tmp_path / "s.json", {"x": {"type": "float", "low": 0.0, "high": 1.0}},
                         {"steps": 3, "sleep": 0.2, "launch_log": str(launches)})
     study_dir = tmp_path / "study"
-    cmd = [sys.executable, "scripts/tune.py", *map(str, fake_flags(fake, space, study_dir, "--n_trials", 6,
+    cmd = [sys.executable, "scripts/tools/tune.py", *map(str, fake_flags(fake, space, study_dir, "--n_trials", 6,
                                                                          "--pruner", "none"))]
     workers = [subprocess.Popen([*cmd, "--seed", str(s)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for s in (1, 2)]
@@ -185,7 +185,7 @@ def test_killed_workers_trial_is_marked_failed_and_retried(tmp_path, fake):
     slow = write_space(tmp_path / "slow.json", {"x": {"type": "float", "low": 0.0, "high": 1.0}},
                        {"steps": 200, "sleep": 0.1})
     hb = ["--heartbeat_interval", 1, "--grace_period", 2, "--max_retry", 1, "--n_trials", 2, "--pruner", "none"]
-    worker = subprocess.Popen([sys.executable, "scripts/tune.py", *map(str, fake_flags(fake, slow, study_dir, *hb))],
+    worker = subprocess.Popen([sys.executable, "scripts/tools/tune.py", *map(str, fake_flags(fake, slow, study_dir, *hb))],
                               cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pid_file = study_dir / "trials" / "0000" / "pid"
     deadline = time.time() + 60
@@ -219,7 +219,7 @@ def test_killed_workers_trial_is_marked_failed_and_retried(tmp_path, fake):
 def test_the_tuning_page_shows_the_table_its_stored_search_renders():
     """docs/tuning.md's measured table is tune.py's rendering of the stored summary it links, with the command that
     wrote it (a summary whose `command` is the best trial's gets the tuner's command from its stored args)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "tools"))
     from tune import tune_command, tuning_table
 
     page = (ROOT / "docs" / "tuning.md").read_text()
@@ -228,6 +228,6 @@ def test_the_tuning_page_shows_the_table_its_stored_search_renders():
     for path in stored:
         d = json.loads(path.read_text())
         assert path.name in page and tuning_table(d) in page
-        assert tune_command(d).startswith("python scripts/tune.py ") and "--seeds 1 2 3" in tune_command(d)
-    assert tune_command({"command": "python scripts/tune.py --n_trials 3", "best_command": "x"}) == \
-        "python scripts/tune.py --n_trials 3"
+        assert tune_command(d).startswith("python scripts/tools/tune.py ") and "--seeds 1 2 3" in tune_command(d)
+    assert tune_command({"command": "python scripts/tools/tune.py --n_trials 3", "best_command": "x"}) == \
+        "python scripts/tools/tune.py --n_trials 3"

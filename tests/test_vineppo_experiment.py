@@ -1,5 +1,5 @@
-"""Issue #18's experiment tooling: the value-prediction metrics (scripts/value_prediction.py) and the head-to-head
-runner's bookkeeping (scripts/compare_vineppo_ppo_grpo.py), against hand-computed numbers. Nothing is launched."""
+"""Issue #18's experiment tooling: the value-prediction metrics (scripts/experiments/value_prediction.py) and the head-to-head
+runner's bookkeeping (scripts/experiments/compare_vineppo_ppo_grpo.py), against hand-computed numbers. Nothing is launched."""
 
 import importlib.util
 import json
@@ -14,7 +14,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, next(SCRIPTS.glob(f"**/{name}.py")))  # scripts/<kind>/<name>.py
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -133,8 +133,8 @@ def test_summarize_seed_and_goal():
 
 
 def test_command_without_budget():
-    assert cmp.without_budget("python scripts/compare_vineppo_ppo_grpo.py --budget_minutes 20 --k 3") == \
-        "python scripts/compare_vineppo_ppo_grpo.py --k 3"
+    assert cmp.without_budget("python scripts/experiments/compare_vineppo_ppo_grpo.py --budget_minutes 20 --k 3") == \
+        "python scripts/experiments/compare_vineppo_ppo_grpo.py --k 3"
 
 
 def test_goal_value_table():
@@ -182,7 +182,7 @@ def test_run_argv_flags_exist():
 
 
 def test_docs_renderers_of_the_result():
-    """scripts/docs_tables.py renders docs/results/vineppo_vs_ppo.json (once measured) from these fields."""
+    """scripts/tools/docs_tables.py renders docs/results/vineppo_vs_ppo.json (once measured) from these fields."""
     docs_tables = load("docs_tables")
     curves = {"ppo": pts(0.3, 0.4, 0.5, 0.55, 0.6), "vineppo": pts(0.3, 0.6, 0.7, 0.65, 0.7, sec=20.0),
               "grpo": pts(0.3, 0.35, 0.4, 0.45, 0.5)}
@@ -196,7 +196,7 @@ def test_docs_renderers_of_the_result():
          "value_prediction": {"per_position_mean_over_seeds": cmp.pool_value_tables([table]),
                               "per_seed": [{"num_prompts": 2, "k_truth": 256}]},
          "goal": cmp.goal(per_seed, cmp.pool_value_tables([table]), 9),
-         "command": "python scripts/compare_vineppo_ppo_grpo.py", "env": {"device": "CPU X x2", "time": "t", "git_commit": "abc1234"}}
+         "command": "python scripts/experiments/compare_vineppo_ppo_grpo.py", "env": {"device": "CPU X x2", "time": "t", "git_commit": "abc1234"}}
     text = docs_tables.vineppo_vs_ppo(d)
     assert "| 1 | PPO | 0.300 | 0.600 | 32 / 32 | 1.3 / 1.3 |" in text
     assert "| 1 | VinePPO (K = 9) | 0.300 | 0.700 | 8 / 32 | 0.7 / 2.7 |" in text
@@ -260,7 +260,7 @@ def fake_ppo_source(root: Path, a, seeds=(1, 2), weights="w" * 64) -> Path:
         rec = recorded_args(cmp.run_argv("ppo", seed, run, str(src / "sft_start" / "final"), a))
         (run / "args.json").write_text(json.dumps({**rec, "stop_after_steps": 25}))
         (src / "logs" / f"ppo_seed{seed}_from0000").mkdir(parents=True)
-    sessions = [{"command": "python scripts/compare_vineppo_ppo_grpo.py --k 3", "env": {"git_commit": "abc1234",
+    sessions = [{"command": "python scripts/experiments/compare_vineppo_ppo_grpo.py --k 3", "env": {"git_commit": "abc1234",
                  "time": "2026-11-26 04:18:12", "device": "CPU X x2"},
                  "units": [{"run": "ppo_seed1", "from_step": 0, "to_step": 25, "seconds": 1.0},
                            {"run": "vineppo_seed1", "from_step": 0, "to_step": 25, "seconds": 2.0}]}]
