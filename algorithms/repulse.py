@@ -60,7 +60,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, exac
                                 init_distributed, load_causal_lm, load_tokenizer, prepare,
                                 prepare_frozen, seed_everything)
 from shared.generation import HFGenerator, completion_decoder, make_generator, stop_token_ids
-from shared.logprobs import forward_logprobs as lean_logprobs
+from shared.logprobs import forward_logprobs as lean_logprobs, fp32_lm_head
 from shared.rewards import load_reward_fn, probe_reward_fn, score_completions
 from shared.scalar import load_reward_model
 from shared.models import resolve_model_path
@@ -111,6 +111,8 @@ class Args:
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    fp32_lm_head: bool = False
+    """run the LM head's matmul in fp32 in both the trainer and the sampler: less mismatch, a slower head"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the training forwards"""
     save_model: bool = True
@@ -377,6 +379,7 @@ def main(args: Args) -> str:
     policy = trainable(args.learning_rate, grad_accum_p)
     proposal = trainable(args.proposal_learning_rate, grad_accum_q) if sample_q else None
     ref_policy = prepare_frozen(load_causal_lm(model_path, dtype), info, dtype) if args.beta > 0 else None
+    fp32_lm_head([policy, proposal, ref_policy], args.fp32_lm_head)  # --fp32_lm_head: fp32 output layers
     reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
@@ -387,7 +390,7 @@ def main(args: Args) -> str:
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop)
+                               enable_sleep_mode=args.vllm_enable_sleep, stop=args.stop, fp32_lm_head=args.fp32_lm_head)
     stop_ids = stop_token_ids(model_path, tokenizer)  # EOS and generation_config's eos ids
     q_generator = HFGenerator(proposal.module, tokenizer, synced_gpus=info.zero_stage == 3, stop_token_ids=stop_ids,
                               stop=args.stop) if sample_q else None

@@ -191,9 +191,11 @@ class VLLMGenerator:
     def __init__(self, model_path: str, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int,
                  world_size: int = 1, gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
                  enable_sleep_mode: bool = False, stop_token_ids: list[int] | None = None, stop=(),
-                 lora_model: torch.nn.Module | None = None, zero3: bool = False):
+                 lora_model: torch.nn.Module | None = None, zero3: bool = False, fp32_lm_head: bool = False):
         """`lora_model`: a peft model whose adapter the engine serves through vLLM's LoRA (module docstring); None:
-        the engine serves the weights `sync_weights` loads. `zero3`: its parameters are ZeRO-3 shards."""
+        the engine serves the weights `sync_weights` loads. `zero3`: its parameters are ZeRO-3 shards.
+        `fp32_lm_head` (--fp32_lm_head): the engine's LM head runs in float32 (vLLM's `head_dtype`, set through
+        hf_overrides: hidden states and weight upcast, float32 logits), as the trainer's under the same flag."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine we can update
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
@@ -220,6 +222,8 @@ class VLLMGenerator:
             #. vLLM 0.32 already ignores them given explicit SamplingParams; this pins it.
             generation_config="vllm",
         )
+        if fp32_lm_head:
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
         if on_cpu:
             kwargs["enforce_eager"] = True
         if lora_model is not None:
@@ -512,16 +516,19 @@ def check_engine(generator, model: torch.nn.Module, prompts: list[list[int]], in
 def make_generator(kind: str, *, model_path: str, model: torch.nn.Module, tokenizer, dtype: torch.dtype, seed: int,
                    max_model_len: int, world_size: int, zero_stage: int, gpu_memory_utilization: float = 0.3,
                    enable_prefix_caching: bool = True, enable_sleep_mode: bool = False, stop=(),
-                   lora_sync: str = "merged"):
+                   lora_sync: str = "merged", fp32_lm_head: bool = False):
     """Build the generator named by `kind` ('vllm' or 'hf'). `model` is the unwrapped training model; both stop on
     `stop_token_ids(model_path, tokenizer)` and on the `stop` strings. `lora_sync="adapter"` (vllm, `model` a peft
-    model): the engine serves `model`'s adapter through vLLM's LoRA (module docstring); `merged`: its weights."""
+    model): the engine serves `model`'s adapter through vLLM's LoRA (module docstring); `merged`: its weights.
+    `fp32_lm_head` (--fp32_lm_head): vLLM's LM head runs in float32; `hf` generates with the model itself, whose
+    layer shared.logprobs.fp32_lm_head already made float32."""
     check_stop_strings(stop)
     stop_ids = stop_token_ids(model_path, tokenizer)
     if kind == "vllm":
         return VLLMGenerator(model_path, tokenizer, dtype, seed, max_model_len, world_size, gpu_memory_utilization,
                              enable_prefix_caching, enable_sleep_mode, stop_token_ids=stop_ids, stop=stop,
-                             lora_model=model if lora_sync == "adapter" else None, zero3=zero_stage == 3)
+                             lora_model=model if lora_sync == "adapter" else None, zero3=zero_stage == 3,
+                             fp32_lm_head=fp32_lm_head)
     if kind == "hf":
         return HFGenerator(model, tokenizer, synced_gpus=zero_stage == 3, stop_token_ids=stop_ids, stop=stop)
     raise ValueError(f"generator: expected 'vllm' or 'hf', got {kind!r}")

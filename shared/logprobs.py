@@ -1,18 +1,52 @@
 """Per-token log-probs of a policy on right-padded [prompt | completion | pad] rows, the forward pass every RL script
 trains through: the LM head runs on the completion positions only, in chunks recomputed in the backward pass
 (docs/performance.md#memory-of-the-log-probs), and `--micro_batching` lays a micro-batch out as padded, sorted or
-packed rows with the same log-probs (docs/micro_batching.md). No loss here: the scripts compute theirs.
+packed rows with the same log-probs (docs/micro_batching.md). `--fp32_lm_head` (fp32_lm_head) makes the output
+layer's product float32 for every caller of the layer. No loss here: the scripts compute theirs.
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from shared import data as data_utils
 from shared.distributed import max_over_ranks, output_head
+
+def _fp32_linear(self, hidden: torch.Tensor) -> torch.Tensor:
+    """The forward of an output layer under --fp32_lm_head: hidden @ W^T (+ b) with both operands upcast to float32
+    and autocast off, float32 logits; the weight itself stays in the model's dtype (its gradient comes back in it)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def fp32_lm_head(models: list, enabled: bool) -> None:
+    """--fp32_lm_head: the output layer of each model (None skipped) computes its logits in float32 from now on
+    (_fp32_linear): the lean log-probs here, the model's own forward and so HF generate (the `hf` sampler) and the
+    end-of-run engine check; make_generator(fp32_lm_head=True) gives the vLLM sampler the same product (vLLM's
+    head_dtype). The weights keep their dtype: optimizer, checkpoints and the engine's weights are unchanged, and a
+    float32 model computes exactly what it did. Call after the models are prepared. A LoRA reference (the policy with
+    its adapters off) shares the policy's layer. One-line errors: an output layer with a LoRA adapter (its product is
+    peft's), or a frozen one that ZeRO-3 partitions (shared.distributed.output_head gathers it for each product in
+    the model's dtype)."""
+    if not enabled:
+        return
+    for model in models:
+        head = None if model is None else getattr(model, "module", model).get_output_embeddings()
+        if not isinstance(head, torch.nn.Module):  # None, or a LoRA reference's function over the policy's layer
+            continue
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"fp32_lm_head: the output layer is a {type(head).__name__}, not a plain Linear (an "
+                             "adapter on it: leave it out of --lora_target_modules)")
+        if all(hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters()):
+            raise ValueError("fp32_lm_head: a frozen output layer that ZeRO-3 partitions (a reference or a LoRA "
+                             "policy under ZeRO-3) is not supported; launch with scripts/accelerate/zero2.yaml")
+        head.forward = types.MethodType(_fp32_linear, head)
+
 
 def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                    with_entropy: bool = False):
