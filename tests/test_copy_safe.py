@@ -3,19 +3,16 @@ algorithms/grpo.py to my_grpo.py, add `entropy_coef: float = 0.01` to its Args, 
 
 Each script is copied out of the repository, five new fields (a float, an int, a str, a bool and a fixed choice)
 are added to its Args, and the copy runs one step on the built-in tiny model with the new flags given on the
-command line. A numeric flag that declares no range (shared/cli.py) is only checked to be finite."""
+command line. A numeric flag that declares no range (shared/cli.py) is only checked to be finite. The copies run one
+after another in one Python process, each as `python my_<script>.py ...` runs it (tests/test_e2e.py run_batch), so the
+libraries are imported once."""
 
 import ast
 import json
 import shutil
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import assert_clean_exit
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,28 +126,43 @@ def copy_with_new_fields(script: str, dest: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_copied_script_with_new_flags_runs(script, tmp_path):
-    copy = copy_with_new_fields(script, tmp_path)
-    flags, written = ONE_STEP[script]
-    if "{unit_rm}" in flags:  # builtin:tiny-rm's weights with a unit normaliser for unit_ppo.py's defaults
-        from shared.models import resolve_model_path
+@pytest.fixture(scope="module")
+def copied_runs(tmp_path_factory):
+    """Every script copied with the new fields, and every copy run with its one-step flags and the new flags, one
+    after another in one Python process (tests/test_e2e.py run_batch: as `python my_<script>.py ...`, torch and
+    vLLM imported once instead of once per copy); script -> (its result, its output_dir)."""
+    from tests.test_e2e import run_batch
 
-        rm = tmp_path / "unit_rm"
-        shutil.copytree(resolve_model_path("builtin:tiny-rm"), rm)
-        (rm / "unit_normalizer.json").write_text(json.dumps(
-            {"method": "peak", "tau": 0.5, "model": "builtin:tiny-sft", "aggregation": "avg", "mu": [0.1, 0.0],
-             "sigma": [0.0, 5.0]}))
-        flags = [str(rm) if f == "{unit_rm}" else f for f in flags]
-    out = tmp_path / "run"
-    cmd = [sys.executable, str(copy), "--output_dir", str(out), *flags, *NEW_FLAGS]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    base = tmp_path_factory.mktemp("copies")
+    runs, outs = {}, {}
+    for script in SCRIPTS:
+        work = base / script
+        work.mkdir()
+        copy = copy_with_new_fields(script, work)
+        flags, _ = ONE_STEP[script]
+        if "{unit_rm}" in flags:  # builtin:tiny-rm's weights with a unit normaliser for unit_ppo.py's defaults
+            from shared.models import resolve_model_path
+
+            rm = work / "unit_rm"
+            shutil.copytree(resolve_model_path("builtin:tiny-rm"), rm)
+            (rm / "unit_normalizer.json").write_text(json.dumps(
+                {"method": "peak", "tau": 0.5, "model": "builtin:tiny-sft", "aggregation": "avg", "mu": [0.1, 0.0],
+                 "sigma": [0.0, 5.0]}))
+            flags = [str(rm) if f == "{unit_rm}" else f for f in flags]
+        outs[script] = work / "run"
+        runs[script] = [str(copy), "--output_dir", str(outs[script]), *flags, *NEW_FLAGS]
+    results = run_batch(runs, base / "batch")
+    return {script: (results[script], outs[script]) for script in SCRIPTS}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_copied_script_with_new_flags_runs(script, copied_runs):
+    from tests.test_e2e import check_batch_run
+
+    result, out = copied_runs[script]
+    _, written = ONE_STEP[script]
+    output = check_batch_run(result)  # exit status 0, a clean exit
     assert "Traceback" not in output, output[-6000:]
-    assert_clean_exit(output, " ".join(cmd))
     assert (out / written).is_file() and (out / written).read_text().strip(), f"{written} missing or empty"
     config = json.loads((out / "args.json").read_text())  # the run's flags (shared/tracking.py, evaluate.py)
     assert {k: config[k] for k in NEW_VALUES} == NEW_VALUES

@@ -37,6 +37,76 @@ def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def batch_main(plan_file: str) -> None:
+    """The child process of `run_batch`: each planned command line `[script.py, *flags]` runs in turn as
+    `python script.py *flags` would run it (runpy, `__name__ == "__main__"`, sys.argv, the script's folder first on
+    sys.path), its stdout and stderr (file descriptors 1 and 2, so C-level output too) in its own log; the exit status
+    (SystemExit's code, 1 after an uncaught exception, whose traceback goes to the log) is written to the results file
+    after each run, so a run that kills the process leaves the earlier results."""
+    import runpy
+    import traceback
+
+    plan = json.loads(Path(plan_file).read_text())
+    results = {}
+    for item in plan["runs"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        log = os.open(item["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        code = 0
+        try:
+            sys.argv = list(item["argv"])
+            sys.path[0] = str(Path(item["argv"][0]).resolve().parent)
+            runpy.run_path(item["argv"][0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:  # noqa: BLE001 - recorded as the run's failure, with its traceback in its log
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (log, *saved):
+                os.close(fd)
+        results[item["name"]] = code
+        Path(plan["results"]).write_text(json.dumps(results))
+
+
+def run_batch(runs: dict[str, list[str]], work: Path, env: dict | None = None, timeout: int = 1800) -> dict:
+    """Run several script command lines (name -> [script.py, *flags]) one after another in ONE Python process
+    (`batch_main`), so torch, transformers and vLLM are imported once for all of them instead of once per run.
+    Returns name -> {"code": exit status (None: the process died before it), "log": the run's own output, "batch":
+    the process's own output and exit status}; `check_batch_run` asserts on one entry as `run` does on a subprocess."""
+    work.mkdir(parents=True, exist_ok=True)
+    plan = {"runs": [{"name": n, "argv": [str(a) for a in argv], "log": str(work / f"{n}.log")}
+                     for n, argv in runs.items()], "results": str(work / "results.json")}
+    (work / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1", **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tests.test_e2e import batch_main; "
+                           "batch_main(sys.argv[1])", str(work / "plan.json")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    batch = f"(batch process exit status {proc.returncode})\n{proc.stdout + proc.stderr}"
+    done = json.loads((work / "results.json").read_text()) if (work / "results.json").exists() else {}
+    return {n: {"code": done.get(n), "log": (work / f"{n}.log").read_text() if (work / f"{n}.log").exists() else "",
+                "batch": batch, "batch_code": proc.returncode, "cmd": " ".join(str(a) for a in argv)}
+            for n, argv in runs.items()}
+
+
+def check_batch_run(result: dict) -> str:
+    """As `run` for a subprocess: exit status 0 and a clean exit (the run's log and the batch process's own output,
+    which holds any exit-time failure); returns the run's log."""
+    out = result["log"]
+    assert result["code"] == 0, f"{result['cmd']} failed ({result['code']}):\n{out[-6000:]}\n{result['batch'][-3000:]}"
+    assert result["batch_code"] == 0, f"the batch process of {result['cmd']} failed:\n{result['batch'][-6000:]}"
+    assert_clean_exit(out + result["batch"], result["cmd"])
+    return out
+
+
 def test_sft_trains_and_saves_a_loadable_checkpoint(tmp_path):
     run([sys.executable, "algorithms/sft.py", "--output_dir", str(tmp_path), "--total_episodes", "512",
          "--local_micro_batch_size", "32", "--eval_num_prompts", "8", "--eval_every", "8"])
