@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path[:0] = [str(SCRIPTS), *(str(p) for p in sorted(SCRIPTS.iterdir()) if p.is_dir())]  # scripts/ and its kinds
 
 
 def load(name: str):
@@ -238,11 +238,11 @@ def test_headline_reuse_copies_stored_seeds_and_the_footnote_names_them(tmp_path
                                               "time": "2026-11-28 07:00:00"}
     assert "measured_in" not in r["seeds"]["2"]
     written["env"].update(git_commit="abc1234")
-    note = docs_tables._headline_note(1, written, [r])
-    assert note.endswith(" Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, on the same start "
-                         "models).")  # the file keeps the commit and time; a caption names none (docs_tables)
+    note = docs_tables._reused_note([r["seeds"]])  # the end of headline_runs' caption: it names the copied runs
+    assert note == (" Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, on the same start "
+                    "models).")  # the file keeps the commit and time; a caption names none (docs_tables)
     assert "1fb3a00" not in note and "abc1234" not in note
-    assert "Copied" not in docs_tables._headline_note(1, written, [{"seeds": {"2": r["seeds"]["2"]}}])
+    assert docs_tables._reused_note([{"2": r["seeds"]["2"]}]) == ""  # a run made here is not "copied"
     later = {**r["seeds"]["2"], "measured_in": {"file": "cpu_2.json", "git_commit": "2fb3a00", "time": "T2"}}
     assert docs_tables._reused_note([{"1": r["seeds"]["1"], "2": later}]) == (  # two earlier files: one sentence
         " Copied with `--reuse`: ppo_rlhf.py seed 1 (measured in cpu_1.json, on the same start models); ppo_rlhf.py "

@@ -254,7 +254,7 @@ def test_captions_name_no_commit_and_no_time():
 def test_headline_table_names_a_script_it_cannot_describe():
     """A default-run benchmark of a script without a metric description is an error naming it, not a KeyError."""
     with pytest.raises(ValueError, match="no metric description for my_grpo"):  # a copied script's benchmark
-        docs_tables.headline([{"results": {"grpo": {}, "my_grpo": {}}}])
+        docs_tables.results_overview([{"benchmark": "headline", "results": {"grpo": {}, "my_grpo": {}}}])
 
 
 def _headline_files(*names):

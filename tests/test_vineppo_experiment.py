@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path[:0] = [str(SCRIPTS), *(str(p) for p in sorted(SCRIPTS.iterdir()) if p.is_dir())]  # scripts/ and its kinds
 
 
 def load(name: str):

