@@ -2,6 +2,7 @@
 
     python scripts/experiments/compare_unit_rewards.py --part rm --seeds 1 2 3     # (a) the reward models, same held-out pairs
     python scripts/experiments/compare_unit_rewards.py --part ppo --seeds 1 2 3    # (b) unit PPO vs PPO on the bandit RM vs DRCA
+    python scripts/experiments/compare_unit_rewards.py --part ppo --reward_models builtin --seeds 1 2 3   # (b) on the built-in RMs
 
 (a) trains, per seed and with the same budget (--rm_episodes pairs), rm.py (the bandit RM), unit_rm.py at its default
 tau and unit_rm.py --tau 0 (token level), and reads each run's final held-out evaluation (the same 500 held-out pairs
@@ -9,7 +10,9 @@ for all): pair accuracy, and for the unit RMs eval/localisation, the share of sl
 reward falls on the slipped line (shared/localisation.py; the bandit RM has one unit, so it is not reported).
 (b) runs, per seed from the same start (builtin:tiny-sft) and at equal samples, unit_ppo.py on seed 1's unit RM of (a),
 ppo_rlhf.py on seed 1's rm.py RM of (a) and drca.py on the same rm.py RM (--scorer rm), and reads held-out grader
-accuracy at each evaluation. Writes runs/compare_unit_rewards/<part>/... and docs/results/unit_rewards_<part>.json
+accuracy at each evaluation; with --reward_models builtin, the RMs are the built-in ones each script defaults to
+(unit_ppo.py: builtin:tiny-unit-rm, unit_rm.py on 32,000 pairs; ppo_rlhf.py and drca.py: builtin:tiny-rm, rm.py's
+default run on 128,000 pairs), written to unit_rewards_ppo_builtin.json. Writes runs/compare_unit_rewards/<part>/... and docs/results/unit_rewards_<part>.json
 with the command and the machine.
 """
 
@@ -50,11 +53,14 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--rm_episodes", type=int, default=32000, help="training pairs of every reward model")
     p.add_argument("--ppo_episodes", type=int, default=5120, help="completions sampled by every policy arm")
+    p.add_argument("--reward_models", choices=["part_rm", "builtin"], default="part_rm",
+                   help="--part ppo: seed 1's RMs of --part rm, or the built-in RMs the scripts default to")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "compare_unit_rewards")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     a = p.parse_args()
     provenance = {"env": bc.environment(), "command": shlex.join(["python", "scripts/experiments/compare_unit_rewards.py", *sys.argv[1:]])}
-    out = a.out / a.part
+    tag = a.part + ("_builtin" if a.part == "ppo" and a.reward_models == "builtin" else "")
+    out = a.out / tag
     out.mkdir(parents=True, exist_ok=True)
     common = ["--save_every", "0", "--resume", "no"]
     summary: dict = {**provenance, "part": a.part, "seeds": a.seeds, "commands": {}}
@@ -76,13 +82,18 @@ def main() -> None:
                 summary[arm]["localisation_chance"] = spread([f["eval/localisation_chance"] for f in finals])
                 summary[arm]["units_per_response"] = spread([f["eval/units_per_response"] for f in finals])
     else:
-        unit_rm = a.out / "rm" / "unit_rm_seed1" / "final"
-        bandit_rm = a.out / "rm" / "bandit_rm_seed1" / "final"
-        if not (unit_rm.exists() and bandit_rm.exists()):
-            raise SystemExit("error: --part ppo needs --part rm's seed-1 reward models (run --part rm first)")
-        arm_flags = {"unit_ppo": ["--reward_model_path", str(unit_rm.relative_to(ROOT))],
-                     "ppo_rlhf": ["--reward_model_path", str(bandit_rm.relative_to(ROOT))],
-                     "drca": ["--reward_model_path", str(bandit_rm.relative_to(ROOT)), "--scorer", "rm"]}
+        if a.reward_models == "builtin":
+            unit_rm, bandit_rm = "builtin:tiny-unit-rm", "builtin:tiny-rm"
+        else:
+            unit_rm = a.out / "rm" / "unit_rm_seed1" / "final"
+            bandit_rm = a.out / "rm" / "bandit_rm_seed1" / "final"
+            if not (unit_rm.exists() and bandit_rm.exists()):
+                raise SystemExit("error: --part ppo needs --part rm's seed-1 reward models (run --part rm first)")
+            unit_rm, bandit_rm = str(unit_rm.relative_to(ROOT)), str(bandit_rm.relative_to(ROOT))
+        summary["reward_models"] = {"unit_ppo": unit_rm, "ppo_rlhf": bandit_rm, "drca": bandit_rm}
+        arm_flags = {"unit_ppo": ["--reward_model_path", unit_rm],
+                     "ppo_rlhf": ["--reward_model_path", bandit_rm],
+                     "drca": ["--reward_model_path", bandit_rm, "--scorer", "rm"]}
         flags = ["--total_episodes", str(a.ppo_episodes), "--eval_every", "5", "--eval_num_prompts", "200",
                  "--no_save_model", *common]
         for seed in a.seeds:
@@ -103,7 +114,7 @@ def main() -> None:
                             "minutes": spread([c[-1].get("time/total", 0) / 60 for c in curves])}
     summary["env"]["builtin_models"] = bc.builtin_models()
     a.results.mkdir(parents=True, exist_ok=True)
-    path = a.results / f"unit_rewards_{a.part}.json"
+    path = a.results / f"unit_rewards_{tag}.json"
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("env",)}, indent=1)[:4000])
     print(f"wrote {path}")
