@@ -80,6 +80,16 @@ class Args:
     """hub name or local path of the policy; `builtin:tiny-sft` is the tiny model warm-started by sft.py (committed weights)"""
     teacher_model_name_or_path: str = "builtin:tiny-grpo"
     """the frozen teacher (same tokenizer as the policy); `builtin:tiny-grpo` is tiny-sft trained by grpo.py (committed)"""
+    teachers: tuple[str, ...] = ()
+    """MOPD: several frozen teachers `name=path` (`--teachers math=org/a code=org/b`), replacing the one above"""
+    teacher_column: str = "teacher_id"
+    """with two or more --teachers: the dataset column naming each row's teacher (TRL's `teacher_id`)"""
+    self_distillation: bool = False
+    """the teacher is a frozen copy of the student's start model (--model_name_or_path), not --teacher_model_name_or_path"""
+    teacher_context: Literal["none", "reference"] = "none"
+    """`reference`: the teacher reads --teacher_template (the row's gold answer in it) in place of the student's prompt"""
+    teacher_template: str = "Here is a reference solution:\n{answer}\n\n{prompt}"
+    """--teacher_context reference: the teacher's prompt; {prompt}: the student's prompt text, {answer}: the gold answer"""
     dataset: str = "builtin"
     """`builtin` (`builtin:sums-N`: N = 3..12 terms), a local .jsonl/.json/.parquet file, or a hub dataset `org/name[:config]`"""
     train_split: str = "train"
@@ -395,31 +405,91 @@ def distribution_losses(policy, teacher, input_ids: torch.Tensor, attention_mask
     return divergence, logp, entropy, masses
 
 
-def compared_vocab_size(student_rows: int, teacher_rows: int, num_tokens: int) -> int | None:
+def compared_vocab_size(student_rows: int, teacher_rows: int, num_tokens: int,
+                        field: str = "teacher_model_name_or_path") -> int | None:
     """The logits the full-distribution losses compare: all of them (None) when the student's and the teacher's
     embeddings have as many rows; else the tokenizer's num_tokens real tokens, the rows above them being padding that
     no token id reaches (Qwen2.5: 151,936 rows at 0.5B-3B, 152,064 at 7B, 151,665 tokens). A tokenizer with more tokens
-    than a model has rows is a one-line error."""
+    than a model has rows is a one-line error naming `field`."""
     if student_rows == teacher_rows:
         return None
     if num_tokens > min(student_rows, teacher_rows):
-        raise ValueError(f"teacher_model_name_or_path: the tokenizer has {num_tokens} tokens, but the student's "
+        raise ValueError(f"{field}: the tokenizer has {num_tokens} tokens, but the student's "
                          f"embedding has {student_rows} rows and the teacher's {teacher_rows}")
     return num_tokens
 
 
-def check_same_vocabulary(student_tok, teacher_tok) -> None:
+def check_same_vocabulary(student_tok, teacher_tok, field: str = "teacher_model_name_or_path") -> None:
     """The teacher scores the student's token ids, so both tokenizers must map every token to the same id and share
-    bos/eos/pad ids: a one-line error naming the first difference (equal sizes do not imply equal ids)."""
+    bos/eos/pad ids: a one-line error naming `field` and the first difference (equal sizes do not imply equal ids)."""
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(student_tok, name) != getattr(teacher_tok, name):
-            raise ValueError(f"teacher_model_name_or_path: the teacher's {name} is {getattr(teacher_tok, name)}, the "
+            raise ValueError(f"{field}: the teacher's {name} is {getattr(teacher_tok, name)}, the "
                              f"student's {getattr(student_tok, name)} (the teacher must share the tokenizer)")
     s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
     for token in sorted(set(s_vocab) | set(t_vocab), key=lambda t: (s_vocab.get(t, t_vocab.get(t)), t)):
         if s_vocab.get(token) != t_vocab.get(token):
-            raise ValueError(f"teacher_model_name_or_path: token {token!r} has id {t_vocab.get(token)} in the "
+            raise ValueError(f"{field}: token {token!r} has id {t_vocab.get(token)} in the "
                              f"teacher's vocabulary, {s_vocab.get(token)} in the student's (it must share the tokenizer)")
+
+
+def parse_teachers(entries: tuple[str, ...], default: str) -> dict[str, str]:
+    """--teachers `name=path` entries -> {name: path}, in order; none: {"default": default} (the single teacher).
+    One-line errors for an entry without `=`, an empty name or path, and a name given twice."""
+    if not entries:
+        return {"default": default}
+    teachers = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"teachers: expected name=path, got {entry!r}")
+        if name in teachers:
+            raise ValueError(f"teachers: the name {name!r} is given twice")
+        teachers[name] = path
+    return teachers
+
+
+def teacher_routes(rows: list[dict], column: str, names: list[str], where: str) -> list[int]:
+    """MOPD: each row's teacher, the index in `names` of the value of its `column` (TRL's `teacher_id`); with one
+    teacher every row goes to it (no column needed). A row without the column, or naming no teacher, is a one-line
+    error naming the row (a misrouted row would silently learn from the wrong teacher)."""
+    if len(names) == 1:
+        return [0] * len(rows)
+    index = {name: k for k, name in enumerate(names)}
+    routes = []
+    for i, row in zip(data_utils.row_numbers(rows), rows):
+        if column not in row:
+            raise ValueError(f"teacher_column: {where} row {i} has no column {column!r} (--teachers routes each row "
+                             f"by it; the row has {sorted(row)})")
+        if str(row[column]) not in index:
+            raise ValueError(f"teacher_column: {where} row {i} names teacher {row[column]!r}, not one of --teachers "
+                             f"({', '.join(names)})")
+        routes.append(index[str(row[column])])
+    return routes
+
+
+def teacher_prompt_text(prompt: str, answer: str, template: str) -> str:
+    """--teacher_context reference: the teacher's prompt text, `template` with {prompt} the student's prompt text
+    (after --prompt_template) and {answer} the row's gold answer. Only the teacher reads it; the student samples
+    from its own prompt (OPSD, arXiv 2601.18734: the privileged context in the teacher's prompt only)."""
+    return template.replace("{answer}", answer).replace("{prompt}", prompt)
+
+
+def align_completions(logp: torch.Tensor, src_prompt_lens: list[int], dst_prompt_lens: list[int],
+                      completion_lens: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs of the same completions moved from one row layout to another, [B, Ls-1] -> like [B, L-1]:
+    completion token k of row i sits at column p - 1 + k of a layout whose prompt has p tokens, so the teacher's
+    log-probs on [teacher prompt | completion] land on the student's [prompt | completion] columns of the same token;
+    0 elsewhere."""
+    out = torch.zeros_like(like)
+    for i, (sp, dp, n) in enumerate(zip(src_prompt_lens, dst_prompt_lens, completion_lens)):
+        out[i, dp - 1 : dp - 1 + n] = logp[i, sp - 1 : sp - 1 + n]
+    return out
+
+
+def select_teacher(teacher_logps: list[torch.Tensor], routes: torch.Tensor) -> torch.Tensor:
+    """MOPD: row i's log-probs from teacher routes[i], [K] x [B, T] -> [B, T] (one teacher: its log-probs)."""
+    return torch.stack(teacher_logps)[routes, torch.arange(len(routes))]
 
 
 def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
@@ -596,6 +666,18 @@ def validate(args: Args) -> None:
         raise ValueError("importance_level: dppo_tv and dppo_kl mask single tokens (use --importance_level token)")
     if args.control_adv > 0 and args.loss != "pg":
         raise ValueError("control_adv: the fixed negative advantage replaces the teacher's in --loss pg only")
+    if args.teachers and args.self_distillation:
+        raise ValueError("self_distillation: the teacher is the student's start model; it does not combine with "
+                         "--teachers")
+    if len(args.teachers) > 1 and args.loss != "pg":
+        raise ValueError(f"teachers: several teachers work with --loss pg (per-token log-probs), not --loss {args.loss}")
+    if args.teacher_context == "reference":
+        if args.loss != "pg":
+            raise ValueError(f"teacher_context: the teacher's own prompt works with --loss pg, not --loss {args.loss}")
+        for key in ("{answer}", "{prompt}"):
+            if key not in args.teacher_template:
+                raise ValueError(f"teacher_template: has no {key} (the teacher reads the question and its reference "
+                                 f"answer), got {args.teacher_template!r}")
 
 
 def main(args: Args) -> str:
@@ -612,13 +694,32 @@ def main(args: Args) -> str:
     model_path = resolve_model_path(args.model_name_or_path)
     rm_path = resolve_model_path(args.reward_model_path, "reward_model_path") if args.reward_model_path else ""
     tokenizer = load_tokenizer(model_path)
-    teacher_path = resolve_model_path(args.teacher_model_name_or_path, "teacher_model_name_or_path")
-    check_same_vocabulary(tokenizer, load_tokenizer(teacher_path))  # the teacher reads the student's token ids
-    vocab_size = compared_vocab_size(AutoConfig.from_pretrained(model_path).vocab_size,  # padded embeddings: the real
-                                     AutoConfig.from_pretrained(teacher_path).vocab_size, len(tokenizer))  # tokens
+    # the teachers: one (--teacher_model_name_or_path, or the student's start model with --self_distillation) or
+    # several (--teachers, MOPD), each reading the student's token ids, so each passes the vocabulary check
+    field = "teachers" if args.teachers else "teacher_model_name_or_path"
+    teacher_paths = {name: model_path if args.self_distillation else resolve_model_path(path, field)
+                     for name, path in parse_teachers(args.teachers, args.teacher_model_name_or_path).items()}
+    vocab_sizes = set()
+    for name, path in teacher_paths.items():
+        where = f"{field} {name}" if args.teachers else field
+        check_same_vocabulary(tokenizer, load_tokenizer(path), where)
+        vocab_sizes.add(compared_vocab_size(AutoConfig.from_pretrained(model_path).vocab_size,  # padded embeddings:
+                                            AutoConfig.from_pretrained(path).vocab_size, len(tokenizer), where))
+    vocab_size = vocab_sizes.pop() if len(vocab_sizes) == 1 else len(tokenizer)  # the real tokens
     check_lora(args, model_path)  # --lora_* flags against the model, before anything is written
     # train / held-out / dev prompts and the grader (None with a reward model and no gold answers: no accuracy)
     train_data, eval_data, dev_data, reward_fn = load_prompt_task(args, tokenizer, rm_path)
+    # MOPD: each train row's teacher; the split's rows are checked as in the file, so an error names the file's row
+    if len(teacher_paths) > 1:
+        teacher_routes(data_utils.load_rows(args.dataset, args.train_split), args.teacher_column, list(teacher_paths),
+                       f"dataset {args.dataset!r} split {args.train_split!r}")
+    routes = teacher_routes(train_data.rows, args.teacher_column, list(teacher_paths), "the train split")
+    if args.teacher_context == "reference":  # the teacher's prompt: the student's with the gold answer in it
+        if train_data.rows and "answer" not in train_data.rows[0]:
+            raise ValueError("teacher_context: reference needs the gold answer column (--answer_key)")
+        teacher_prompt_ids = [data_utils.encode_prompt(tokenizer, teacher_prompt_text(
+            data_utils.format_prompt(row["prompt"], args.prompt_template), row["answer"], args.teacher_template),
+            args.chat_template) for row in train_data.rows]
     sampler = data_utils.PromptSampler(len(train_data.rows), args.seed)
     headline = "eval/accuracy" if reward_fn else "eval/reward"  # the held-out number printed at start and end
 
@@ -648,8 +749,9 @@ def main(args: Args) -> str:
     reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
     # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
     ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
-    # the teacher: frozen (eval mode, requires_grad False), outside the optimizer; ZeRO-3 partitions it
-    teacher = prepare_frozen(load_causal_lm(teacher_path, dtype), info, dtype)
+    # the teachers: frozen (eval mode, requires_grad False), outside the optimizer; ZeRO-3 partitions them
+    teachers = [prepare_frozen(load_causal_lm(path, dtype), info, dtype) for path in teacher_paths.values()]
+    teacher = teachers[0]  # the one teacher of --loss jsd / fkl_topk
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -723,10 +825,24 @@ def main(args: Args) -> str:
         # the teacher's (A_t), both log_softmax(logits / T) at the rollout temperature, and the reference's (KL term)
         mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
         sampler_logp = data_utils.sampler_logprobs([len(p) for p in prompts], [c.logprobs for c in comps], mask)
+        # (each teacher scores every row; row i keeps its own teacher's, routes[i], MOPD). With --teacher_context
+        # reference the teachers read [teacher prompt | the same completion tokens], moved onto the student's columns
         with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
             num_micro = args.local_batch_size // args.local_micro_batch_size
-            old_logp, teacher_logp, ref_logp = batch_logprobs([policy, teacher, ref_policy], input_ids, attn, resp,
-                                                              lengths, num_micro, args.micro_batching, args.temperature)
+            same_rows = args.teacher_context == "none"
+            old_logp, ref_logp, *teacher_logps = batch_logprobs(
+                [policy, ref_policy, *(teachers if same_rows else [])], input_ids, attn, resp, lengths, num_micro,
+                args.micro_batching, args.temperature)
+            if not same_rows:
+                t_prompts = [teacher_prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+                t_ids, t_attn, t_resp = data_utils.pad_batch(t_prompts, [c.token_ids for c in comps],
+                                                             tokenizer.pad_token_id, info.device)
+                teacher_logps = [align_completions(t, [len(p) for p in t_prompts], [len(p) for p in prompts],
+                                                   [len(c.token_ids) for c in comps], old_logp)
+                                 for t in batch_logprobs(teachers, t_ids, t_attn, t_resp, t_attn.sum(1).tolist(),
+                                                         num_micro, args.micro_batching, args.temperature)]
+            row_teacher = torch.tensor([routes[i] for i in local_idx for _ in range(args.num_generations)])
+            teacher_logp = select_teacher(teacher_logps, row_teacher.to(info.device))
 
         # 5. advantages per token: the teacher's A_t (or the control's -c) with --loss pg, plus reward_coef x the task
         # reward's advantage, computed on the global batch so that `batch` scaling uses every rank's rewards
@@ -834,6 +950,14 @@ def main(args: Args) -> str:
         local.update({"opd/teacher_kl": ((old_logp - teacher_logp) * mask).sum().item() / max(len(on), 1),
                       "opd/adv_mean": sum(on) / len(on), "opd/adv_abs_mean": sum(map(abs, on)) / len(on)})
         metrics = info.mean_over_ranks(local)
+        if len(teachers) > 1:  # MOPD: each teacher's share of the step's generated tokens and its reverse KL there
+            per = torch.stack([torch.stack([(mask * (row_teacher == k).to(mask)[:, None]).sum(),
+                                            ((old_logp - teacher_logp) * mask * (row_teacher == k).to(mask)[:, None])
+                                            .sum()]) for k in range(len(teachers))]).cpu()
+            per = info.all_reduce(per)
+            for k, name in enumerate(teacher_paths):
+                metrics[f"opd/teacher_token_frac/{name}"] = (per[k, 0] / per[:, 0].sum().clamp(min=1)).item()
+                metrics[f"opd/teacher_kl/{name}"] = (per[k, 1] / per[k, 0].clamp(min=1)).item()
         ext = info.gather_objects((min(on), max(on)))
         metrics.update({"opd/adv_min": min(e[0] for e in ext), "opd/adv_max": max(e[1] for e in ext)})
         metrics.update({"val/frac_reward_zero_std": zero_std_groups, **task_adv, "lr": scheduler.get_last_lr()[0],
