@@ -3,7 +3,7 @@ teacher is a frozen copy of the start model reading the row's gold answer in its
 training samples from the same start (builtin:tiny-sft), held-out accuracy against samples, 3 seeds. Rendered on
 docs/opd.md by render() below (registered in scripts/tools/docs_tables.py).
 
-    python scripts/experiments/bench_opd_self_distillation.py                  # seeds 1 2 3, 10,240 samples a run
+    python scripts/experiments/bench_opd_self_distillation.py                  # seeds 1 2 3, 5,120 samples a run
     python scripts/experiments/bench_opd_self_distillation.py --seeds 1 --total_episodes 2048 --eval_every 2
 
 Two arms, each seed k, every run the script with the flags shown and --seed k (scripts/experiments/bench_headline.py's
@@ -70,8 +70,8 @@ def render(d: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--total_episodes", type=int, default=10240, help="samples per run (20 steps of 512)")
-    p.add_argument("--eval_every", type=int, default=4, help="held-out evaluation every this many steps")
+    p.add_argument("--total_episodes", type=int, default=5120, help="samples per run (10 steps of 512)")
+    p.add_argument("--eval_every", type=int, default=2, help="held-out evaluation every this many steps")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "opd_self_distillation",
                    help="work directory")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "opd_self_distillation")
