@@ -10,7 +10,10 @@ verification"; --sft_coef 0 drops it). `--verifier cot` (GenRM-CoT): the target 
 then the verdict; on the built-in task the rationales are written by a program that knows the expected running sums
 (reference-guided grading, as the authors' data), one line per response line: "given expected Y|N". At score time K
 rationales are sampled (--num_rationales, --rationale_temperature) and r is the mean of their p(Yes); a rationale
-that never reaches I scores 0.
+that never reaches I scores 0. `--loss_type bce --sft_coef 0` is the paper's baseline, a discriminative verifier
+trained by a classification loss on the same labelled solutions: a scalar logit z = log p(Yes) - log p(No) (a linear
+head on the last hidden state, initialised from the two verdicts' output rows), BCE(sigmoid(z), label), and the
+score sigmoid(z) = p(Yes) / (p(Yes) + p(No)); its held-out p(Yes) metrics are that score.
 
 Delta from SFT (algorithms/sft.py, its base): the training set is built first, by sampling a policy on the training
 prompts and grading the samples (or read from --data_path); each step trains on a balanced verification batch plus an
@@ -22,6 +25,7 @@ algorithms/evaluate.py's --verifiers selects best-of-N with it.
 Launch:
     python algorithms/genrm.py                                 # CPU, built-in task, verifier of builtin:tiny-sft
     python algorithms/genrm.py --verifier cot                  # GenRM-CoT, programmatic rationales
+    python algorithms/genrm.py --loss_type bce --sft_coef 0    # the discriminative baseline on the same data
     python algorithms/grpo.py --reward_model_path runs/genrm/final     # RL with the verifier's p(Yes) as reward
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/genrm.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --chat_template --dataset openai/gsm8k:main \
@@ -128,6 +132,8 @@ class Args:
     """`paper`: 'Verification: Is the answer correct (Yes/No)?' ' Yes'/' No'; `short`: 'Correct? ' 'Y'/'N'; `auto`: paper if 1-token"""
     sft_coef: Annotated[float, Ge(0)] = 1.0
     """lambda: weight of the SFT loss on correct solutions (paper §3; 0: verification only)"""
+    loss_type: Literal["nll", "bce"] = "nll"
+    """`nll`: GenRM, the verdict's NLL; `bce`: the paper's discriminative baseline, BCE on log p(Yes) - log p(No)"""
     balance: bool = True
     """draw every verification batch half Yes, half No (else in proportion to the labels)"""
     local_num_prompts: Annotated[int, Ge(1)] = 512
@@ -229,6 +235,17 @@ def genrm_loss(logp_verify: torch.Tensor, mask_verify: torch.Tensor, logp_sft: t
     return loss, loss_verify.detach(), loss_sft.detach()
 
 
+def bce_loss(logp_yes: torch.Tensor, logp_no: torch.Tensor, labels: torch.Tensor,
+             num_examples: float) -> torch.Tensor:
+    """This micro-batch's share of the discriminative verifier's loss, mean over the optimizer step's num_examples:
+    binary cross-entropy of the label on the scalar logit z = log p(Yes) - log p(No) (a linear head on the last
+    hidden state whose weight is the difference of the two verdicts' output rows), sigmoid(z) = p(Yes) / (p(Yes) +
+    p(No)). logp_*: [B] summed log-probabilities of each verdict; labels [B] in {0, 1}."""
+    z = logp_yes - logp_no
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(z, labels.float(), reduction="sum")
+    return loss / max(num_examples, 1.0)
+
+
 def auroc(scores: list[float], labels: list[int]) -> float:
     """Area under the ROC curve: the probability that a random correct solution scores above a random incorrect one
     (ties count one half); NaN when one class is absent."""
@@ -295,8 +312,12 @@ def main(args: Args) -> str:
     policy_path = resolve_model_path(args.policy_name_or_path or args.model_name_or_path, "policy_name_or_path")
     tokenizer = load_tokenizer(model_path)
     fmt = verdict_strings(tokenizer, args.verdict_format)
+    verdict_ids = (text_ids(tokenizer, fmt["no"]), text_ids(tokenizer, fmt["yes"]))  # indexed by the label
     builtin_cot = args.verifier == "cot" and task.is_builtin(args.dataset) and not args.data_path
     labelled = read_labelled(args.data_path) if args.data_path else None
+    if args.loss_type == "bce" and args.verifier == "cot":
+        raise ValueError("loss_type: bce (a discriminative verifier) scores the verdict right after the question; "
+                         "use it with --verifier direct")
     if args.verifier == "cot" and not builtin_cot and not all(r.get("rationale") for r in labelled or [{}]):
         raise ValueError("verifier: cot needs rationales: the built-in task writes them, a --data_path file gives "
                          "each row a 'rationale'")
@@ -414,7 +435,8 @@ def main(args: Args) -> str:
                        "genrm_no": fmt["no"], "genrm_cot_prompt": fmt["cot_prompt"],
                        "genrm_num_rationales": args.num_rationales if args.verifier == "cot" else 1,
                        "genrm_temperature": args.rationale_temperature,
-                       "genrm_max_rationale_tokens": args.max_rationale_tokens, "genrm_seed": args.seed}
+                       "genrm_max_rationale_tokens": args.max_rationale_tokens, "genrm_seed": args.seed,
+                       "genrm_loss_type": args.loss_type}
     verifier = GenerativeVerifier(model, tokenizer, SimpleNamespace(**verifier_config), info.zero_stage)
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, "dev" in held_out)
 
@@ -432,7 +454,7 @@ def main(args: Args) -> str:
                                                       out["no_verdict"].tolist()))), [])
             order = sum(info.gather_objects(mine), [])  # the same order as `scores`
             labels = [s["label"] for s in order]
-            p_yes = [x[0] for x in scores]
+            p_yes = [x[0] if args.loss_type == "nll" else x[0] / max(x[0] + x[1], 1e-30) for x in scores]  # the score
             mean = lambda v: sum(v) / max(len(v), 1)  # noqa: E731
             metrics |= {f"{prefix}/auroc": auroc(p_yes, labels),
                         f"{prefix}/p_yes_correct": mean([p for p, y in zip(p_yes, labels) if y]),
@@ -493,15 +515,26 @@ def main(args: Args) -> str:
             for m in range(args.gradient_accumulation_steps):
                 sl = slice(m * args.local_micro_batch_size, (m + 1) * args.local_micro_batch_size)
                 micro, sft_micro = batch[sl], sft_batch[sl]
-                # 2. one forward over both sub-batches: position t predicts token t+1, targets only
-                contexts = [c for c, _, _ in micro] + [p for p, _ in sft_micro]
-                targets = [t for _, t, _ in micro] + [r for _, r in sft_micro]
+                # 2. one forward over both sub-batches: position t predicts token t+1, targets only (bce: every
+                # verification context twice, with the Yes and with the No verdict as its target)
+                verify = [(c, t) for c, t, _ in micro] if args.loss_type == "nll" else \
+                    [(c, verdict_ids[1]) for c, _, _ in micro] + [(c, verdict_ids[0]) for c, _, _ in micro]
+                contexts = [c for c, _ in verify] + [p for p, _ in sft_micro]
+                targets = [t for _, t in verify] + [r for _, r in sft_micro]
                 input_ids, attn, resp = data_utils.pad_batch(contexts, targets, tokenizer.pad_token_id, info.device)
                 logp, _ = forward_logprobs(model, input_ids, attn, resp, 1.0)
                 mask = resp[:, 1:].float()
-                v = len(micro)
-                loss, loss_v, loss_s = genrm_loss(logp[:v], mask[:v], logp[v:], mask[v:], args.sft_coef,
-                                                  counts[0].item(), counts[1].item())
+                v = len(verify)
+                if args.loss_type == "nll":
+                    loss, loss_v, loss_s = genrm_loss(logp[:v], mask[:v], logp[v:], mask[v:], args.sft_coef,
+                                                      counts[0].item(), counts[1].item())
+                else:  # the verdict term is the classifier's BCE; the SFT term is genrm_loss's
+                    seq = (logp[:v] * mask[:v]).sum(1)  # log p(verdict) of each (context, verdict)
+                    loss_v = bce_loss(seq[: v // 2], seq[v // 2 :], torch.tensor([y for _, _, y in micro]),
+                                      args.local_batch_size)
+                    loss_sft = -(logp[v:] * mask[v:]).sum() / max(counts[1].item(), 1.0)
+                    loss = loss_v + args.sft_coef * loss_sft if args.sft_coef > 0 else loss_v
+                    loss_v, loss_s = loss_v.detach(), loss_sft.detach()
                 guard.backward(model, loss)
                 grad_norm = guard.step(model)  # a non-finite loss or gradient skips the step (counted)
                 stats += torch.tensor([loss.item(), loss_v.item(), loss_s.item()], dtype=torch.float64)
