@@ -251,9 +251,9 @@ def main() -> None:
                        "prompt_balanced": {"rows": len(balanced), "correct": sum(r["label"] for r in balanced),
                                            "prompts": len({r["prompt"] for r in balanced})}},
               "references": reference_metrics(prompts, a.k, summary), "runs": {}}
-    for name in a.arms:
-        which, flags = ARMS[name]
-        for seed in a.seeds:
+    for seed in a.seeds:  # seed-major: every arm of a seed, then the next seed (work_dir/partial.json after each)
+        for name in a.arms:
+            which, flags = ARMS[name]
             out = work / f"{name}_{seed}"
             if not (out / "final" / "config.json").exists():
                 run_child(["algorithms/genrm.py", "--model_name_or_path", a.policy, "--data_path", str(data[which]),
@@ -265,6 +265,7 @@ def main() -> None:
             m["train_minutes"] = max(r.get("time", 0.0) for r in logged) / 60
             result["runs"].setdefault(name, {})[str(seed)] = m
             print(f"{name} seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()), flush=True)
+        (work / "partial.json").write_text(json.dumps(result, indent=2, default=str))
     result["minutes"] = (time.time() - t0) / 60
     path = write_result("genrm_fair", result, Path(a.out_dir) if a.out_dir else None, latest=a.out_dir is None)
     print(f"wrote {path}")
