@@ -153,3 +153,18 @@ def test_grpo_runs_two_steps_with_the_flag(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum("val/sampler_kl" in r for r in rows) == 2
+
+
+def test_bench_render_names_both_arms_and_the_command():
+    sys.path.insert(0, str(ROOT / "scripts" / "experiments"))
+    from bench_fp32_lm_head import render
+
+    s = lambda v: {"mean": v, "min": v, "max": v, "n": 1}  # noqa: E731
+    arm = lambda kl: {k: s(v) for k, v in {"val/sampler_kl": kl, "val/sampler_logprob_diff": 0.01,  # noqa: E731
+                                          "val/tis_ratio_p99": 1.05, "start": 0.5, "final": 0.6, "time/train": 5.0,
+                                          "time/generate": 1.0}.items()} | {"seeds": {"1": {}}}
+    d = {"arms": {"off": arm(2e-4), "on": arm(1e-4)}, "sampler_kl_on_over_off": {"1": 0.5}, "steps": 10,
+         "command": "python scripts/experiments/bench_fp32_lm_head.py", "env": {"device": "CPU x", "vllm": "0.32.0"}}
+    text = render(d)
+    assert "| off | 0.0002 (0.0002-0.0002)" in text and "| on | 0.0001" in text and "(1): 0.50" in text
+    assert "`python scripts/experiments/bench_fp32_lm_head.py`" in text
