@@ -211,7 +211,7 @@ def test_killed_workers_trial_is_marked_failed_and_retried(tmp_path, fake):
     assert trials[0].state.name == "FAIL"
     retry = trials[1]
     assert retry.state.name == "COMPLETE" and retry.params == trials[0].params
-    assert optuna.storages.RetryFailedTrialCallback.retried_trial_number(retry) == 0
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == 0
     assert len(trials) == 3  # the retry replaces the killed trial in the --n_trials budget
 
 

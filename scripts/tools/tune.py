@@ -317,7 +317,7 @@ def make_study(args: Args):
     import numpy as np
     import optuna
     import sqlalchemy
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     url = args.storage or f"sqlite:///{Path(args.study_dir).resolve() / 'study.db'}"
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}  # workers wait for SQLite's lock
@@ -326,10 +326,9 @@ def make_study(args: Args):
               "none": optuna.pruners.NopPruner}[args.pruner]()
     for attempt in range(5):  # workers started at once race to create the schema: the loser tries again
         try:
+            retry = RetryHeartbeatStaleTrialCallback(max_retry=args.max_retry) if args.max_retry else None
             storage = RDBStorage(url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_interval,
-                                 grace_period=args.grace_period,
-                                 failed_trial_callback=RetryFailedTrialCallback(max_retry=args.max_retry)
-                                 if args.max_retry else None)
+                                 grace_period=args.grace_period, heartbeat_stale_trial_callback=retry)
             study = optuna.create_study(storage=storage, pruner=pruner, study_name=args.study_name,
                                         direction=args.direction, load_if_exists=True)
             break
@@ -347,11 +346,11 @@ def make_study(args: Args):
 
 def trials_used(study) -> int:
     """Trials that count against --n_trials: finished, pruned, failed or running, a retried trial counted once."""
-    from optuna.storages import RetryFailedTrialCallback
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
-    retried = {RetryFailedTrialCallback.retried_trial_number(t) for t in trials} - {None}
+    retried = {RetryHeartbeatStaleTrialCallback.retried_trial_number(t) for t in trials} - {None}
     return sum(t.state != TrialState.WAITING and t.number not in retried for t in trials)
 
 
