@@ -21,12 +21,18 @@ in chunks) or fkl_topk (forward KL on the teacher's --topk tokens, --topk_tail),
 reward's advantage, by grpo.py's --advantage_estimator), --control_adv c (A_it = -c on every generated token: the
 fixed-negative-advantage control, no teacher signal). grpo.py's other flags work as there: --policy_loss (CISPO, DPPO,
 SAPO) on the teacher advantage, --beta and --kl_estimator (KL to the frozen start model; 0: not loaded), GSPO, TIS,
-LoRA, and DeepSeek-V3.2's --off_policy_mask_threshold and --use_bias_correction_kl.
+LoRA, and DeepSeek-V3.2's --off_policy_mask_threshold and --use_bias_correction_kl. Which teacher scores which row:
+--teachers name=path ... (MOPD: several frozen teachers, each vocabulary-checked; each row's --teacher_column picks
+one; A_it uses row i's teacher), --self_distillation (the teacher is a frozen copy of the start model) and
+--teacher_context reference (the teacher reads --teacher_template, the row's gold answer in it, in place of the
+student's prompt; its log-probs are taken on the student's own completion tokens; the student never sees the answer).
 
 Launch:
     python algorithms/opd.py                                   # CPU, built-in task, tiny-sft from tiny-grpo
     python algorithms/opd.py --control_adv 0.3                 # the fixed-negative-advantage control
     python algorithms/opd.py --loss jsd --jsd_beta 0.5         # GKD: generalised JSD on the student's samples
+    python algorithms/opd.py --self_distillation --teacher_context reference   # OPSD: the start model, answer in view
+    python algorithms/opd.py --dataset mix.jsonl --teachers math=org/math-7b code=org/code-7b   # MOPD by `teacher_id`
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/opd.py   # several processes
     accelerate launch --config_file scripts/accelerate/zero3.yaml algorithms/opd.py \
         --model_name_or_path Qwen/Qwen3-0.6B --teacher_model_name_or_path Qwen/Qwen3-8B --chat_template \
