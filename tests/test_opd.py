@@ -227,7 +227,8 @@ def test_every_log_prob_in_the_script_is_taken_at_the_rollout_temperature():
     src = (ROOT / "algorithms" / "opd.py").read_text()
     calls = re.findall(r"(?:batch_logprobs|micro_batch_logprobs|distribution_losses)\((?:[^()]|\([^()]*\))*\)", src)
     calls = [c for c in calls if "policy, teacher, input_ids: torch.Tensor" not in c]  # the definition's signature
-    assert len(calls) == 3 and all("args.temperature" in c for c in calls), calls
+    # the pre-update forwards (the student's rows; the teachers' own rows with --teacher_context), training, jsd
+    assert len(calls) == 4 and all("args.temperature" in c for c in calls), calls
 
 
 def test_vocabulary_guard_names_the_first_difference(tmp_path):
