@@ -3,6 +3,7 @@
 
     python scripts/experiments/bench_fp32_lm_head.py                        # seeds 1 2 3, 10 steps a run (~20 min on 2 cores)
     python scripts/experiments/bench_fp32_lm_head.py --seeds 1 --steps 3    # a smoke run
+    python scripts/experiments/bench_fp32_lm_head.py --real_model 4         # SmolLM2-135M (vocabulary 49,152), seed 1
 
 The scripts train in fp32 on CPU (bf16 on GPU: shared/distributed.py default_dtype), where the flag computes exactly
 what the layer did; so each run here is grpo.py with default_dtype replaced by bf16 in its own process (`--child`):
@@ -12,6 +13,10 @@ batch, held-out accuracy at the start and the end. Reported per arm: the mismatc
 steps (val/sampler_kl, val/sampler_logprob_diff, val/tis_ratio_p99), per seed and mean (min-max) over seeds, the
 ratio on / off of val/sampler_kl per seed, the accuracy, and the mean seconds of a step's training and generation
 (on a machine shared with other jobs: indicative only).
+
+`--real_model STEPS` runs instead grpo.py on builtin:smollm2-135m (the chat model shipped offline, a vocabulary of
+49,152 where the tiny model has 100) with scripts/experiments/bench_real_model_grpo.py's task and settings (a short
+evaluation: 20 prompts, 1 sample), both arms, seed 1, STEPS steps, in bf16 likewise; the diagnostics step by step.
 
 Writes docs/bench/fp32_lm_head/<device>_<time>.json (`--results`); `render(d)` gives its markdown table.
 """
@@ -36,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=10, help="training steps a run (grpo.py's batch: 64 prompts x 8)")
     p.add_argument("--eval_num_prompts", type=int, default=100, help="held-out prompts at the start and the end")
+    p.add_argument("--real_model", type=int, default=0, metavar="STEPS",
+                   help="instead: grpo.py on builtin:smollm2-135m for STEPS steps, both arms, seed 1")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "fp32_lm_head", help="work directory")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "fp32_lm_head",
                    help="JSON summary directory")
@@ -79,6 +86,32 @@ def run_one(a, arm: str, seed: int) -> dict:
     return r
 
 
+def real_model(a) -> dict:
+    """Both arms of grpo.py on SmolLM2-135M-Instruct (bench_real_model_grpo.py's task and settings, seed 1, a short
+    evaluation) in bf16, a.real_model steps each: {arm: {"command", "steps": [{step, diagnostics}], means}}."""
+    import bench_real_model_grpo as brm
+
+    dataset = brm.write_data(a.out / "real_model" / "data")
+    settings = argparse.Namespace(learning_rate=1e-5, total_episodes=128 * a.real_model, eval_every=0,
+                                  generator="vllm", stop_after_steps=0)
+    out = {}
+    for arm in ARMS:
+        run_dir = a.out / "real_model" / arm
+        argv = brm.grpo_args(settings, 1, dataset, run_dir)[1:]
+        for flag, value in (("--eval_num_prompts", "20"), ("--eval_num_samples", "1")):  # a short evaluation
+            argv[argv.index(flag) + 1] = value
+        argv += ["--no_save_model", *ARMS[arm]]
+        metrics = run_dir / "metrics.jsonl"
+        if not metrics.exists() or not any("time/total" in r for r in bc.read_jsonl(metrics)):
+            print(f"[bench_fp32_lm_head] real model, {arm}: grpo.py (bf16) {shlex.join(argv)}", flush=True)
+            bc.run_child([str(Path(__file__).resolve()), "--child", *argv], a.out / "real_model" / f"log_{arm}")
+        rows = [r for r in bc.read_jsonl(metrics) if "val/sampler_kl" in r]
+        out[arm] = {"command": "python algorithms/grpo.py " + shlex.join(argv),
+                    "steps": [{"step": r["step"], **{k: r[k] for k in DIAGNOSTICS if k in r}} for r in rows],
+                    **{k: sum(r[k] for r in rows) / len(rows) for k in DIAGNOSTICS}}
+    return out
+
+
 def spread(xs: list[float]) -> dict:
     return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -88,6 +121,18 @@ def main(argv=None) -> dict:
     env = bc.environment()
     print(f"[bench_fp32_lm_head] {env['device']}; ATen {env['aten_cpu_capability']}; load {env['loadavg_at_start']}",
           flush=True)
+    if a.real_model:
+        arms = real_model(a)
+        result = {"benchmark": "fp32_lm_head_real_model", "env": env,
+                  "command": bc.invocation(argv and [sys.argv[0], *argv]),
+                  "note": "grpo.py in bf16 on SmolLM2-135M-Instruct (default_dtype replaced in the child), with and "
+                          "without --fp32_lm_head, seed 1; diagnostics per step and their means",
+                  "steps": a.real_model, "arms": arms,
+                  "sampler_kl_on_over_off": arms["on"]["val/sampler_kl"] / arms["off"]["val/sampler_kl"]}
+        path = bc.write_result("fp32_lm_head", result, a.results, latest=False)
+        print(render(result))
+        print(f"wrote {path}")
+        return result
     runs = {arm: {} for arm in ARMS}
     for i, seed in enumerate(a.seeds):
         for arm in bc.alternating_order(list(ARMS), i):
@@ -111,7 +156,24 @@ def main(argv=None) -> dict:
 
 
 def render(d: dict) -> str:
-    """The markdown table of one stored summary: per arm, mean (min-max) over seeds, and the command."""
+    """The markdown table of one stored summary: per arm, mean (min-max) over seeds, and the command (a
+    --real_model summary: per arm, each step's val/sampler_kl and the means)."""
+    env = d["env"]
+    if d.get("benchmark") == "fp32_lm_head_real_model":
+        steps = [s["step"] for s in d["arms"]["off"]["steps"]]
+        lines = ["| --fp32_lm_head | val/sampler_kl at steps " + ", ".join(map(str, steps)) + " | mean val/sampler_kl "
+                 "| mean val/sampler_logprob_diff | mean val/tis_ratio_p99 |", "| --- | --- | --- | --- | --- |"]
+        for arm, r in d["arms"].items():
+            kls = ", ".join(f"{s['val/sampler_kl']:.3g}" for s in r["steps"])
+            lines.append(f"| {arm} | {kls} | "
+                         f"{r['val/sampler_kl']:.3g} | {r['val/sampler_logprob_diff']:.3g} | "
+                         f"{r['val/tis_ratio_p99']:.4g} |")
+        lines += ["", f"val/sampler_kl on / off: {d['sampler_kl_on_over_off']:.2f}. grpo.py in bf16 on "
+                  f"builtin:smollm2-135m, seed 1, {d['steps']} steps, vLLM {env.get('vllm')} on {env['device']} "
+                  f"(ATen {env.get('aten_cpu_capability')}), commit {env.get('git_commit')}. Command: `"
+                  + d["command"] + "`"]
+        return "\n".join(lines)
+
     def cell(s: dict, digits: int = 3) -> str:
         return f"{s['mean']:.{digits}g} ({s['min']:.{digits}g}-{s['max']:.{digits}g})"
 
@@ -124,7 +186,6 @@ def render(d: dict) -> str:
                      f"{cell(r['val/tis_ratio_p99'], 4)} | {r['start']['mean']:.3f} -> {r['final']['mean']:.3f} | "
                      f"{r['time/train']['mean']:.1f} | {r['time/generate']['mean']:.1f} |")
     ratios = ", ".join(f"{d['sampler_kl_on_over_off'][s]:.2f}" for s in seeds)
-    env = d["env"]
     lines += ["", f"val/sampler_kl on / off per seed ({', '.join(seeds)}): {ratios}. grpo.py in bf16 (the GPU's dtype; "
               f"the scripts use fp32 on CPU), {d['steps']} steps a run from builtin:tiny-sft, vLLM "
               f"{env.get('vllm')} on {env['device']} (ATen {env.get('aten_cpu_capability')}), commit "
