@@ -9,7 +9,6 @@ tests/resume_runs.py)."""
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,13 +17,11 @@ import pytest
 import torch
 
 from shared.logprobs import forward_logprobs
-from conftest import assert_clean_exit
 from shared import data
 from shared.distributed import DistInfo, full_named_parameters
 from shared.generation import HFGenerator
 from shared.lora import adapters_disabled, add_lora, check_lora, merged_named_parameters
 
-ROOT = Path(__file__).resolve().parents[1]
 INFO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), zero_stage=0, ds_base_config={})
 LORA = SimpleNamespace(lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules="all-linear")
 PROMPTS = ["3+4+5+1=", "9+9+2+7=", "1+2+3+4=", "8+0+6+5="]
@@ -249,43 +246,100 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(sft_path, 
     assert len(state["optimizer"]["state"]) == len(trainable)  # Adam moments of the adapters, nothing else
 
 
-def run_script(script: str, out: Path, *flags: str, timeout: int = 900) -> list[dict]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, f"algorithms/{script}.py", "--output_dir", str(out), *flags], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
+def rows_of(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 SMALL_RL = ["--local_num_prompts", "4", "--local_micro_batch_size", "8", "--max_new_tokens", "8",
             "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "0", "--dev_num_prompts", "8",
             "--generator", "hf", "--lora_r", "4"]
+EVERY_SCRIPT = {
+    "ppo": [*SMALL_RL, "--total_episodes", "32", "--num_generations", "4", "--beta", "0.05"],
+    "vineppo": [*SMALL_RL, "--total_episodes", "32", "--num_generations", "4", "--num_mc_rollouts", "2",
+                "--beta", "0.05"],
+    "dpo": ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_prompts", "8",
+            "--eval_num_pairs", "16", "--dev_num_prompts", "8", "--generator", "hf", "--lora_r", "4",
+            "--no_precompute_ref_logps"],
+    "rm": ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_pairs", "16",
+           "--dev_num_prompts", "8", "--lora_r", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory):
+    """The single-process script runs of this file, one after another in one Python process (tests/test_e2e.py
+    run_batch: each as `python algorithms/<script>.py ...` runs it, with its own log and exit status), so the
+    libraries are imported once. name -> (result, output_dir)."""
+    from tests.test_e2e import run_batch
+
+    base = tmp_path_factory.mktemp("lora_runs")
+    reward = base / "reward.py"
+    reward.write_text("def starts_with_one(prompts, completions, **kw):\n"
+                      "    return [float(c.startswith('1')) for c in completions]\n")
+    plan = {
+        **{script: [f"algorithms/{script}.py", "--output_dir", str(base / script), *flags]
+           for script, flags in EVERY_SCRIPT.items()},
+        # GRPO with LoRA (rank 16, lr 1e-3) from builtin:tiny-sft: test_lora_grpo_learns_a_simple_reward
+        "grpo_learns": ["algorithms/grpo.py", "--output_dir", str(base / "grpo_learns"), "--reward_fn",
+                        f"{reward}:starts_with_one", "--total_episodes", "1280", "--local_num_prompts", "16",
+                        "--local_micro_batch_size", "64", "--eval_every", "0", "--eval_num_prompts", "16",
+                        "--dev_num_prompts", "0", "--best_metric", "", "--no_save_model", "--lora_r", "16",
+                        "--learning_rate", "1e-3"],
+        # --lora_sync adapter, 2 steps on builtin:tiny: test_grpo_with_adapter_sync_serves_the_trained_policy
+        "grpo_adapter_sync": ["algorithms/grpo.py", "--output_dir", str(base / "grpo_adapter_sync"),
+                              "--model_name_or_path", "builtin:tiny", "--dev_num_prompts", "8", "--total_episodes",
+                              "32", "--local_num_prompts", "4", "--num_generations", "4", "--local_micro_batch_size",
+                              "8", "--eval_num_prompts", "8", "--eval_num_samples", "2", "--eval_every", "0",
+                              "--lora_r", "8", "--lora_sync", "adapter", "--learning_rate", "1e-3"],
+    }
+    results = run_batch(plan, base / "batch")
+    return {name: (results[name], base / name) for name in plan}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The 2-process runs of this file (`accelerate launch`, 2 CPU processes), one after another in one pair of
+    processes (tests/test_e2e.py run_batch with a launcher; each run under its own ZeRO stage and process group):
+    grpo.py with LoRA and vLLM under ZeRO-2 and ZeRO-3, and tests/resume_runs.py's LoRA cases under ZeRO-2."""
+    from tests.test_e2e import run_batch
+
+    base = tmp_path_factory.mktemp("lora_two")
+    grpo = lambda stage: ["algorithms/grpo.py", "--output_dir", str(base / f"grpo_zero{stage}"),  # noqa: E731
+                          "--lora_r", "8", "--learning_rate", "1e-3", "--beta", "0.05", "--total_episodes", "256",
+                          "--local_num_prompts", "8", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
+                          "--eval_every", "0", "--dev_num_prompts", "8"]
+    plan = {"grpo_zero2": grpo(2), "grpo_zero3": grpo(3),
+            "resume_zero2": ["tests/resume_runs.py", str(base / "resume_zero2"), "grpo_lora@zero2", "sft_lora@zero2"]}
+    stages = {"grpo_zero2": "2", "grpo_zero3": "3", "resume_zero2": "2"}
+    results = run_batch(plan, base / "batch", ranks=2, run_env={n: {"ACCELERATE_DEEPSPEED_ZERO_STAGE": stages[n]}
+                                                                  for n in plan},
+                        launcher=(sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                  "scripts/accelerate/zero2.yaml"))
+    return {name: (results[name], base / name) for name in plan}
+
+
+def finished(runs: dict, name: str) -> Path:
+    from tests.test_e2e import check_batch_run
+
+    result, out = runs[name]
+    check_batch_run(result)  # exit status 0 on every rank, a clean exit
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, flags", [
-    ("ppo", [*SMALL_RL, "--total_episodes", "32", "--num_generations", "4", "--beta", "0.05"]),
-    ("vineppo", [*SMALL_RL, "--total_episodes", "32", "--num_generations", "4", "--num_mc_rollouts", "2",
-                 "--beta", "0.05"]),
-    ("dpo", ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_prompts", "8",
-             "--eval_num_pairs", "16", "--dev_num_prompts", "8", "--generator", "hf", "--lora_r", "4",
-             "--no_precompute_ref_logps"]),
-    ("rm", ["--total_episodes", "64", "--local_micro_batch_size", "16", "--eval_num_pairs", "16",
-            "--dev_num_prompts", "8", "--lora_r", "4"]),
-])
-def test_every_script_runs_with_lora_and_exports_adapter_and_merged_model(tmp_path, script, flags):
+@pytest.mark.parametrize("script", list(EVERY_SCRIPT))
+def test_every_script_runs_with_lora_and_exports_adapter_and_merged_model(script_runs, script):
     """Two steps of each remaining script with LoRA (the KL reference, DPO's reference log-probs: the base with
     adapters disabled; ppo's critic and rm.py: adapters plus a fully trained head): final/ loads with transformers,
     final/adapter with peft."""
     from peft import PeftConfig
 
-    rows = run_script(script, tmp_path / script, *flags)
+    out = finished(script_runs, script)
+    rows = rows_of(out)
     assert rows and all(torch.isfinite(torch.tensor(v)) for r in rows for v in r.values() if isinstance(v, float))
     exports = ["final", "critic"] if script == "ppo" else ["final"]
     for sub in exports:
-        path = tmp_path / script / sub
+        path = out / sub
         assert (path / "model.safetensors").exists() and (path / "config.json").exists()
         config = PeftConfig.from_pretrained(path / "adapter")
         assert config.r == 4
@@ -296,42 +350,30 @@ def test_every_script_runs_with_lora_and_exports_adapter_and_merged_model(tmp_pa
 
         from shared.scalar import load_scalar_model
 
-        merged = load_scalar_model(str(tmp_path / script / "final"), torch.float32)
-        adapter = load_file(tmp_path / script / "final" / "adapter" / "adapter_model.safetensors")
+        merged = load_scalar_model(str(out / "final"), torch.float32)
+        adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
         head = next(v for k, v in adapter.items() if "score" in k)
         assert torch.equal(merged.score.weight, head) and merged.config.reward_std is not None
 
 
 @pytest.mark.slow
-def test_lora_grpo_learns_a_simple_reward(tmp_path):
+def test_lora_grpo_learns_a_simple_reward(script_runs):
     """GRPO with LoRA (rank 16, lr 1e-3: 10x the full fine-tuning default) from builtin:tiny-sft raises a clean reward
     (the completion starts with '1') within 10 steps; unchanged weights keep the score where it starts. Measured here
     (AMD EPYC, 1 thread): 0.45, 0.67, 0.49 over the first three steps, above 0.9 from step 6. Held-out accuracy on the
     built-in task with LoRA against full fine-tuning: docs/lora.md's benchmark."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("def starts_with_one(prompts, completions, **kw):\n"
-                      "    return [float(c.startswith('1')) for c in completions]\n")
-    lora = run_script("grpo", tmp_path / "lora", "--reward_fn", f"{reward}:starts_with_one", "--total_episodes", "1280",
-                      "--local_num_prompts", "16", "--local_micro_batch_size", "64", "--eval_every", "0",
-                      "--eval_num_prompts", "16", "--dev_num_prompts", "0", "--best_metric", "", "--no_save_model",
-                      "--lora_r", "16", "--learning_rate", "1e-3")
+    lora = rows_of(finished(script_runs, "grpo_learns"))
     scores = [r["objective/scores"] for r in lora if "objective/scores" in r]
     assert len(scores) == 10 and sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.2, scores
 
 
 @pytest.mark.slow
-def test_lora_resumes_exactly_with_two_processes_under_zero2(tmp_path):
+def test_lora_resumes_exactly_with_two_processes_under_zero2(two_process_runs):
     """tests/resume_runs.py with 2 processes under ZeRO-2 (partitioned adapter optimizer state): grpo with LoRA (the KL
     reference through the disabled adapters) and sft with LoRA: straight == stopped + resumed, identical weights on
     both ranks."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           "scripts/accelerate/zero2.yaml", "tests/resume_runs.py", str(tmp_path), "grpo_lora@zero2",
-                           "sft_lora@zero2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
-    results = json.loads((tmp_path / "results.json").read_text())
+    out = finished(two_process_runs, "resume_zero2")
+    results = json.loads((out / "results.json").read_text())
     for case, r in results.items():
         assert r["rows_equal"], (case, r["first_diff"])
         assert r["weights_equal"] and r["adapter"] and r["finished"] and r["rows_at_stop"] < r["n_rows"][1], case
@@ -341,25 +383,16 @@ def test_lora_resumes_exactly_with_two_processes_under_zero2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lora_grpo_with_vllm_two_processes(tmp_path, stage):
+def test_lora_grpo_with_vllm_two_processes(two_process_runs, stage):
     """Each rank's vLLM engine receives the merged weights: its greedy completions equal the trained model's at the
     end (check/engine_greedy_match), and the ranks agree on the weights. Under ZeRO-3 the frozen output layer is
     gathered per log-prob chunk by shared.distributed.output_head (before it, the run stopped with torch's
     CheckpointError in the first backward pass); the adapters train (the policy moves off the start)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           f"scripts/accelerate/zero{stage}.yaml", "algorithms/grpo.py", "--output_dir", str(tmp_path),
-                           "--lora_r", "8", "--learning_rate", "1e-3", "--beta", "0.05", "--total_episodes", "256",
-                           "--local_num_prompts", "8", "--local_micro_batch_size", "32", "--eval_num_prompts", "16",
-                           "--eval_every", "0", "--dev_num_prompts", "8"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert_clean_exit(proc.stdout + proc.stderr, " ".join(proc.args))
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    out = finished(two_process_runs, f"grpo_zero{stage}")
+    steps = rows_of(out)
+    last = steps[-1]
     assert last["check/engine_greedy_match"] == 1.0 and last["check/ranks_identical_weights"] == 1.0
-    assert last["check/world_size"] == 2.0 and (tmp_path / "final" / "adapter" / "adapter_config.json").exists()
-    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert last["check/world_size"] == 2.0 and (out / "final" / "adapter" / "adapter_config.json").exists()
     assert any(r.get("policy/approxkl_avg", 0) > 0 for r in steps)  # the adapters trained
 
 
@@ -472,16 +505,14 @@ def test_adapter_sync_accepts_what_vllm_serves(sft_path, qwen2_path):
 
 
 @pytest.mark.slow
-def test_grpo_with_adapter_sync_serves_the_trained_policy(tmp_path):
+def test_grpo_with_adapter_sync_serves_the_trained_policy(script_runs):
     """Two steps of grpo.py with `--lora_sync adapter` on the built-in tiny model: the engine, given only the adapter
     after each update, ends with the trained model's greedy completions (check/engine_greedy_match)."""
-    rows = run_script("grpo", tmp_path / "grpo", "--model_name_or_path", "builtin:tiny", "--dev_num_prompts", "8",
-                      "--total_episodes", "32", "--local_num_prompts", "4", "--num_generations", "4",
-                      "--local_micro_batch_size", "8", "--eval_num_prompts", "8", "--eval_num_samples", "2",
-                      "--eval_every", "0", "--lora_r", "8", "--lora_sync", "adapter", "--learning_rate", "1e-3")
+    out = finished(script_runs, "grpo_adapter_sync")
+    rows = rows_of(out)
     steps = [r for r in rows if "time/sync" in r]
     assert len(steps) == 2 and rows[-1]["check/engine_greedy_match"] == 1.0
-    assert (tmp_path / "grpo" / "final" / "adapter" / "adapter_config.json").exists()
+    assert (out / "final" / "adapter" / "adapter_config.json").exists()
 
 
 def test_an_adapter_on_a_tied_output_layer_is_a_start_up_error():
