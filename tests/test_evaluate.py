@@ -306,55 +306,94 @@ def test_resuming_with_other_settings_is_an_error_that_changes_nothing(tmp_path,
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+VLLM_RESUME = ["--eval_num_prompts", "10", "--chunk_size", "3"]
+RANKS = {g: ["--generator", g, "--eval_num_prompts", "70", "--num_samples", "2", "--k", "1", "2", "--chunk_size", "16"]
+         for g in ("hf", "vllm")}
+
+
+def grpo_then_evaluate(work: Path, generator: str) -> dict[str, list[str]]:
+    """grpo.py's run (70 held-out prompts: two HF chunks), then evaluate.py on its final checkpoint, same settings."""
+    run = work / f"grpo_{generator}"
+    return {f"grpo_{generator}": ["algorithms/grpo.py", "--output_dir", str(run), "--generator", generator,
+                                  "--total_episodes", "64", "--local_num_prompts", "4", "--num_generations", "4",
+                                  "--local_micro_batch_size", "8", "--eval_num_prompts", "70", "--eval_num_samples",
+                                  "4", "--eval_every", "0", "--dev_num_prompts", "8", "--sample_every", "0",
+                                  "--save_every", "0", "--seed", "3"],
+            f"grpo_eval_{generator}": ["algorithms/evaluate.py", "--output_dir", str(work / f"grpo_eval_{generator}"),
+                                       "--model_name_or_path", str(run / "final"), "--generator", generator,
+                                       "--eval_num_prompts", "70", "--num_samples", "4", "--temperature", "1.0", "--k",
+                                       "4", "--seed", "3"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The end-to-end command lines of the slow tests below, one after another in one Python process
+    (tests/test_e2e.py run_batch: each as `python algorithms/<script>.py ...` runs it, with its own log and exit
+    status; the resumed runs after the ones they resume), then the 2-process ones in one `accelerate launch` pair;
+    name -> (result, output_dir)."""
+    from tests.test_e2e import run_batch
+
+    work = tmp_path_factory.mktemp("evaluate_runs")
+    # the stopped run's files, copied before the resumed run finishes them
+    (work / "snapshot.py").write_text("import shutil, sys\nshutil.copytree(sys.argv[1], sys.argv[2])\n")
+    ev = lambda name, *flags: ["algorithms/evaluate.py", "--output_dir", str(work / name), *flags]  # noqa: E731
+    plan = {"vllm_straight": ev("vllm_straight", *VLLM_RESUME),
+            "vllm_stopped": ev("vllm_resumed", *VLLM_RESUME, "--stop_after_prompts", "4"),
+            "vllm_snapshot": [str(work / "snapshot.py"), str(work / "vllm_resumed"), str(work / "vllm_stopped")],
+            "vllm_resumed": ev("vllm_resumed", *VLLM_RESUME),
+            **{f"one_{g}": ev(f"one_{g}", *flags) for g, flags in RANKS.items()},
+            **grpo_then_evaluate(work, "vllm"), **grpo_then_evaluate(work, "hf")}
+    results = run_batch(plan, work / "batch")
+    two = {f"two_{g}": ev(f"two_{g}", *flags) for g, flags in RANKS.items()}
+    results.update(run_batch(two, work / "batch_two", ranks=2, launcher=(
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero0.yaml")))
+    return {name: (results[name], work / name) for name in {**plan, **two}}
+
+
+def finished(runs: dict, name: str) -> tuple[Path, str]:
+    from tests.test_e2e import check_batch_run
+
+    result, out = runs[name]
+    return out, check_batch_run(result)  # exit status 0 (every rank), a clean exit; the run's output
+
+
 @pytest.mark.slow
-def test_evaluate_vllm_end_to_end_and_resume(tmp_path):
+def test_evaluate_vllm_end_to_end_and_resume(runs):
     """vLLM: an evaluation stopped after some prompts, then resumed, writes the files of an uninterrupted one."""
-    flags = ["--eval_num_prompts", "10", "--chunk_size", "3"]
-    evaluate(tmp_path / "straight", *flags)
-    check_outputs(tmp_path / "straight", 10, 4, [1, 4])
-    proc = evaluate(tmp_path / "resumed", *flags, "--stop_after_prompts", "4")
-    assert "stopped: 6 of 10 prompts done" in proc.stdout  # two calls of 3 prompts
-    assert len(read_jsonl(tmp_path / "resumed" / "completions.rank0.jsonl")) == 6
-    proc = evaluate(tmp_path / "resumed", *flags)
-    assert "4 to generate (6 done before)" in proc.stdout
+    straight, _ = finished(runs, "vllm_straight")
+    check_outputs(straight, 10, 4, [1, 4])
+    finished(runs, "vllm_snapshot")  # the stopped run's files copied to vllm_stopped/ before the resumed run
+    stopped, log = finished(runs, "vllm_stopped")
+    assert "stopped: 6 of 10 prompts done" in log  # two calls of 3 prompts
+    assert len(read_jsonl(stopped / "completions.rank0.jsonl")) == 6
+    resumed, log = finished(runs, "vllm_resumed")
+    assert "4 to generate (6 done before)" in log
     for name in ("completions.jsonl", "summary.json"):
-        a, b = ((d / name).read_text() for d in (tmp_path / "straight", tmp_path / "resumed"))
+        a, b = ((d / name).read_text() for d in (straight, resumed))
         assert a.replace("straight", "resumed") == b, name
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("generator", ["hf", "vllm"])
-def test_two_ranks_equal_one_rank(tmp_path, generator):
+def test_two_ranks_equal_one_rank(runs, generator):
     """accelerate launch, 2 CPU processes: each rank generates its share of the calls, rank 0 merges; the files are
     those of one process."""
-    flags = ["--generator", generator, "--eval_num_prompts", "70", "--num_samples", "2", "--k", "1", "2",
-             "--chunk_size", "16"]
-    evaluate(tmp_path / "one", *flags)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero0.yaml",
-           "algorithms/evaluate.py", "--output_dir", str(tmp_path / "two"), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert (tmp_path / "one" / "completions.jsonl").read_text() == (tmp_path / "two" / "completions.jsonl").read_text()
-    one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    one, _ = finished(runs, f"one_{generator}")
+    two, _ = finished(runs, f"two_{generator}")
+    assert (one / "completions.jsonl").read_text() == (two / "completions.jsonl").read_text()
+    one, two = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert one["metrics"] == two["metrics"] and one["ci"] == two["ci"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("generator", ["vllm", "hf"])
-def test_a_grpo_runs_last_held_out_numbers_equal_evaluate_on_its_final_checkpoint(tmp_path, generator):
+def test_a_grpo_runs_last_held_out_numbers_equal_evaluate_on_its_final_checkpoint(runs, generator):
     """The key property: grpo.py's final eval/accuracy and eval/pass@4 (70 held-out prompts: two HF chunks) equal
     evaluate.py's on output_dir/final with the same settings, exactly."""
-    run = tmp_path / "grpo"
-    cmd = [sys.executable, "algorithms/grpo.py", "--output_dir", str(run), "--generator", generator,
-           "--total_episodes", "64", "--local_num_prompts", "4", "--num_generations", "4",
-           "--local_micro_batch_size", "8", "--eval_num_prompts", "70", "--eval_num_samples", "4", "--eval_every", "0",
-           "--dev_num_prompts", "8", "--sample_every", "0", "--save_every", "0", "--seed", "3"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run, _ = finished(runs, f"grpo_{generator}")
     last = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r][-1]
-    evaluate(tmp_path / "eval", "--model_name_or_path", str(run / "final"), "--generator", generator,
-             "--eval_num_prompts", "70", "--num_samples", "4", "--temperature", "1.0", "--k", "4", "--seed", "3")
-    metrics = json.loads((tmp_path / "eval" / "summary.json").read_text())["metrics"]
+    out, _ = finished(runs, f"grpo_eval_{generator}")
+    metrics = json.loads((out / "summary.json").read_text())["metrics"]
     assert metrics["eval/accuracy"] == last["eval/accuracy"]
     assert metrics["eval/pass@4"] == last["eval/pass@4"]
 
