@@ -92,6 +92,10 @@ def batch_main(plan_file: str) -> None:
             os.environ.update(env)
         results[item["name"]] = code
         Path(plan["results"] + suffix).write_text(json.dumps(results))
+    if "torch.distributed" in sys.modules:  # a run that left its process group (a test helper, not run_cli)
+        from shared.distributed import end_process_group
+
+        end_process_group()
 
 
 def free_port() -> int:

@@ -188,24 +188,37 @@ def test_lean_logprobs_never_hold_the_full_logits(wide_model, name):
 
 
 # ---------------------------------------------------------------- DeepSpeed, 2 ranks
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """tests/lean_logprobs_ranks.py under ZeRO-2 and under ZeRO-3, one after another in one `accelerate launch` pair
+    (tests/test_e2e.py run_batch: each run its ZeRO stage, ACCELERATE_DEEPSPEED_ZERO_STAGE, and its result folder)."""
+    import sys
+
+    from tests.test_e2e import run_batch
+
+    base = tmp_path_factory.mktemp("lean_ranks")
+    plan = {f"zero{stage}": ["tests/lean_logprobs_ranks.py"] for stage in (2, 3)}
+    run_env = {f"zero{stage}": {"ACCELERATE_DEEPSPEED_ZERO_STAGE": str(stage),
+                                "LEAN_RESULT_DIR": str(base / f"zero{stage}")} for stage in (2, 3)}
+    for name in plan:
+        (base / name).mkdir()
+    results = run_batch(plan, base / "batch", ranks=2, run_env=run_env, timeout=900, launcher=(
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero2.yaml"))
+    return {name: (results[name], base / name) for name in plan}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lean_logprobs_under_deepspeed(stage, tmp_path):
+def test_lean_logprobs_under_deepspeed(stage, deepspeed_runs):
     """Through a DeepSpeed engine on 2 ranks with unequal chunk counts (ZeRO-3 gathering the LM head at every call):
     one SGD step with the lean functions equals one with the reference (tests/lean_logprobs_ranks.py), no deadlock."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           f"scripts/accelerate/zero{stage}.yaml", "tests/lean_logprobs_ranks.py"], cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root), "LEAN_RESULT_DIR": str(tmp_path)}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    from tests.test_e2e import check_batch_run
+
+    result, out = deepspeed_runs[f"zero{stage}"]
+    check_batch_run(result)  # exit status 0 on both ranks
+    results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["zero_stage"] == stage for r in results)
     for r in results:
         for name, x in r.items():
