@@ -1499,6 +1499,11 @@ def free_text(d: dict) -> str:
     return _script_table("compare_free_text", d)
 
 
+def opd_self_distillation(d: dict) -> str:
+    """scripts/experiments/bench_opd_self_distillation.py: opd.py's self-distillation against grpo.py, equal samples."""
+    return _script_table("bench_opd_self_distillation", d)
+
+
 def unit_rewards_rm(d: dict) -> str:
     """scripts/experiments/compare_unit_rewards.py --part rm: pair accuracy and localisation of the bandit, unit and token RMs."""
     s3 = _spread3
@@ -1543,7 +1548,8 @@ RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_reward
              "lora_learning": lora_learning, "lora_memory": lora_memory, "lora_sync": lora_sync, "optimizer_bench": optimizer_bench, "memory_measured": memory_measured,
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
              "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses,
-             "opd_memory": opd_memory, "free_text": free_text}
+             "opd_memory": opd_memory, "free_text": free_text,
+             "opd_self_distillation": opd_self_distillation}
 MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
