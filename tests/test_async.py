@@ -11,9 +11,6 @@
 - the flags it does not combine with are one-line errors before anything is written."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,12 +37,30 @@ def flags(script: str, **changes) -> list[str]:
     return out
 
 
-def launch(script: str, out: Path, *flags: str) -> list[dict]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, f"algorithms/{script}.py", "--output_dir", str(out), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
-    return rows(out)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The script runs of the slow tests below, one after another in one Python process (tests/test_e2e.py
+    run_batch: each as `python algorithms/<script>.py ...` runs it, with its own log and exit status; the resumed
+    run after the stopped one). name -> output_dir of the run."""
+    from tests.test_e2e import run_batch
+
+    base = tmp_path_factory.mktemp("async_runs")
+    argv = flags("grpo_async", save_model=True, save_every=2, sample_every=2)
+    run = lambda script, name, *more: [f"algorithms/{script}.py", "--output_dir", str(base / name), *more]  # noqa: E731
+    plan = {**{f"sync_{script}": run(script, f"sync_{script}", *flags(script)) for script in ("grpo", "ppo")},
+            "async_a": run("grpo_async", "async_a", *argv),
+            "async_b_stopped": run("grpo_async", "async_b", *argv, "--stop_after_steps", "2"),
+            "async_b": run("grpo_async", "async_b", *argv)}
+    return run_batch(plan, base / "batch"), base
+
+
+def finished(runs, name: str, out: str | None = None) -> list[dict]:
+    """The rows of a finished run of `runs` (exit status 0, a clean exit); `out`: its output_dir's name."""
+    from tests.test_e2e import check_batch_run
+
+    results, base = runs
+    check_batch_run(results[name])
+    return rows(base / (out or name))
 
 
 def rows(out: Path) -> list[dict]:
@@ -58,7 +73,7 @@ def rows(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_the_synchronous_run_is_the_one_recorded_before_asynchronous_generation(tmp_path, script):
+def test_the_synchronous_run_is_the_one_recorded_before_asynchronous_generation(runs, script):
     """Every metric the run logged before asynchronous generation existed has the same value (new metrics, e.g.
     val/tis_ratio, may be added); no async/ metric. Counts must be equal, real-valued metrics within 2% relative (1e-4 absolute),
     clip fractions within 0.02: another kind of CPU sums in another order (seen between two AMD EPYC machines: 1e-5
@@ -67,7 +82,7 @@ def test_the_synchronous_run_is_the_one_recorded_before_asynchronous_generation(
     the code path (an extra draw on any RNG, another loss) changes the samples, and with them the rewards (by 1/16
     for one changed sample of a step) and every metric after them."""
     golden = [json.loads(x) for x in (ROOT / "tests" / "golden" / f"{script}_sync.jsonl").read_text().splitlines()]
-    got = launch(script, tmp_path, *flags(script))
+    got = finished(runs, f"sync_{script}")
     assert len(got) == len(golden)
     for want, row in zip(golden, got):
         assert not any(k.startswith("async/") for k in row)
@@ -171,7 +186,7 @@ def assert_rows_close(ra: list[dict], rb: list[dict], rel: float = 1e-4) -> None
 
 
 @pytest.mark.slow
-def test_async_run_is_reproducible_and_resumes(tmp_path):
+def test_async_run_is_reproducible_and_resumes(runs):
     """grpo_async.py, 5 steps straight vs 2 steps + resume (the checkpoint holds batch 3, generated from the weights of step
     2's start, the sampler after it and the shuffle generator): the same data, versions and samples, so the same rows
     and final weights up to float rounding. Not bit for bit, unlike a synchronous run (tests/test_reliability.py):
@@ -181,11 +196,10 @@ def test_async_run_is_reproducible_and_resumes(tmp_path):
     global RNG do not reach the update's shuffles: before that fix clip fractions differed by 3x)."""
     from safetensors.torch import load_file
 
-    argv = flags("grpo_async", save_model=True, save_every=2, sample_every=2)
-    a, b = tmp_path / "a", tmp_path / "b"
-    ra = launch("grpo_async", a, *argv)
-    launch("grpo_async", b, *argv, "--stop_after_steps", "2")
-    rb = launch("grpo_async", b, *argv)
+    ra = finished(runs, "async_a")
+    finished(runs, "async_b_stopped", "async_b")  # stopped after 2 steps, then resumed by async_b
+    rb = finished(runs, "async_b")
+    a, b = runs[1] / "async_a", runs[1] / "async_b"
     assert_rows_close(ra, rb)
     assert [r["async/staleness"] for r in ra if "async/staleness" in r] == [0, 1, 1, 1, 1]
     wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
