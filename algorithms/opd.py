@@ -63,7 +63,7 @@ from shared.distributed import (NonFiniteGuard, check_ranks, default_dtype, full
                                 prepare_frozen, seed_everything)
 from shared.evaluation import eval_seed, evaluate_accuracy
 from shared.generation import check_engine, completion_decoder, completion_metrics, make_generator
-from shared.logprobs import batch_logprobs, check_packing, micro_batch_logprobs
+from shared.logprobs import batch_logprobs, check_packing, fp32_lm_head, micro_batch_logprobs
 from shared.mismatch import mismatch_metrics
 from shared.lora import add_lora, check_lora
 from shared.prompts import load_prompt_task, task_summary
@@ -128,6 +128,8 @@ class Args:
     """fraction of GPU memory vLLM may take (GPU only)"""
     vllm_enable_sleep: bool = False
     """put vLLM to sleep during training to free GPU memory (GPU only)"""
+    fp32_lm_head: bool = False
+    """run the LM head's matmul in fp32 in both the trainer and the sampler: less mismatch, a slower head"""
     gradient_checkpointing: bool = True
     """recompute each layer's activations in the backward pass: less memory, ~1/3 more compute (docs/performance.md)"""
     lora_r: Annotated[int, Ge(0)] = 0
@@ -755,6 +757,7 @@ def main(args: Args) -> str:
     reward_model = load_reward_model(rm_path, tokenizer, info, dtype) if rm_path else None  # frozen
     # the reference is only loaded when the KL term is used (no NaN KL when beta = 0); LoRA: the policy, adapters off
     ref_policy = load_reference(policy, model_path, dtype, info, bool(args.lora_r)) if args.beta > 0 else None
+    fp32_lm_head([policy, ref_policy], args.fp32_lm_head)  # --fp32_lm_head: fp32 output layers
     # the teachers: frozen (eval mode, requires_grad False), outside the optimizer; ZeRO-3 partitions them
     teachers = [prepare_frozen(load_causal_lm(path, dtype), info, dtype) for path in teacher_paths.values()]
     teacher = teachers[0]  # the one teacher of --loss jsd / fkl_topk
@@ -767,7 +770,8 @@ def main(args: Args) -> str:
                                dtype=dtype, seed=local_seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
                                world_size=info.world_size, zero_stage=info.zero_stage, stop=args.stop,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep, lora_sync=args.lora_sync)
+                               enable_sleep_mode=args.vllm_enable_sleep, lora_sync=args.lora_sync,
+                               fp32_lm_head=args.fp32_lm_head)
     decode = completion_decoder(tokenizer, args.stop)  # text for rewards and logs: EOS skipped, cut at --stop
 
     def evaluate(step: int) -> dict:  # grader accuracy, pass@k, RM score on eval and dev (shared/evaluation.py)
