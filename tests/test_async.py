@@ -11,6 +11,7 @@
 - the flags it does not combine with are one-line errors before anything is written."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
