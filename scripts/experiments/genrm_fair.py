@@ -308,10 +308,9 @@ def render(d: dict) -> str:
                f"verifier starts from `{d['policy']}` and trains on the same graded samples of the policy: all "
                f"{da['all']['rows']:,} rows ({da['all']['correct']:,} correct, {da['all']['prompts']} prompts), or the "
                f"{da['prompt_balanced']['rows']:,} rows balanced within each prompt "
-               f"({da['prompt_balanced']['prompts']} prompts), with genrm.py's default budget and seeds "
-               f"{', '.join(map(str, d['seeds']))} (mean, min to max); discriminative = "
-               "`--loss_type bce --sft_coef 0`; "
-               f"`{d['train_flags']}` for every run; "
+               f"({da['prompt_balanced']['prompts']} prompts), seeds {', '.join(map(str, d['seeds']))} (mean, min "
+               "to max); discriminative = `--loss_type bce --sft_coef 0`; every run genrm.py's defaults but "
+               f"`{d['train_flags']}`; "
                + ", ".join(f"{n} {v:.1f}" for n, v in minutes.items()) + " minutes a run (run clock).")
     return "\n".join(lines) + f"\n\n{caption} `{d['command']}`, {d['env']['device']}.\n"
 
