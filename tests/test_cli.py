@@ -137,7 +137,8 @@ CHOICES = {
     "evaluate": GENERATOR,
     "evaluate_text": {**GENERATOR, "perplexity_of": ("completion", "reference")},
     "evaluate_gcg": GENERATOR,
-    "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short")},
+    "genrm": {"generator": ("hf", "vllm"), "verifier": ("direct", "cot"), "verdict_format": ("auto", "paper", "short"),
+              "loss_type": ("nll", "bce")},
     "implicit_prm": GENERATOR,
 }
 # the variant files: dapo.py, grpo_tools.py and calibration.py keep grpo.py's choices; the async files generate with
