@@ -1,7 +1,10 @@
-"""Every algorithm script, two steps on the real pretrained chat model `builtin:smollm2-135m` with its chat template.
+"""Every algorithm script, one step (two for repulse and genrm) on the real pretrained chat model
+`builtin:smollm2-135m` with its chat template (their multi-step paths run on the tiny model: tests/test_e2e.py).
 
-As users run them (subprocesses, the scripts' own flags), with small batches and <= 16 new tokens: sft, rm (a
-sequence classifier on this base), grpo (two processes under ZeRO-3, rewarded by that RM), ppo (the same RM, critic
+As users run them (the scripts' own flags; the single-process runs one after another in one Python process, each as
+`python algorithms/<script>.py ...` runs it: tests/test_e2e.py run_batch), with small batches and <= 16 new tokens:
+sft, rm (a sequence classifier on this base), grpo (two processes under ZeRO-3, one step, rewarded by that RM; the
+2-step ZeRO-3 runs on the tiny model: tests/test_e2e.py test_grpo_two_processes_deepspeed), ppo (the same RM, critic
 from the policy's base), vineppo, dpo, repulse and drca (the same RM). Several runs stop on `--stop` strings too.
 Every saved policy must reload in transformers and in vLLM and generate the same greedy tokens there; the reward
 model must reload as an `AutoModelForSequenceClassification` and score as rm.py did. The two-process run must end
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_e2e import metrics, run
+from tests.test_e2e import check_batch_run, metrics, run, run_batch
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -24,11 +27,6 @@ BASE = ["--model_name_or_path", "builtin:smollm2-135m", "--chat_template", "--de
 SMOL = [*BASE, "--learning_rate", "1e-5", "--max_new_tokens", "16"]
 RL = ["--local_num_prompts", "2", "--local_micro_batch_size", "4", "--num_minibatches", "1", "--eval_num_prompts",
       "4", "--eval_num_samples", "1", "--eval_every", "0", "--sample_every", "1"]
-
-
-def script(name: str, out_dir: Path, *flags: str) -> list[dict]:
-    run([sys.executable, f"algorithms/{name}.py", "--output_dir", str(out_dir), *flags])
-    return metrics(out_dir)
 
 
 def samples(out_dir: Path) -> list[dict]:
@@ -47,82 +45,103 @@ def trained_steps(rows: list[dict], key: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return tmp_path_factory.mktemp("smol")
+    """The single-process runs, one after another in one Python process (tests/test_e2e.py run_batch: each as
+    `python algorithms/<script>.py ...` runs it, with its own log and exit status), so the libraries are imported
+    once; rm.py's first, as ppo_rlhf.py and drca.py take its checkpoint. name -> (result, output_dir)."""
+    base = tmp_path_factory.mktemp("smol")
+    plan = single_process_plan(base)
+    results = run_batch(plan, base / "batch", timeout=1800)
+    return {name: (results[name], base / name) for name in plan}
+
+
+def single_process_plan(base: Path) -> dict[str, list[str]]:
+    """The runs of the `runs` fixture, their output_dirs under `base` (the reward function written there first)."""
+    reward = base / "length_reward.py"  # a reward that varies between samples (see vineppo_run, genrm_run)
+    reward.write_text("def odd_length(prompts, completions, **kwargs):\n"
+                      "    return [float(len(c) % 2) for c in completions]\n")
+    out = lambda name: [f"algorithms/{name}.py", "--output_dir", str(base / name)]  # noqa: E731
+    rm = str(base / "rm" / "final")
+    plan = {
+        "rm": [*out("rm"), *BASE, "--learning_rate", "1e-5", "--total_episodes", "8", "--local_micro_batch_size", "8",
+               "--eval_num_pairs", "8", "--eval_every", "0"],
+        "sft": [*out("sft"), *SMOL, "--total_episodes", "8", "--local_micro_batch_size", "8", "--eval_num_prompts",
+                "4", "--eval_every", "0", "--stop", "."],
+        "ppo_rlhf": [*out("ppo_rlhf"), *SMOL, *RL, "--num_generations", "2", "--total_episodes", "4",
+                     "--reward_model_path", rm, "--critic_model_path", "builtin:smollm2-135m", "--best_metric",
+                     "dev/reward"],
+        # with a reward that varies between samples (the chat model solves no built-in sum in 16 tokens: all-zero
+        # rewards would give zero advantages and leave the weights unchanged), so the saved policy is a trained one
+        "vineppo": [*out("vineppo"), *SMOL, *RL, "--num_generations", "2", "--total_episodes", "4",
+                    "--num_mc_rollouts", "2", "--stop", "\n\n", "--reward_fn", f"{reward}:odd_length"],
+        "dpo": [*out("dpo"), *SMOL, "--total_episodes", "8", "--local_micro_batch_size", "8", "--eval_num_pairs", "8",
+                "--eval_num_prompts", "4", "--eval_num_samples", "1", "--eval_every", "0", "--num_sample_completions",
+                "2", "--generator", "hf"],  # vLLM on this model: the grpo, ppo and vineppo runs
+        "repulse": [*out("repulse"), *BASE, "--max_new_tokens", "8", "--dataset", "builtin", "--num_generations", "2",
+                    "--local_num_prompts", "2", "--local_micro_batch_size", "4", "--total_episodes", "16",
+                    "--eval_num_prompts", "4", "--eval_num_samples", "2", "--eval_every", "0", "--learning_rate",
+                    "1e-5", "--proposal_learning_rate", "1e-5", "--best_metric", "", "--stop", "."],
+        "drca": [*out("drca"), *SMOL, *RL, "--num_generations", "2", "--total_episodes", "4", "--reward_model_path",
+                 rm, "--scorer", "rm", "--generator", "hf", "--localisation_num_pairs", "4"],
+        # GenRM, labels from a reward that varies between samples (the chat model solves no built-in sum in 16
+        # tokens, and GenRM needs both labels)
+        "genrm": [*out("genrm"), *SMOL, "--reward_fn", f"{reward}:odd_length", "--local_num_prompts", "4",
+                  "--num_generations", "4", "--total_episodes", "8", "--local_micro_batch_size", "4",
+                  "--eval_num_prompts", "2", "--eval_num_samples", "2", "--eval_every", "0", "--best_metric", ""],
+    }
+    return plan
+
+
+def finished(runs: dict, name: str) -> Path:
+    result, out = runs[name]
+    check_batch_run(result)  # exit status 0, a clean exit
+    return out
 
 
 @pytest.fixture(scope="module")
 def rm_run(runs):
-    out = runs / "rm"
-    script("rm", out, *BASE, "--learning_rate", "1e-5", "--total_episodes", "16", "--local_micro_batch_size", "8",
-           "--eval_num_pairs", "8", "--eval_every", "0")
-    return out
+    return finished(runs, "rm")
 
 
 @pytest.fixture(scope="module")
 def sft_run(runs):
-    out = runs / "sft"
-    script("sft", out, *SMOL, "--total_episodes", "16", "--local_micro_batch_size", "8", "--eval_num_prompts", "4",
-           "--eval_every", "0", "--stop", ".")
-    return out
+    return finished(runs, "sft")
 
 
 @pytest.fixture(scope="module")
 def grpo_run(runs, rm_run):
-    """Two processes, ZeRO-3 (policy and reward model partitioned), one vLLM engine per rank."""
-    out = runs / "grpo"
+    """Two processes, ZeRO-3 (policy and reward model partitioned), one vLLM engine per rank; one step (2 ranks x 2
+    prompts x 2 samples): the end-of-run checks follow the update and the engine's sync after it."""
+    out = runs["rm"][1].parent / "grpo"
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3.yaml",
          "algorithms/grpo.py", "--output_dir", str(out), *SMOL, *RL, "--num_generations", "2", "--total_episodes",
-         "16", "--reward_model_path", str(rm_run / "final"), "--best_metric", "dev/reward", "--stop", "."],
+         "8", "--reward_model_path", str(rm_run / "final"), "--best_metric", "dev/reward", "--stop", "."],
         timeout=900)
     return out
 
 
 @pytest.fixture(scope="module")
-def ppo_run(runs, rm_run):
-    out = runs / "ppo_rlhf"
-    script("ppo_rlhf", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
-           str(rm_run / "final"), "--critic_model_path", "builtin:smollm2-135m", "--best_metric", "dev/reward")
-    return out
+def ppo_run(runs):
+    return finished(runs, "ppo_rlhf")
 
 
 @pytest.fixture(scope="module")
 def vineppo_run(runs):
-    """With a reward that varies between samples (the chat model solves no built-in sum in 16 tokens: all-zero
-    rewards would give zero advantages and leave the weights unchanged), so the saved policy is a trained one."""
-    out = runs / "vineppo"
-    reward = runs / "length_reward.py"
-    reward.write_text("def odd_length(prompts, completions, **kwargs):\n"
-                      "    return [float(len(c) % 2) for c in completions]\n")
-    script("vineppo", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--num_mc_rollouts",
-           "2", "--stop", "\n\n", "--reward_fn", f"{reward}:odd_length")
-    return out
+    return finished(runs, "vineppo")
 
 
 @pytest.fixture(scope="module")
 def dpo_run(runs):
-    out = runs / "dpo"
-    script("dpo", out, *SMOL, "--total_episodes", "16", "--local_micro_batch_size", "8", "--eval_num_pairs", "8",
-           "--eval_num_prompts", "4", "--eval_num_samples", "1", "--eval_every", "0", "--num_sample_completions", "2",
-           "--generator", "hf")  # vLLM on this model: the grpo, ppo and vineppo runs
-    return out
+    return finished(runs, "dpo")
 
 
 @pytest.fixture(scope="module")
 def repulse_run(runs):
-    out = runs / "repulse"
-    script("repulse", out, *BASE, "--max_new_tokens", "8", "--dataset", "builtin", "--num_generations", "2",
-           "--local_num_prompts", "2", "--local_micro_batch_size", "4", "--total_episodes", "16", "--eval_num_prompts",
-           "4", "--eval_num_samples", "2", "--eval_every", "0", "--learning_rate", "1e-5",
-           "--proposal_learning_rate", "1e-5", "--best_metric", "", "--stop", ".")
-    return out
+    return finished(runs, "repulse")
 
 
 @pytest.fixture(scope="module")
-def drca_run(runs, rm_run):
-    out = runs / "drca"
-    script("drca", out, *SMOL, *RL, "--num_generations", "2", "--total_episodes", "8", "--reward_model_path",
-           str(rm_run / "final"), "--scorer", "rm", "--generator", "hf", "--localisation_num_pairs", "4")
-    return out
+def drca_run(runs):
+    return finished(runs, "drca")
 
 
 def test_rm_on_the_chat_model_is_a_sequence_classifier_that_reloads(rm_run):
@@ -146,7 +165,7 @@ def test_rm_on_the_chat_model_is_a_sequence_classifier_that_reloads(rm_run):
     assert acc == pytest.approx(last_eval["eval/accuracy"], abs=1e-9)  # the reloaded RM scores as rm.py did
 
 
-def test_sft_two_steps(sft_run):
+def test_sft_one_step(sft_run):
     rows = metrics(sft_run)
     assert any("loss/sft" in r for r in rows) and "eval/accuracy" in rows[-1]
 
@@ -154,7 +173,7 @@ def test_sft_two_steps(sft_run):
 def test_grpo_zero3_two_processes_with_the_reward_model(grpo_run):
     rows = metrics(grpo_run)
     steps = trained_steps(rows, "objective/scores")
-    assert len(steps) == 2 and all(r["objective/scores"] != int(r["objective/scores"]) for r in steps)  # RM scores
+    assert len(steps) == 1 and all(r["objective/scores"] != int(r["objective/scores"]) for r in steps)  # RM scores
     last = rows[-1]
     assert last["check/world_size"] == 2.0 and last["check/ranks_identical_weights"] == 1.0
     assert last["check/ranks_shared_prompts"] == 0.0
@@ -167,22 +186,22 @@ def test_grpo_zero3_two_processes_with_the_reward_model(grpo_run):
 def test_ppo_rlhf_reward_model_and_critic_from_the_base(ppo_run):
     rows = metrics(ppo_run)
     steps = trained_steps(rows, "loss/value_avg")
-    assert len(steps) == 2 and all(math.isfinite(r["loss/value_avg"]) for r in steps)
+    assert len(steps) == 1 and all(math.isfinite(r["loss/value_avg"]) for r in steps)
     assert steps[0]["objective/kl"] == pytest.approx(0.0, abs=1e-3)
     assert rows[-1]["check/engine_greedy_match"] == 1.0 and (ppo_run / "final" / "config.json").exists()
 
 
-def test_vineppo_two_steps(vineppo_run):
+def test_vineppo_one_step(vineppo_run):
     rows = metrics(vineppo_run)
     steps = trained_steps(rows, "mc_values/mean")
-    assert len(steps) == 2 and all(r["val/steps_per_response"] >= 1 for r in steps)
+    assert len(steps) == 1 and all(r["val/steps_per_response"] >= 1 for r in steps)
     # 3 of the 4 prompts at least: since the held-out prompts became a fixed-seed sample (not the first rows), one of
     # them meets a near-tie that vLLM's CPU kernels and HF's forward break differently in fp32 (0.75 measured); the
     # sync itself is checked exactly in tests/test_generation.py (log-probs equal after an update and a sync)
     assert rows[-1]["check/engine_greedy_match"] >= 0.75
 
 
-def test_dpo_two_steps(dpo_run):
+def test_dpo_one_step(dpo_run):
     rows = metrics(dpo_run)
     assert trained_steps(rows, "loss/dpo") and all(math.isfinite(r["loss/dpo"]) for r in rows if "loss/dpo" in r)
     evals = [r for r in rows if "eval/loss/dpo" in r]
@@ -197,12 +216,12 @@ def test_repulse_two_steps(repulse_run):
     assert len(steps) == 2 and all(math.isfinite(r["loss/proposal_avg"]) for r in steps)
 
 
-def test_drca_two_steps(drca_run):
-    """Two steps with the reward model as the scorer; the slip localisation is measured at both evaluations (on 4
+def test_drca_one_step(drca_run):
+    """One step with the reward model as the scorer; the slip localisation is measured at both evaluations (on 4
     held-out pairs: each pair's credits cost a reward-model pass per counterfactual)."""
     rows = metrics(drca_run)
     steps = trained_steps(rows, "loss/value_avg")
-    assert len(steps) == 2 and all(r["drca/sum_identity_err"] < 1e-4 for r in steps)
+    assert len(steps) == 1 and all(r["drca/sum_identity_err"] < 1e-4 for r in steps)
     evals = [r for r in rows if "eval/localisation" in r]
     assert len(evals) == 2 and all(0.0 <= r["eval/localisation"] <= 1.0 for r in evals)
 
@@ -247,16 +266,7 @@ def test_every_saved_policy_reloads_in_transformers_and_vllm(sft_run, grpo_run, 
 
 @pytest.fixture(scope="module")
 def genrm_run(runs):
-    """GenRM on the chat model, labels from a reward that varies between samples (the chat model solves no built-in
-    sum in 16 tokens, and GenRM needs both labels)."""
-    out = runs / "genrm"
-    reward = runs / "length_reward.py"
-    reward.write_text("def odd_length(prompts, completions, **kwargs):\n"
-                      "    return [float(len(c) % 2) for c in completions]\n")
-    script("genrm", out, *SMOL, "--reward_fn", f"{reward}:odd_length", "--local_num_prompts", "4", "--num_generations",
-           "4", "--total_episodes", "8", "--local_micro_batch_size", "4", "--eval_num_prompts", "2",
-           "--eval_num_samples", "2", "--eval_every", "0", "--best_metric", "")
-    return out
+    return finished(runs, "genrm")
 
 
 def test_genrm_two_steps_with_the_paper_s_one_token_verdicts(genrm_run):
