@@ -1499,6 +1499,11 @@ def free_text(d: dict) -> str:
     return _script_table("compare_free_text", d)
 
 
+def genrm_fair(d: dict) -> str:
+    """scripts/experiments/genrm_fair.py: GenRM against the discriminative baseline on the same samples, within a prompt."""
+    return _script_table("genrm_fair", d)
+
+
 def opd_self_distillation(d: dict) -> str:
     """scripts/experiments/bench_opd_self_distillation.py: opd.py's self-distillation against grpo.py, equal samples."""
     return _script_table("bench_opd_self_distillation", d)
@@ -1549,7 +1554,7 @@ RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_reward
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
              "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses,
              "opd_memory": opd_memory, "free_text": free_text,
-             "opd_self_distillation": opd_self_distillation}
+             "opd_self_distillation": opd_self_distillation, "genrm_fair": genrm_fair}
 MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
