@@ -86,6 +86,7 @@ class GenerativeVerifier:
         self.temperature = float(getattr(config, "genrm_temperature", 0.7))
         self.max_rationale_tokens = int(getattr(config, "genrm_max_rationale_tokens", 64))
         self.seed = int(getattr(config, "genrm_seed", 0))
+        self.loss_type = getattr(config, "genrm_loss_type", "nll")  # bce: the classifier's score is p(yes)/(p(yes)+p(no))
 
     def verdict_probs(self, contexts: list[list[int]], pad_id: int, info, micro_batch_size: int,
                       with_no: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -208,7 +209,10 @@ def load_verifier(path: str, tokenizer, info, dtype: torch.dtype):
 
 def verifier_scores(verifier, prompts: list[list[int]], responses: list[list[int]], pad_id: int, info,
                     micro_batch_size: int) -> torch.Tensor:
-    """The reward of each completion: p(yes) for a GenRM, the minimum line reward for an implicit PRM, [N]."""
+    """The reward of each completion: p(yes) for a GenRM (p(yes) / (p(yes) + p(no)) for one trained with
+    `--loss_type bce`, the score it was trained on), the minimum line reward for an implicit PRM, [N]."""
     if isinstance(verifier, GenerativeVerifier):
-        return verifier.score(prompts, responses, pad_id, info, micro_batch_size)["p_yes"].to(info.device)
+        out = verifier.score(prompts, responses, pad_id, info, micro_batch_size, with_no=verifier.loss_type == "bce")
+        score = out["p_yes"] / (out["p_yes"] + out["p_no"]) if verifier.loss_type == "bce" else out["p_yes"]
+        return score.to(info.device)
     return verifier.score(prompts, responses, pad_id, info, micro_batch_size)["min"].to(info.device)

@@ -98,3 +98,21 @@ def test_two_steps_of_the_discriminative_baseline(tmp_path):
     assert json.loads((out / "final" / "config.json").read_text())["genrm_loss_type"] == "bce"
     last = [r for r in rows if "eval/p_yes_correct" in r][-1]
     assert 0 < last["eval/p_yes_correct"] < 1 and last["eval/p_verdict"] < 1  # the score is normalised, p(Yes) is not
+
+
+def test_a_bce_checkpoint_is_scored_as_a_reward_by_the_score_it_was_trained_on():
+    """shared/verifier.verifier_scores: p(yes) for a GenRM, p(yes) / (p(yes) + p(no)) for `--loss_type bce`."""
+    from types import SimpleNamespace
+
+    from shared.verifier import GenerativeVerifier, verifier_scores
+
+    class Stub(GenerativeVerifier):
+        def __init__(self, loss_type):
+            self.loss_type = loss_type
+
+        def score(self, prompts, responses, pad_id, info, micro_batch_size, with_no=False, seed=None):
+            return {"p_yes": torch.tensor([0.2, 0.6]), "p_no": torch.tensor([0.6, 0.2]) if with_no else None}
+
+    info = SimpleNamespace(device=torch.device("cpu"))
+    assert verifier_scores(Stub("nll"), [[1], [1]], [[2], [2]], 0, info, 2).tolist() == pytest.approx([0.2, 0.6])
+    assert verifier_scores(Stub("bce"), [[1], [1]], [[2], [2]], 0, info, 2).tolist() == pytest.approx([0.25, 0.75])
