@@ -579,8 +579,10 @@ def smollm2_scripts() -> set[str]:
         for n in tree.body:
             seg = ast.get_source_segment(src, n) if isinstance(n, ast.FunctionDef) else ""
             if (("smollm2-135m" in seg or any(re.search(rf"\b{s}\b", seg) for s in smol))
-                    and re.search(r"\b(run|script|Popen|check_call|check_output)\(", seg)):
+                    and re.search(r"\b(run|script|Popen|check_call|check_output)\(|algorithms/\{name\}\.py", seg)):
                 found |= set(re.findall(r"algorithms/(\w+)\.py", seg) + re.findall(r"\bscript\(\"(\w+)\"", seg))
+                if "algorithms/{name}.py" in seg:  # a plan of run_batch: out("<name>") is `algorithms/<name>.py ...`
+                    found |= set(re.findall(r"\bout\(\"(\w+)\"\)", seg))
     return {f"{n}.py" for n in found}
 
 
