@@ -170,7 +170,7 @@ def render(d: dict) -> str:
                          f"{r['val/tis_ratio_p99']:.4g} |")
         lines += ["", f"val/sampler_kl on / off: {d['sampler_kl_on_over_off']:.2f}. grpo.py in bf16 on "
                   f"builtin:smollm2-135m, seed 1, {d['steps']} steps, vLLM {env.get('vllm')} on {env['device']} "
-                  f"(ATen {env.get('aten_cpu_capability')}), commit {env.get('git_commit')}. Command: `"
+                  f"(ATen {env.get('aten_cpu_capability')}). Command: `"
                   + d["command"] + "`"]
         return "\n".join(lines)
 
@@ -188,8 +188,8 @@ def render(d: dict) -> str:
     ratios = ", ".join(f"{d['sampler_kl_on_over_off'][s]:.2f}" for s in seeds)
     lines += ["", f"val/sampler_kl on / off per seed ({', '.join(seeds)}): {ratios}. grpo.py in bf16 (the GPU's dtype; "
               f"the scripts use fp32 on CPU), {d['steps']} steps a run from builtin:tiny-sft, vLLM "
-              f"{env.get('vllm')} on {env['device']} (ATen {env.get('aten_cpu_capability')}), commit "
-              f"{env.get('git_commit')}; means over a run's steps, then mean (min-max) over seeds; step times on a "
+              f"{env.get('vllm')} on {env['device']} (ATen {env.get('aten_cpu_capability')}); means over a run's "
+              "steps, then mean (min-max) over seeds; step times on a "
               "shared machine. Command: `" + d["command"] + "`"]
     return "\n".join(lines)
 

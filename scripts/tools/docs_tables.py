@@ -1504,6 +1504,11 @@ def genrm_fair(d: dict) -> str:
     return _script_table("genrm_fair", d)
 
 
+def fp32_lm_head(d: dict) -> str:
+    """scripts/experiments/bench_fp32_lm_head.py: val/sampler_kl of grpo.py in bf16 with and without --fp32_lm_head."""
+    return _script_table("bench_fp32_lm_head", d)
+
+
 def opd_self_distillation(d: dict) -> str:
     """scripts/experiments/bench_opd_self_distillation.py: opd.py's self-distillation against grpo.py, equal samples."""
     return _script_table("bench_opd_self_distillation", d)
@@ -1527,16 +1532,23 @@ def unit_rewards_rm(d: dict) -> str:
 
 
 def unit_rewards_ppo(d: dict) -> str:
-    """scripts/experiments/compare_unit_rewards.py --part ppo: held-out accuracy of unit_ppo.py, ppo_rlhf.py and drca.py by step."""
+    """scripts/experiments/compare_unit_rewards.py --part ppo: held-out accuracy of unit_ppo.py, ppo_rlhf.py and drca.py by
+    step; the RMs are --part rm's seed-1 models, or those the file names (`reward_models`, --reward_models builtin)."""
     arms = ["unit_ppo", "ppo_rlhf", "drca"]
-    lines = ["| rollout step (x 512 completions) | unit_ppo.py (unit RM) | ppo_rlhf.py (bandit rm.py RM) | drca.py (same "
-             "RM, `--scorer rm`) |", "|---|---|---|---|"]
+    rms = d.get("reward_models")
+    if rms and rms["unit_ppo"].startswith("builtin:"):
+        heads = [f"unit_ppo.py (`{rms['unit_ppo']}`)", f"ppo_rlhf.py (`{rms['ppo_rlhf']}`)",
+                 f"drca.py (`{rms['drca']}`, `--scorer rm`)"]
+    else:
+        heads = ["unit_ppo.py (unit RM)", "ppo_rlhf.py (bandit rm.py RM)", "drca.py (same RM, `--scorer rm`)"]
+    lines = ["| rollout step (x 512 completions) | " + " | ".join(heads) + " |", "|---|---|---|---|"]
     for i, point in enumerate(d["unit_ppo"]["curve"]):
         cells = [_spread3(d[a]["curve"][i]["accuracy"]) for a in arms]
         lines.append(f"| {point['step']} | " + " | ".join(cells) + " |")
     seeds = ", ".join(map(str, d["seeds"]))
+    path = d.get("_path", "docs/results/unit_rewards_ppo.json")
     return "\n".join([*lines, "", f"Held-out grader accuracy, mean (min-max) over seeds {seeds}. `{d['command']}`, "
-                                   f"{d['env']['device']}. Data: [unit_rewards_ppo.json](results/unit_rewards_ppo.json)."])
+                                   f"{d['env']['device']}. Data: [{Path(path).name}]({path.removeprefix('docs/')})."])
 
 
 RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_rewards_ppo, "tuning": tuning, "calibration_compare": calibration_compare, "async_bench": async_bench, "mismatch_bench": mismatch_bench, "grpo_variants": grpo_variants, "real_model_prompts": real_model_prompts, "real_model_grpo": real_model_grpo, "graders": graders,
@@ -1554,7 +1566,8 @@ RENDERERS = {"unit_rewards_rm": unit_rewards_rm, "unit_rewards_ppo": unit_reward
              "gpu_bench": gpu_bench, "gpu_tests": gpu_tests, "test_suite": test_suite, "test_suite_brief": test_suite_brief, "restem_vs_grpo": restem_vs_grpo, "prime_vs_grpo": prime_vs_grpo, "packing": packing, "bon": bon,
              "tools_compare": tools_compare, "opd_vs_grpo": opd_vs_grpo, "dpo_losses": dpo_losses,
              "opd_memory": opd_memory, "free_text": free_text,
-             "opd_self_distillation": opd_self_distillation, "genrm_fair": genrm_fair}
+             "opd_self_distillation": opd_self_distillation, "genrm_fair": genrm_fair,
+             "fp32_lm_head": fp32_lm_head}
 MULTI = {"dpo_losses", "grpo_variants", "bench_ratios", "results_overview", "lora_learning", "restem_vs_grpo",
          "prime_vs_grpo", "opd_vs_grpo"}  # renderers that read several files (a list of their contents)
 
