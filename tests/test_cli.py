@@ -153,7 +153,7 @@ CHOICES["ppo_rlhf"] = {**CHOICES["ppo"], "kl_placement": ("reward", "loss")}
 CHOICES["prime"] = {**{k: v for k, v in CHOICES["grpo"].items() if k not in ("advantage_estimator", "advantage_scaling")},
                     "prm_update": ("before", "after")}
 # opd.py: grpo.py's choices and the distillation loss
-CHOICES["opd"] = {**CHOICES["grpo"], "loss": ("pg", "jsd", "fkl_topk")}
+CHOICES["opd"] = {**CHOICES["grpo"], "loss": ("pg", "jsd", "fkl_topk"), "teacher_context": ("none", "reference")}
 # unit_rm.py keeps rm.py's (none); unit_ppo.py keeps ppo_rlhf.py's and places the unit rewards
 CHOICES["unit_rm"] = CHOICES["rm"]
 CHOICES["unit_ppo"] = {**CHOICES["ppo_rlhf"], "reward_placement": ("segment_normalization", "every_segment_last",
