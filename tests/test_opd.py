@@ -231,6 +231,21 @@ def test_every_log_prob_in_the_script_is_taken_at_the_rollout_temperature():
     assert len(calls) == 4 and all("args.temperature" in c for c in calls), calls
 
 
+def swapped_vocabulary_teacher(teacher: Path) -> Path:
+    """A copy of builtin:tiny whose tokenizer has the ids of 'a' and 'b' exchanged (fails the vocabulary check)."""
+    from shared.tiny import builtin_tiny
+
+    teacher.mkdir()
+    for f in builtin_tiny().iterdir():
+        if f.is_file():
+            (teacher / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((teacher / "tokenizer.json").read_text())
+    v = spec["model"]["vocab"]
+    v["a"], v["b"] = v["b"], v["a"]
+    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    return teacher
+
+
 def test_vocabulary_guard_names_the_first_difference(tmp_path):
     from shared.tiny import build_tokenizer
 
@@ -246,17 +261,7 @@ def test_vocabulary_guard_names_the_first_difference(tmp_path):
     with pytest.raises(ValueError, match="^teacher_model_name_or_path: the teacher's eos_token_id is"):
         check_same_vocabulary(student, other_eos)
     # the script stops before writing anything: a teacher directory whose tokenizer has two ids exchanged
-    from shared.tiny import builtin_tiny
-
-    teacher = tmp_path / "teacher"
-    teacher.mkdir()
-    for f in builtin_tiny().iterdir():
-        if f.is_file():
-            (teacher / f.name).write_bytes(f.read_bytes())
-    spec = json.loads((teacher / "tokenizer.json").read_text())
-    v = spec["model"]["vocab"]
-    v["a"], v["b"] = v["b"], v["a"]
-    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    teacher = swapped_vocabulary_teacher(tmp_path / "teacher")
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="token 'a' has id"):
         main(Args(output_dir=str(out), teacher_model_name_or_path=str(teacher), generator="hf"))

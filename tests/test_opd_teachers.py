@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from algorithms.opd import (Args, align_completions, main, parse_teachers, select_teacher, teacher_prompt_text,
                             teacher_routes, validate)
+from tests.test_opd import swapped_vocabulary_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,17 +180,7 @@ def test_a_row_naming_an_unknown_teacher_stops_the_run_with_one_line(tmp_path, m
 
 def test_every_teacher_passes_the_vocabulary_check(tmp_path):
     """The second of two teachers has two token ids exchanged: the single teacher's check, naming that teacher."""
-    from shared.tiny import builtin_tiny
-
-    teacher = tmp_path / "teacher"
-    teacher.mkdir()
-    for f in builtin_tiny().iterdir():
-        if f.is_file():
-            (teacher / f.name).write_bytes(f.read_bytes())
-    spec = json.loads((teacher / "tokenizer.json").read_text())
-    v = spec["model"]["vocab"]
-    v["a"], v["b"] = v["b"], v["a"]
-    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    teacher = swapped_vocabulary_teacher(tmp_path / "teacher")
     data = routed_dataset(tmp_path / "routed.jsonl", ["grpo", "odd"], n=12)
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=r"^teachers odd: token 'a' has id \d+ in the teacher's vocabulary"):
