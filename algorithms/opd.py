@@ -500,6 +500,33 @@ def select_teacher(teacher_logps: list[torch.Tensor], routes: torch.Tensor) -> t
     return torch.stack(teacher_logps)[routes, torch.arange(len(routes))]
 
 
+def context_teacher_logprobs(teachers: list, teacher_prompt_ids: list[list[int]], local_idx: list[int],
+                             prompts: list[list[int]], comps: list, old_logp: torch.Tensor, pad_id: int, device,
+                             num_micro: int, args) -> list[torch.Tensor]:
+    """--teacher_context reference: each teacher's log-probs of the completions after its own prompt (the row's
+    teacher_prompt_ids, G completions per prompt of local_idx), [teacher prompt | the same completion tokens], moved
+    onto the student's columns (align_completions), [K] x [B, T]."""
+    teacher_prompts = [teacher_prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
+    t_ids, t_attn, t_resp = data_utils.pad_batch(teacher_prompts, [c.token_ids for c in comps], pad_id, device)
+    return [align_completions(t, [len(p) for p in teacher_prompts], [len(p) for p in prompts],
+                              [len(c.token_ids) for c in comps], old_logp)
+            for t in batch_logprobs(teachers, t_ids, t_attn, t_resp, t_attn.sum(1).tolist(), num_micro,
+                                    args.micro_batching, args.temperature)]
+
+
+def teacher_metrics(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor, row_teacher: torch.Tensor,
+                    names: list[str], info) -> dict:
+    """MOPD's per-teacher metrics, reduced over ranks: opd/teacher_token_frac/<name>, the teacher's share of the
+    step's generated tokens, and opd/teacher_kl/<name>, the student's reverse KL to it on those tokens."""
+    per = torch.stack([torch.stack([(mask * (row_teacher == k).to(mask)[:, None]).sum(),
+                                    ((old_logp - teacher_logp) * mask * (row_teacher == k).to(mask)[:, None]).sum()])
+                       for k in range(len(names))]).cpu()
+    per = info.all_reduce(per)
+    return {**{f"opd/teacher_token_frac/{n}": (per[k, 0] / per[:, 0].sum().clamp(min=1)).item()
+               for k, n in enumerate(names)},
+            **{f"opd/teacher_kl/{n}": (per[k, 1] / per[k, 0].clamp(min=1)).item() for k, n in enumerate(names)}}
+
+
 def log_importance_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor | None = None,
                          level: str = "token") -> torch.Tensor:
     """log of the importance ratio pi_theta / pi_old on every token, [B, T], masked before any exp (padding: 0).
@@ -820,6 +847,7 @@ def main(args: Args) -> str:
         first_eval = tracker.log_start(evaluate(0), headline, len(train_data.rows), train_data.num_filtered)
     policy.train()
     local_idx: list[int] = []
+    same_rows = args.teacher_context == "none"  # the teachers score the student's own rows (no prompt of their own)
     for step in range(start_step + 1, args.num_steps + 1):
         ckpt.step_start(tracker, **resumable, first_eval=first_eval)
         # 1. rollout and 2. reward (rollout() above): this rank's slice of the global prompt batch, G samples each
@@ -839,18 +867,12 @@ def main(args: Args) -> str:
         # reference the teachers read [teacher prompt | the same completion tokens], moved onto the student's columns
         with timer("logprob"):  # micro-batches of the whole batch, laid out as in training; zeros for a None
             num_micro = args.local_batch_size // args.local_micro_batch_size
-            same_rows = args.teacher_context == "none"
             old_logp, ref_logp, *teacher_logps = batch_logprobs(
                 [policy, ref_policy, *(teachers if same_rows else [])], input_ids, attn, resp, lengths, num_micro,
                 args.micro_batching, args.temperature)
             if not same_rows:
-                t_prompts = [teacher_prompt_ids[i] for i in local_idx for _ in range(args.num_generations)]
-                t_ids, t_attn, t_resp = data_utils.pad_batch(t_prompts, [c.token_ids for c in comps],
-                                                             tokenizer.pad_token_id, info.device)
-                teacher_logps = [align_completions(t, [len(p) for p in t_prompts], [len(p) for p in prompts],
-                                                   [len(c.token_ids) for c in comps], old_logp)
-                                 for t in batch_logprobs(teachers, t_ids, t_attn, t_resp, t_attn.sum(1).tolist(),
-                                                         num_micro, args.micro_batching, args.temperature)]
+                teacher_logps = context_teacher_logprobs(teachers, teacher_prompt_ids, local_idx, prompts, comps,
+                                                         old_logp, tokenizer.pad_token_id, info.device, num_micro, args)
             row_teacher = torch.tensor([routes[i] for i in local_idx for _ in range(args.num_generations)])
             teacher_logp = select_teacher(teacher_logps, row_teacher.to(info.device))
 
@@ -961,13 +983,7 @@ def main(args: Args) -> str:
                       "opd/adv_mean": sum(on) / len(on), "opd/adv_abs_mean": sum(map(abs, on)) / len(on)})
         metrics = info.mean_over_ranks(local)
         if len(teachers) > 1:  # MOPD: each teacher's share of the step's generated tokens and its reverse KL there
-            per = torch.stack([torch.stack([(mask * (row_teacher == k).to(mask)[:, None]).sum(),
-                                            ((old_logp - teacher_logp) * mask * (row_teacher == k).to(mask)[:, None])
-                                            .sum()]) for k in range(len(teachers))]).cpu()
-            per = info.all_reduce(per)
-            for k, name in enumerate(teacher_paths):
-                metrics[f"opd/teacher_token_frac/{name}"] = (per[k, 0] / per[:, 0].sum().clamp(min=1)).item()
-                metrics[f"opd/teacher_kl/{name}"] = (per[k, 1] / per[k, 0].clamp(min=1)).item()
+            metrics.update(teacher_metrics(old_logp, teacher_logp, mask, row_teacher, list(teacher_paths), info))
         ext = info.gather_objects((min(on), max(on)))
         metrics.update({"opd/adv_min": min(e[0] for e in ext), "opd/adv_max": max(e[1] for e in ext)})
         metrics.update({"val/frac_reward_zero_std": zero_std_groups, **task_adv, "lr": scheduler.get_last_lr()[0],
