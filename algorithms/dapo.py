@@ -259,6 +259,19 @@ def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
     return rewards.max(dim=1).values > rewards.min(dim=1).values
 
 
+def fill_batch(kept: list, dropped: list, num_prompts: int, rank: int, local_num_prompts: int):
+    """Dynamic sampling's batch from the groups (i, comps, texts, scores) of all ranks, in the global prompt order:
+    the first num_prompts informative groups (those beyond are discarded); still short after the last round,
+    dropped groups fill the free places, so the batch keeps its shape (they get no loss). Returns num_kept and this
+    rank's slice: kept_rows (per completion: its group is one of the num_kept), local_idx, comps, texts, scores."""
+    num_kept = min(len(kept), num_prompts)
+    first = rank * local_num_prompts
+    batch = (kept[:num_prompts] + dropped)[:num_prompts][first : first + local_num_prompts]
+    comps, texts, scores = ([x for g in batch for x in g[k]] for k in (1, 2, 3))
+    kept_rows = [first + k < num_kept for k, g in enumerate(batch) for _ in g[1]]
+    return num_kept, kept_rows, [i for i, *_ in batch], comps, texts, scores
+
+
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int) -> torch.Tensor:
     """DAPO's soft overlong punishment (§3.4, Eq. 13; verl's `overlong_buffer` with penalty_factor 1), added to the
     reward of a completion of `lengths` tokens: 0 up to L_max - L_cache, then -1 * (excess / L_cache) up to -1 at
@@ -574,12 +587,8 @@ def main(args: Args) -> str:
             dropped += [g for g, keep in zip(groups, informative) if not keep]
             if len(kept) >= args.num_prompts:
                 break
-        num_kept = min(len(kept), args.num_prompts)  # informative groups beyond num_prompts are discarded
-        # still short after the last round: dropped groups fill the free places (the batch keeps its shape), no loss
-        batch = (kept[: args.num_prompts] + dropped)[: args.num_prompts]
-        batch = batch[info.rank * args.local_num_prompts : (info.rank + 1) * args.local_num_prompts]
-        local_idx = [i for i, *_ in batch]
-        comps, texts, scores = ([x for g in batch for x in g[k]] for k in (1, 2, 3))
+        num_kept, kept_rows, local_idx, comps, texts, scores = fill_batch(kept, dropped, args.num_prompts, info.rank,
+                                                                          args.local_num_prompts)
         if num_kept < args.num_prompts and not warned_unfilled:  # one line, the first time
             warned_unfilled = True
             tracker.write(f"[step {step}] dynamic sampling: {num_kept} of {args.num_prompts} groups informative after "
@@ -593,7 +602,6 @@ def main(args: Args) -> str:
 
         # 4. advantages: computed on the global batch so that `batch` scaling uses every rank's rewards
         mask = completion_mask(resp, torch.tensor([c.finished for c in comps]), args.mask_truncated_completions)
-        kept_rows = [info.rank * args.local_num_prompts + i // G < num_kept for i in range(args.local_batch_size)]
         mask = mask * torch.tensor(kept_rows, dtype=mask.dtype, device=mask.device)[:, None]  # filler groups: no loss
         all_scores = torch.tensor(sum(info.gather_objects(scores), []), dtype=torch.float32)
         all_scores = all_scores.view(args.num_prompts, args.num_generations)

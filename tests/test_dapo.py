@@ -31,6 +31,17 @@ def test_informative_groups_keep_a_spread_of_rewards():
     assert ((adv.abs().amax(1) > 1e-6) == dapo.informative_groups(r)).all()
 
 
+def test_fill_batch_keeps_the_first_informative_groups_then_fills_with_dropped_ones():
+    g = lambda i: (i, [f"c{i}a", f"c{i}b"], [f"t{i}a", f"t{i}b"], [float(i), 0.0])  # noqa: E731  (i, comps, texts, r)
+    kept, dropped = [g(0), g(1), g(2)], [g(7), g(8)]
+    # 4 prompts on 2 ranks of 2: 3 informative groups, one dropped group (7) fills the last place and gets no loss
+    assert dapo.fill_batch(kept, dropped, 4, 0, 2) == (3, [True] * 4, [0, 1], ["c0a", "c0b", "c1a", "c1b"],
+                                                       ["t0a", "t0b", "t1a", "t1b"], [0.0, 0.0, 1.0, 0.0])
+    assert dapo.fill_batch(kept, dropped, 4, 1, 2)[:3] == (3, [True, True, False, False], [2, 7])
+    # more informative groups than places: the surplus is discarded, no filler
+    assert dapo.fill_batch(kept + [g(3), g(4)], dropped, 4, 1, 2)[:3] == (4, [True] * 4, [2, 3])
+
+
 def test_advantages_hand_computed_and_equal_to_grpos():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
     std = math.sqrt(4 * 0.25 / 3)  # Bessel-corrected, as TRL's nanstd
