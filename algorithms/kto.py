@@ -9,19 +9,21 @@ another example's completion given this prompt (a mismatched pair; the KL estima
     desirable    w_d (1 - sigmoid(beta (r(x, y) - z0)))
     undesirable  w_u (1 - sigmoid(beta (z0 - r(x, y))))
 
-(TRL's KTOTrainer with loss_type="kto"; z0 carries no gradient.) Examples come from a preference dataset, each
-pair giving one desirable and one undesirable example (`--example_source offline`, TRL's
+(TRL's KTOTrainer with loss_type="kto"; z0 carries no gradient.) Examples come from an unpaired dataset (TRL's
+prompt/completion/label format, read when the train split has a `--label_key` column), from a preference dataset,
+each pair giving one desirable and one undesirable example (`--example_source offline`, TRL's
 unpair_preference_dataset), or from the starting policy's own samples labelled by the grader
 (`--example_source self_generated`: every sample is an example, reward >= --correct_threshold is desirable; no
 prompt needs both a correct and an incorrect sample, as a pair would).
 
 Delta from DPO (algorithms/dpo.py; `diff` the two files): unpaired labelled examples in place of pairs, each
 batch row's second sequence the mismatched (x, y') for z0, and the loss above; the held-out and dev pairs are
-still scored as DPO's (implicit-reward accuracy).
+still scored as DPO's (implicit-reward accuracy); unpaired held-out and dev examples by KTO's loss and rewards.
 
 Launch:
     python algorithms/kto.py                                    # CPU, built-in pairs unpaired, about 1.5 minutes
     python algorithms/kto.py --example_source self_generated --logit_temperature 0.6
+    python algorithms/kto.py --dataset examples.jsonl            # unpaired rows: {"prompt", "completion", "label": true}
     accelerate launch --config_file scripts/accelerate/zero2.yaml algorithms/kto.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \
         --eval_split test --learning_rate 5e-7 --total_episodes 60000 --local_micro_batch_size 4 \
@@ -74,13 +76,17 @@ class Args:
     train_split: str = "train"
     """dataset split to train on"""
     eval_split: str = "test"
-    """held-out split: task accuracy (needs answers) and implicit-reward accuracy (needs pairs)"""
+    """held-out split: task accuracy (needs answers), implicit-reward accuracy (pairs) or KTO's loss (unpaired)"""
     prompt_key: str = "prompt"
     """column holding the prompt (text or messages; optional for conversational chosen/rejected)"""
     chosen_key: str = "chosen"
     """column holding the preferred response (text, or a conversation ending with the assistant reply)"""
     rejected_key: str = "rejected"
     """column holding the dispreferred response"""
+    completion_key: str = "completion"
+    """unpaired data (TRL's format): the column holding the response (text, or a conversation ending with the reply)"""
+    label_key: str = "label"
+    """unpaired data: the column holding true (desirable) or false; a train split that has it is read as unpaired"""
     answer_key: str = "answer"
     """column holding the gold answer (held-out accuracy; grading of self-generated examples)"""
     prompt_template: str = "{prompt}"
@@ -134,7 +140,7 @@ class Args:
     max_nonfinite_steps: Annotated[int, Ge(0)] = 10
     """optimizer steps with a non-finite loss or gradient are skipped and counted; abort the run after this many"""
     best_metric: str = "dev/accuracy"
-    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); `dev/rewards/accuracies` if no answers"""
+    """dev metric that picks output_dir/best (`name:min`: lower is better; empty: none); no answers: see docs/kto.md"""
 
     # algorithm args
     beta: Annotated[float, Ge(0)] = 0.1
@@ -190,7 +196,7 @@ class Args:
     eval_temperature: Annotated[float, Ge(0)] = 1.0
     """sampling temperature for held-out accuracy"""
     eval_num_pairs: Annotated[int, Ge(0)] = 500
-    """held-out pairs for implicit-reward accuracy (0: skip; needs chosen/rejected columns in eval_split); a fixed-seed sample"""
+    """held-out pairs for implicit-reward accuracy (unpaired data: examples for KTO's loss; 0: skip); a fixed-seed sample"""
     dev_num_prompts: Annotated[int, Ge(0)] = 100
     """dev slice: train prompts kept out of training (<= 10%) whose accuracy (offline: and pair accuracy) picks output_dir/best"""
     num_sample_completions: Annotated[int, Ge(0)] = 4
@@ -251,6 +257,15 @@ def unpair(pairs: data_utils.PreferenceData) -> tuple[list[dict], list[list[int]
             [True] * n + [False] * n)
 
 
+def with_partners(examples: data_utils.UnpairedData, chunk: int, seed: int) -> data_utils.PreferenceData:
+    """Unpaired examples as rows of (x, y) and their mismatched (x, y') for z0 (kl_partners), with `labels`."""
+    partner = kl_partners(len(examples), chunk, seed)
+    d = data_utils.PreferenceData(examples.rows, examples.prompt_ids, examples.completion_ids,
+                                  [examples.completion_ids[j] for j in partner])
+    d.labels = torch.tensor(examples.desirable, dtype=torch.bool)
+    return d
+
+
 def validate(args: Args) -> None:
     """One-line errors naming the flag, at start-up, for what the ranges beside the flags cannot say."""
     if args.beta <= 0:
@@ -299,16 +314,33 @@ def main(args: Args) -> str:
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
         part=part or "train")
+    # unpaired data (TRL's prompt/completion/label format): a train split with a `label_key` column
+    unpaired = args.example_source == "offline" and data_utils.has_column(args.dataset, (args.train_split,),
+                                                                          args.label_key)
+    load_unpaired = lambda split, **kw: data_utils.load_unpaired(  # noqa: E731
+        args.dataset, split, tokenizer, args.prompt_key, args.completion_key, args.label_key, args.prompt_template,
+        args.response_template, args.chat_template, args.max_prompt_length, args.max_seq_length, **kw)
     # task accuracy needs gold answers: a plain prompt/chosen/rejected dataset is evaluated on its pairs only
     graded = args.eval_num_prompts > 0 and data_utils.has_column(args.dataset, (args.eval_split,), args.answer_key)
     eval_data = load_prompts(args.eval_split, args.eval_num_prompts) if graded else None
     held_out = None
-    if args.eval_num_pairs:
+    if args.eval_num_pairs and unpaired:  # held-out examples, each with its mismatched pair: KTO's loss and rewards
+        held_out = with_partners(load_unpaired(args.eval_split, limit=args.eval_num_pairs), args.local_micro_batch_size,
+                                 args.seed)
+    elif args.eval_num_pairs:
         held_out = data_utils.load_preferences(args.dataset, args.eval_split, limit=args.eval_num_pairs, **load)
     # the dev slice (selects output_dir/best, never the reported eval set): prompts of the train split, with their
-    # pairs when offline (grouped by prompt, so no dev prompt is trained on)
+    # pairs (or unpaired examples) when offline (grouped by prompt, so no dev prompt is trained on)
     dev_pairs = data_utils.PreferenceData([], [], [], [])
-    if args.example_source == "offline":
+    if unpaired:
+        train_examples = load_unpaired(args.train_split, num_dev=args.dev_num_prompts)
+        if len(set(train_examples.desirable)) < 2:
+            raise ValueError(f"dataset {args.dataset!r}: every one of the {len(train_examples)} training examples is "
+                             f"{'desirable' if train_examples.desirable[0] else 'undesirable'}; KTO needs both")
+        dev_pairs = with_partners(load_unpaired(args.train_split, num_dev=args.dev_num_prompts, part="dev"),
+                                  args.local_micro_batch_size, args.seed)
+        dev_data = unique_prompts(dev_pairs, args.answer_key)  # task accuracy on them, if they carry answers
+    elif args.example_source == "offline":
         train_pairs = data_utils.load_preferences(args.dataset, args.train_split, num_dev=args.dev_num_prompts,
                                                   **load)
         dev_pairs = data_utils.load_preferences(args.dataset, args.train_split, num_dev=args.dev_num_prompts,
@@ -321,8 +353,8 @@ def main(args: Args) -> str:
     reward_fn = load_reward_fn(args.reward_fn, args.dataset) if needs_grader else None
     if reward_fn is not None:
         probe_reward_fn(reward_fn, (eval_data or prompts).rows)
-    elif args.best_metric == "dev/accuracy":
-        args.best_metric = "dev/rewards/accuracies"  # no grader: the dev pairs' implicit-reward accuracy selects best/
+    elif args.best_metric == "dev/accuracy":  # no grader: the dev pairs' implicit-reward accuracy selects best/,
+        args.best_metric = "dev/rewards/margins" if unpaired else "dev/rewards/accuracies"  # unpaired: its margin
 
     # TRY NOT TO MODIFY: tracking and checkpoints (a resumed run continues its files; shared/checkpoint.py)
     ckpt = Checkpointer(args, info)
@@ -368,7 +400,12 @@ def main(args: Args) -> str:
     # examples are kept in output_dir/checkpoints/self_generated_examples.pt, so a resumed run trains on the same ones
     examples_file = Path(args.output_dir) / "checkpoints" / "self_generated_examples.pt"
     saved_examples = ckpt.path.parent / examples_file.name if ckpt.path is not None else None  # the resumed run's
-    if args.example_source == "offline":
+    if unpaired:
+        rows, prompt_ids, completion_ids, desirable = (train_examples.rows, train_examples.prompt_ids,
+                                                       train_examples.completion_ids, train_examples.desirable)
+        tracker.write(f"{len(rows)} unpaired training examples ({train_examples.num_too_long} over-long skipped)")
+        setup = {"data/train_examples": len(rows), "data/skipped_too_long": train_examples.num_too_long}
+    elif args.example_source == "offline":
         rows, prompt_ids, completion_ids, desirable = unpair(train_pairs)
         tracker.write(f"{len(rows)} training examples from {len(train_pairs)} pairs ({train_pairs.num_identical} with "
                       f"identical chosen/rejected and {train_pairs.num_too_long} over-long skipped)")
@@ -489,9 +526,10 @@ def main(args: Args) -> str:
             logps, _ = sequence_logps(ref_model, input_ids, attn, resp, args.logit_temperature)
         return logps[: len(idx)], logps[len(idx) :]
 
-    def loss_and_stats(d, idx, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-example KTO losses of the training examples idx and their summed stats: examples, loss, desirable
-        examples, desirable / undesirable rewards, desirable / undesirable logps, z0 (times the examples)."""
+    def loss_and_stats(d, idx, labels, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-example KTO losses of the examples idx (labels: desirable or not) and their summed stats: examples,
+        loss, desirable examples, desirable / undesirable rewards, desirable / undesirable logps, z0 (times the
+        examples)."""
         input_ids, attn, resp = pair_batch(d, idx)  # [(x, y); (x, y')]: the examples, then their mismatched pairs
         logps, _ = sequence_logps(policy, input_ids, attn, resp, args.logit_temperature)
         pol, pol_kl = logps[: len(idx)], logps[len(idx) :]
@@ -549,15 +587,30 @@ def main(args: Args) -> str:
                 f"{prefix}rewards/rejected": v[3], f"{prefix}rewards/margins": v[2] - v[3],
                 f"{prefix}logps/chosen": v[4], f"{prefix}logps/rejected": v[5]}
 
+    def example_metrics(d, cache, prefix: str) -> dict:
+        """KTO's loss and implicit rewards on the held-out or dev examples d of unpaired data (each rank a slice)."""
+        n = len(d)
+        per_rank = math.ceil(n / info.world_size)
+        mine = list(range(info.rank * per_rank, min(n, (info.rank + 1) * per_rank)))
+        stats = torch.zeros(8, dtype=torch.float64)
+        with torch.no_grad():
+            for s in range(0, per_rank, args.local_micro_batch_size):
+                idx = mine[s : s + args.local_micro_batch_size]
+                _, part = loss_and_stats(d, idx or [0], d.labels, cache)  # ZeRO-3: every rank runs the forwards
+                stats += part if idx else 0
+        info.all_reduce(stats)
+        return stats_to_metrics(stats, prefix)
+
     def evaluate(step: int) -> dict:
         """Task accuracy with the grader and implicit-reward accuracy on pairs, on the held-out set (eval/) and the
         dev slice (dev/); the best policy on dev."""
         metrics = {}
         policy.eval()
+        scores = example_metrics if unpaired else pair_metrics  # unpaired data: KTO's loss; pairs: DPO's accuracy
         if held_out is not None:
-            metrics.update(pair_metrics(held_out, held_out_ref, "eval/"))
+            metrics.update(scores(held_out, held_out_ref, "eval/"))
         if len(dev_pairs):
-            metrics.update(pair_metrics(dev_pairs, dev_ref, "dev/"))
+            metrics.update(scores(dev_pairs, dev_ref, "dev/"))
         if eval_data is not None or (dev_data.rows and reward_fn is not None):
             generator.sync_weights(full_named_parameters(policy, info))
         if reward_fn is not None:
@@ -576,7 +629,8 @@ def main(args: Args) -> str:
         metrics.update(best.update(metrics, step, policy))  # keeps the best policy in output_dir/best
         tracker.log(metrics, step)
         tracker.write(f"[step {step}] " + ", ".join(f"{k} {metrics[k]:.3f}" for k in
-                                                    ("eval/accuracy", "eval/rewards/accuracies") if k in metrics))
+                                                    ("eval/accuracy", "eval/rewards/margins" if unpaired else
+                                                     "eval/rewards/accuracies") if k in metrics))
         return metrics
 
     # TRY NOT TO MODIFY: resume: weights, optimizer, LR scheduler, data position, RNG, this rank's loss window
@@ -595,7 +649,7 @@ def main(args: Args) -> str:
             local_idx = global_idx[info.rank * args.local_batch_size : (info.rank + 1) * args.local_batch_size]
             for m in range(args.gradient_accumulation_steps):
                 idx = local_idx[m * args.local_micro_batch_size : (m + 1) * args.local_micro_batch_size]
-                losses, stats = loss_and_stats(train, idx, ref_cache)
+                losses, stats = loss_and_stats(train, idx, labels, ref_cache)
                 guard.backward(policy, losses.sum() / args.local_batch_size)  # mean over the step
                 grad_norm = guard.step(policy)  # a non-finite loss or gradient skips the step (counted)
                 window += stats

@@ -413,6 +413,73 @@ def load_preferences(dataset: str, split: str, tokenizer, prompt_key: str = "pro
 
 
 @dataclass
+class UnpairedData:
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # response tokens + EOS
+    desirable: list[bool]
+    num_too_long: int = 0            # rows skipped for max_prompt_length / max_seq_length
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def load_unpaired(dataset: str, split: str, tokenizer, prompt_key: str = "prompt", completion_key: str = "completion",
+                  label_key: str = "label", prompt_template: str = "{prompt}", response_template: str = "{response}",
+                  use_chat_template: bool = False, max_prompt_length: int = 512, max_seq_length: int = 1024,
+                  limit: int | None = None, num_dev: int = 0, part: str = "train") -> UnpairedData:
+    """Load and tokenize unpaired (prompt, completion, label) examples, TRL's unpaired preference format (KTO).
+
+    Row formats: text (`prompt` and `completion` strings, the completion the response only) or conversational
+    (`prompt` a list of {"role", "content"} messages, `completion` a list ending with the assistant reply, rendered
+    with the chat template); `label` is true (desirable) or false (undesirable).
+
+    Bad-row policy: a missing, non-text or empty prompt/completion, a malformed conversation, or a label that is not
+    true/false is an error naming the row. Rows over max_prompt_length / max_seq_length are skipped and counted
+    (`num_too_long`). If no row is left, that is an error."""
+    where = f"dataset {dataset!r} split {split!r}"
+    raw = load_rows(dataset, split)
+    if not raw:
+        raise DataError(f"{where}: no rows")
+    if num_dev or part == "dev":  # the dev slice (or the rest), grouped by prompt: as in load_prompts
+        raw = dev_split(raw, num_dev, part, where, key=lambda r: r.get(prompt_key))
+        if not raw:
+            return UnpairedData([], [], [], [])
+    raw = sample_rows(raw, limit)
+    out = UnpairedData([], [], [], [])
+    for i, row in zip(row_numbers(raw), raw):
+        at = f"{where} row {i}"
+        prompt, completion = _preference_text(row, prompt_key, at), _preference_text(row, completion_key, at)
+        if label_key not in row:
+            raise DataError(f"{at}: missing key {label_key!r} (has {sorted(row)})")
+        if not isinstance(row[label_key], bool):
+            raise DataError(f"{at}: field {label_key!r} is {row[label_key]!r}, expected true or false")
+        if isinstance(completion, list):
+            if completion[-1]["role"] != "assistant":
+                raise DataError(f"{at}: the last message of {completion_key!r} must be the assistant's")
+            if isinstance(prompt, str):
+                raise DataError(f"{at}: {completion_key!r} is a conversation, so {prompt_key!r} must be one too")
+            completion = completion[-1]["content"]
+            if not completion.strip():
+                raise DataError(f"{at}: field {completion_key!r} has an empty reply")
+        if isinstance(prompt, str):
+            prompt = format_prompt(prompt, prompt_template)
+        p = encode_prompt(tokenizer, prompt, use_chat_template)
+        c = encode_response(tokenizer, response_template.replace("{response}", completion))
+        if len(p) > max_prompt_length or len(p) + len(c) > max_seq_length:
+            out.num_too_long += 1
+            continue
+        out.rows.append({**row, "prompt": prompt, "completion": completion})
+        out.prompt_ids.append(p)
+        out.completion_ids.append(c)
+        out.desirable.append(row[label_key])
+    if not out.rows and part != "dev":  # an empty dev slice: no best checkpoint
+        raise DataError(f"{where}: no usable example ({out.num_too_long} over max_prompt_length={max_prompt_length} "
+                        f"/ max_seq_length={max_seq_length})")
+    return out
+
+
+@dataclass
 class PromptSampler:
     """Epoch-wise shuffled prompt indices, identical on every rank (seeded), with a resumable position.
 
