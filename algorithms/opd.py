@@ -23,7 +23,7 @@ fixed-negative-advantage control, no teacher signal). grpo.py's other flags work
 SAPO) on the teacher advantage, --beta and --kl_estimator (KL to the frozen start model; 0: not loaded), GSPO, TIS,
 LoRA, and DeepSeek-V3.2's --off_policy_mask_threshold and --use_bias_correction_kl. Which teacher scores which row:
 --teachers name=path ... (MOPD: several frozen teachers, each vocabulary-checked; each row's --teacher_column picks
-one; A_it uses row i's teacher), --self_distillation (the teacher is a frozen copy of the start model) and
+one; A_it, or the divergence of --loss jsd / fkl_topk, uses row i's teacher), --self_distillation (the teacher is a frozen copy of the start model) and
 --teacher_context reference (the teacher reads --teacher_template, the row's gold answer in it, in place of the
 student's prompt; its log-probs are taken on the student's own completion tokens; the student never sees the answer).
 
@@ -358,16 +358,20 @@ def topk_forward_kl(student_lp: torch.Tensor, teacher_lp: torch.Tensor, k: int, 
     return loss, {"teacher_mass": p_k.detach(), "student_mass": q_k.detach(), "overlap_ratio": overlap}
 
 
-def distribution_terms(student_head, teacher_head, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
-                       targets: torch.Tensor, temperature: float, vocab_size: int | None, loss: str, jsd_beta: float,
-                       topk: int, topk_tail: bool) -> tuple[torch.Tensor, ...]:
-    """The full-distribution loss at N completion positions from both models' final hidden states [N, H]: both
-    distributions log_softmax(logits / T) over the first vocab_size logits (all: None), float32, the teacher's without
-    gradient. Returns per position (divergence, log pi(target), entropy, teacher_mass, student_mass, overlap_ratio),
-    the divergence generalized_jsd (`jsd`) or topk_forward_kl (`fkl_topk`; the last three are its metrics, else 0)."""
+def distribution_terms(student_head, teacher_heads: tuple, student_hidden: torch.Tensor, teacher_hiddens: tuple,
+                       route: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int | None,
+                       loss: str, jsd_beta: float, topk: int, topk_tail: bool) -> tuple[torch.Tensor, ...]:
+    """The full-distribution loss at N completion positions from the student's and the teachers' final hidden states
+    [N, H]: the distributions log_softmax(logits / T) over the first vocab_size logits (all: None), float32, the
+    teachers' without gradient, position n taking teacher route[n]'s (MOPD; one teacher: route all 0). Returns per
+    position (divergence, log pi(target), entropy, teacher_mass, student_mass, overlap_ratio), the divergence
+    generalized_jsd (`jsd`) or topk_forward_kl (`fkl_topk`; the last three are its metrics, else 0)."""
     student_lp = torch.log_softmax(student_head(student_hidden)[:, :vocab_size].float() / temperature, -1)  # [N, V]
     with torch.no_grad():
-        teacher_lp = torch.log_softmax(teacher_head(teacher_hidden)[:, :vocab_size].float() / temperature, -1)
+        teacher_lp = None
+        for k, (head, hidden) in enumerate(zip(teacher_heads, teacher_hiddens)):
+            lp = torch.log_softmax(head(hidden)[:, :vocab_size].float() / temperature, -1)
+            teacher_lp = lp if teacher_lp is None else torch.where((route == k)[:, None], lp, teacher_lp)
     logp = student_lp.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(student_lp.exp() * student_lp).sum(-1)
     if loss == "jsd":
@@ -377,32 +381,35 @@ def distribution_terms(student_head, teacher_head, student_hidden: torch.Tensor,
     return divergence, logp, entropy, masses["teacher_mass"], masses["student_mass"], masses["overlap_ratio"]
 
 
-def distribution_losses(policy, teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        response_mask: torch.Tensor, temperature: float, vocab_size: int | None, loss: str,
-                        jsd_beta: float, topk: int, topk_tail: bool, chunk_size: int = 512):
+def distribution_losses(policy, teachers: list, row_teacher: torch.Tensor, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor, response_mask: torch.Tensor, temperature: float,
+                        vocab_size: int | None, loss: str, jsd_beta: float, topk: int, topk_tail: bool,
+                        chunk_size: int = 512):
     """--loss jsd / fkl_topk on one micro-batch of right-padded rows [B, L]: (divergence, log pi, entropy) [B, L-1] at
     the positions t that predict a completion token (response_mask[:, t+1] = 1), 0 elsewhere, and the top-k metrics.
-    Both models' LM heads run on those positions only, chunk_size at a time, each chunk recomputed in the backward
-    pass (as shared/logprobs.py's forward_logprobs): two [chunk_size, V] float32 distributions at a time, not
-    [B, L-1, V] per model."""
+    Row b learns from teachers[row_teacher[b]] (MOPD: every teacher runs on every row, as in --loss pg).
+    The models' LM heads run on those positions only, chunk_size at a time, each chunk recomputed in the backward
+    pass (as shared/logprobs.py's forward_logprobs): two [chunk_size, V] float32 distributions at a time per teacher,
+    not [B, L-1, V] per model."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     keep = response_mask[:, 1:].bool()  # [B, L-1]: position t predicts token t+1
     hidden = []
-    for model in (policy, teacher):  # the models' own forwards, computing the logits of the last position only
-        with torch.no_grad() if model is teacher else contextlib.nullcontext():
+    for model in (policy, *teachers):  # the models' own forwards, computing the logits of the last position only
+        with torch.no_grad() if model is not policy else contextlib.nullcontext():
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         output_hidden_states=True, logits_to_keep=1)
         hidden.append(out.hidden_states[-1][:, :-1][keep])  # [N, H]
         del out
     targets = input_ids[:, 1:][keep]
-    heads = (output_head(policy), output_head(teacher))
+    route = row_teacher.to(keep.device)[:, None].expand_as(keep)[keep]  # [N]: each position's teacher
+    teacher_heads = tuple(output_head(t) for t in teachers)
     num_chunks = max_over_ranks(max(1, math.ceil(len(targets) / chunk_size)))  # ZeRO-3: each head call gathers
     chunks = []
     for k in range(num_chunks):
         s = slice(k * chunk_size, (k + 1) * chunk_size)
-        chunks.append(checkpoint(distribution_terms, *heads, hidden[0][s], hidden[1][s], targets[s], temperature,
-                                 vocab_size, loss, jsd_beta, topk, topk_tail, use_reentrant=False,
-                                 preserve_rng_state=False))
+        chunks.append(checkpoint(distribution_terms, output_head(policy), teacher_heads, hidden[0][s],
+                                 tuple(h[s] for h in hidden[1:]), route[s], targets[s], temperature, vocab_size, loss,
+                                 jsd_beta, topk, topk_tail, use_reentrant=False, preserve_rng_state=False))
     terms = []
     for values in zip(*chunks):
         full = hidden[0].new_zeros(keep.shape, dtype=torch.float32)
@@ -704,8 +711,6 @@ def validate(args: Args) -> None:
     if args.teachers and args.self_distillation:
         raise ValueError("self_distillation: the teacher is the student's start model; it does not combine with "
                          "--teachers")
-    if len(args.teachers) > 1 and args.loss != "pg":
-        raise ValueError(f"teachers: several teachers work with --loss pg (per-token log-probs), not --loss {args.loss}")
     if args.teacher_context == "reference":
         if args.loss != "pg":
             raise ValueError(f"teacher_context: the teacher's own prompt works with --loss pg, not --loss {args.loss}")
@@ -787,7 +792,6 @@ def main(args: Args) -> str:
     fp32_lm_head([policy, ref_policy], args.fp32_lm_head)  # --fp32_lm_head: fp32 output layers
     # the teachers: frozen (eval mode, requires_grad False), outside the optimizer; ZeRO-3 partitions them
     teachers = [prepare_frozen(load_causal_lm(path, dtype), info, dtype) for path in teacher_paths.values()]
-    teacher = teachers[0]  # the one teacher of --loss jsd / fkl_topk
     seed_everything(local_seed)
     guard = NonFiniteGuard(args.max_nonfinite_steps)  # skips non-finite steps, aborts after max_nonfinite_steps
     best = BestModel(args.best_metric, args.output_dir, info, tokenizer, tracker, bool(dev_data.rows))
@@ -914,8 +918,8 @@ def main(args: Args) -> str:
                                                                  args.micro_batching, args.temperature, True)
                         else:  # both models' whole distributions on the completion positions, in chunks
                             divergence, logp, entropy, masses = distribution_losses(
-                                policy, teacher, input_ids[idx], attn[idx], resp[idx], args.temperature, vocab_size,
-                                args.loss, args.jsd_beta, args.topk, args.topk_tail)
+                                policy, teachers, row_teacher[idx], input_ids[idx], attn[idx], resp[idx],
+                                args.temperature, vocab_size, args.loss, args.jsd_beta, args.topk, args.topk_tail)
                         logp_old = old_logp[idx]
                         if args.policy_loss == "cispo":
                             pg, is_clipped, ratio = cispo_surrogate(logp, logp_old, adv_tok[idx], args.epsilon_high,

@@ -264,11 +264,12 @@ def test_opd_compares_the_real_vocabulary_of_padded_embeddings(tiny_model):
     vocab = compared_vocab_size(model.config.vocab_size, teacher.config.vocab_size, n)
     for loss in ("jsd", "fkl_topk"):
         with torch.no_grad():
-            divergence, logp, _, _ = distribution_losses(model, teacher, ids, attn, response, 1.0, vocab, loss, 0.5, 4,
-                                                         False)
+            divergence, logp, _, _ = distribution_losses(model, [teacher], torch.zeros(1), ids, attn, response, 1.0, vocab,
+                                                         loss, 0.5, 4, False)
         assert torch.isfinite(divergence).all() and torch.isfinite(logp).all()
         with torch.no_grad():  # a teacher equal to the student: no divergence on the real tokens
-            same, _, _, _ = distribution_losses(model, model, ids, attn, response, 1.0, vocab, loss, 0.5, 4, False)
+            same, _, _, _ = distribution_losses(model, [model], torch.zeros(1), ids, attn, response, 1.0, vocab, loss, 0.5, 4,
+                                             False)
         assert same.abs().max() < 1e-5
 
 

@@ -147,7 +147,7 @@ def test_teacher_gets_no_gradient_and_both_models_use_one_temperature(tiny_model
     assert adv[0, 4] != 0 and adv[1, 2] != 0  # the EOS positions
     # the pg loss and the jsd loss backpropagate into the student only
     logp, _ = micro_batch_logprobs(student, ids, attn, resp, "padded", T)
-    divergence = distribution_losses(student, teacher, ids, attn, resp, T, None, "jsd", 0.5, 4, False)[0]
+    divergence = distribution_losses(student, [teacher], torch.zeros(2), ids, attn, resp, T, None, "jsd", 0.5, 4, False)[0]
     loss = -(torch.exp(logp - old_logp) * adv * mask).sum() + (divergence * mask).sum()
     loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
@@ -183,8 +183,8 @@ def test_the_chunked_full_distribution_losses_equal_the_whole_distribution_ones(
     for chunked in (True, False):
         student.zero_grad()
         if chunked:
-            div, logp, ent, masses = distribution_losses(student, teacher, ids, attn, resp, T, V, loss, 0.3, 3, True,
-                                                         chunk_size=2)
+            div, logp, ent, masses = distribution_losses(student, [teacher], torch.zeros(2), ids, attn, resp, T, V, loss, 0.3,
+                                                         3, True, chunk_size=2)
             assert set(masses) == ({"teacher_mass", "student_mass", "overlap_ratio"} if loss == "fkl_topk" else set())
         else:
             div, logp, ent = whole_distribution_reference(student, teacher, ids, attn, resp, T, loss, V)
@@ -212,7 +212,8 @@ def test_the_full_distribution_losses_take_logits_at_completion_positions_only(t
     rows = []
     hooks = [m.lm_head.register_forward_hook(lambda mod, inp, out: rows.append(tuple(inp[0].shape[:-1])))
              for m in (student, teacher)]
-    div = distribution_losses(student, teacher, ids, attn, resp, 1.0, None, "jsd", 0.5, 3, False, chunk_size=3)[0]
+    div = distribution_losses(student, [teacher], torch.zeros(2), ids, attn, resp, 1.0, None, "jsd", 0.5, 3, False,
+                              chunk_size=3)[0]
     div.sum().backward()  # the recomputed chunks too
     for h in hooks:
         h.remove()
@@ -226,7 +227,7 @@ def test_every_log_prob_in_the_script_is_taken_at_the_rollout_temperature():
     """One temperature for student and teacher: each log-prob call in opd.py passes args.temperature."""
     src = (ROOT / "algorithms" / "opd.py").read_text()
     calls = re.findall(r"(?:batch_logprobs|micro_batch_logprobs|distribution_losses)\((?:[^()]|\([^()]*\))*\)", src)
-    calls = [c for c in calls if "policy, teacher, input_ids: torch.Tensor" not in c]  # the definition's signature
+    calls = [c for c in calls if "policy, teachers: list, row_teacher" not in c]  # the definition's signature
     # the pre-update forwards (the student's rows; the teachers' own rows with --teacher_context), training, jsd
     assert len(calls) == 4 and all("args.temperature" in c for c in calls), calls
 

@@ -96,7 +96,9 @@ def child(a) -> dict:
         if a.impl == "whole":
             divergence, _ = whole_distribution_losses(policy, teacher, ids, attn, resp, 1.0, a.loss, 0.5, 32, True)
         else:
-            divergence = distribution_losses(policy, teacher, ids, attn, resp, 1.0, None, a.loss, 0.5, 32, True)[0]
+            one_teacher = torch.zeros(len(ids), dtype=torch.long)  # every row learns from the one teacher
+            divergence = distribution_losses(policy, [teacher], one_teacher, ids, attn, resp, 1.0, None, a.loss, 0.5,
+                                             32, True)[0]
         total = (divergence * mask).sum() / mask.sum()
         total.backward()
         policy.zero_grad(set_to_none=True)
