@@ -69,7 +69,7 @@ VARIANTS = {
     "grpo_tools": ("grpo", 91, set(), {"exp_name", "output_dir", "model_name_or_path", "dataset", "max_new_tokens"},
                    set(), {"main"}),
     "grpo_async": ("grpo", 123, {"vllm_enable_sleep"}, {"exp_name", "output_dir"}, set(), {"main"}),
-    "opd": ("grpo", 446, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
+    "opd": ("grpo", 450, set(), {"exp_name", "output_dir"}, set(), {"main", "validate"}),
     "prime": ("grpo", 396, {"advantage_estimator", "advantage_scaling", "reward_model_path"}, {"exp_name", "output_dir"},
               {"compute_advantages"}, {"main", "validate"}),
     "calibration": ("grpo", 267, {"reward_model_path"},
