@@ -36,6 +36,10 @@ VARIANTS = {
     "gspo": "--importance_level sequence --epsilon_low 3e-4 --epsilon_high 4e-4 --loss_aggregation seq_mean "
             "--num_iterations 1 --num_minibatches 4",
     "sapo": "--policy_loss sapo",  # TRL's temperatures (1.0 positive, 1.05 negative)
+    # the investigation of sapo's result: temperatures at which the gate's weight 4 sigmoid (1 - sigmoid) halves at
+    # |rho - 1| = 0.2, grpo.py's clip bound (tau = ln((1 + sqrt(1/2)) / (1 - sqrt(1/2))) / 0.2 = 8.81), TRL's ratio
+    # of the negative to the positive temperature (1.05) kept
+    "sapo_tau_at_clip": "--policy_loss sapo --sapo_temperature_pos 8.81 --sapo_temperature_neg 9.25",
     "dynamic_sampling": "",  # algorithms/dapo.py with its defaults
 }
 SCRIPT = {"dynamic_sampling": "dapo"}  # variants that are their own file; the others are grpo.py's flags
