@@ -22,8 +22,12 @@ to sync's. On one device (this CPU) generation and training share the cores, so 
 finished run is cached in <out>/<variant>/<script>/seed<k>.json and not rerun). `--variants` adds the runs that test why
 async may learn less: one pass over each batch instead of two (`--num_iterations 1`, sync and async: half the
 updates per batch, so one step of staleness is 2 updates instead of 4) and async with `--tis token_mask` (tokens
-whose pi_old / mu lies outside [1/C, C] dropped, instead of the weights above C lowered to C). Reported: held-out accuracy at start, at the end
-and its gain per seed, the mean staleness, wall minutes, and each async variant's gain minus its sync pair's.
+whose pi_old / mu lies outside [1/C, C] dropped, instead of the weights above C lowered to C); and DeepSeek-V3.2's
+corrections on async's stale batches (`async1_opsm`, `async1_kl`, `async1_kl_unbiased`; LEARNING says why these
+settings). Reported: held-out accuracy at start, at the end and its gain per seed, the mean staleness, the share of
+completions the off-policy mask dropped, wall minutes, and each variant's gain minus its pair's (PAIRS).
+
+    python scripts/experiments/bench_async.py --parts learning --variants async1 async1_opsm async1_kl async1_kl_unbiased
 
 Writes docs/bench/async/<device>_<time>.json (`--results`).
 """
@@ -44,12 +48,21 @@ import bench_headline as bh  # noqa: E402
 ROOT = bc.ROOT
 PHASES = ("generate", "generate_wait", "reward", "logprob", "train", "sync")
 SPEED = {"sync": "grpo", "async1": "grpo_async"}  # contender -> script
-# learning: variant -> (script, extra flags of the default run); each async variant is compared with its synchronous
-# pair at the same settings (--variants picks which run; a pair's missing side is left out of the differences)
+# learning: variant -> (script, extra flags of the default run); each variant is compared with its pair (PAIRS)
+# at the same settings (--variants picks which run; a pair's missing side is left out of the differences)
 LEARNING = {"sync": ("grpo", ""), "async1": ("grpo_async", ""),
             "sync_iter1": ("grpo", "--num_iterations 1"), "async1_iter1": ("grpo_async", "--num_iterations 1"),
-            "async1_tis_mask": ("grpo_async", "--tis token_mask")}
-PAIRS = {"async1": "sync", "async1_iter1": "sync_iter1", "async1_tis_mask": "sync"}  # async variant -> its sync run
+            "async1_tis_mask": ("grpo_async", "--tis token_mask"),
+            # DeepSeek-V3.2's corrections on stale batches: delta = 0.1, as TRL's example value 0.5 drops almost no
+            # completion on this task (12-step runs of grpo_async.py), so that the mask acts at all (the share it drops
+            # is logged, policy/off_policy_masked); the KL pair at DeepSeekMath's beta = 0.04, with and without the
+            # importance-weighted (unbiased) estimate
+            "async1_opsm": ("grpo_async", "--off_policy_mask_threshold 0.1"),
+            "async1_kl": ("grpo_async", "--beta 0.04"),
+            "async1_kl_unbiased": ("grpo_async", "--beta 0.04 --use_bias_correction_kl")}
+# variant -> the run it is compared with: the synchronous pair at the same settings, or the async run a flag is added to
+PAIRS = {"async1": "sync", "async1_iter1": "sync_iter1", "async1_tis_mask": "sync", "async1_opsm": "async1",
+         "async1_kl": "async1", "async1_kl_unbiased": "async1_kl"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=16, help="speed: completion length limit")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="learning: seeds per variant")
     p.add_argument("--variants", nargs="+", default=["sync", "async1"], choices=list(LEARNING),
-                   help="learning: which runs (flags: LEARNING in this file); each async variant is compared with its "
-                        "synchronous pair (PAIRS), when that runs too")
+                   help="learning: which runs (flags: LEARNING in this file); each is compared with its pair (PAIRS), "
+                        "when that runs too")
     p.add_argument("--flags", default="", help="learning: extra flags for every run, one string (e.g. a smaller "
                                                "--total_episodes for a smoke run; equal for both variants)")
     p.add_argument("--stop_after_steps", type=int, default=0, help="learning: stop (resumable) after this many steps")
@@ -143,7 +156,7 @@ def learning(a) -> dict | None:
             rows = bc.read_jsonl(sub.out / script / f"seed{seed}" / "metrics.jsonl")
             stale = [row["async/staleness"] for row in rows if "async/staleness" in row]
             r["staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
-            for key in ("val/tis_clipfrac", "val/sampler_logprob_diff"):  # mean over the run's steps
+            for key in ("val/tis_clipfrac", "val/sampler_logprob_diff", "policy/off_policy_masked"):  # mean over steps
                 xs = [row[key] for row in rows if key in row]
                 r[f"{key.split('/')[1]}_mean"] = sum(xs) / len(xs) if xs else None
             runs[str(seed)] = r
@@ -154,7 +167,8 @@ def learning(a) -> dict | None:
             "final": {k: bh.spread([r["final"][k] for r in runs.values()]) for k in keys},
             "gain": bh.spread([r["final"][keys[0]] - r["start"][keys[0]] for r in runs.values()]),
             "staleness_mean": bh.spread([r["staleness_mean"] for r in runs.values()]),
-            **{k: bh.spread([r[k] for r in runs.values()]) for k in ("tis_clipfrac_mean", "sampler_logprob_diff_mean")
+            **{k: bh.spread([r[k] for r in runs.values()]) for k in ("tis_clipfrac_mean", "sampler_logprob_diff_mean",
+                                                                      "off_policy_masked_mean")
                if all(r.get(k) is not None for r in runs.values())},
             "minutes": bh.spread([bh.wall_minutes(r) for r in runs.values()]),
             "seeds": runs,

@@ -3,6 +3,8 @@
     python scripts/experiments/compare_unit_rewards.py --part rm --seeds 1 2 3     # (a) the reward models, same held-out pairs
     python scripts/experiments/compare_unit_rewards.py --part ppo --seeds 1 2 3    # (b) unit PPO vs PPO on the bandit RM vs DRCA
     python scripts/experiments/compare_unit_rewards.py --part ppo --reward_models builtin --seeds 1 2 3   # (b) on the built-in RMs
+    python scripts/experiments/compare_unit_rewards.py --part ppo --reward_models builtin --arms unit_ppo unit_ppo_bandit \
+        --seeds 1 2 3   # the same unit RM, its rewards spread over the units or as one reward at the end
 
 (a) trains, per seed and with the same budget (--rm_episodes pairs), rm.py (the bandit RM), unit_rm.py at its default
 tau and unit_rm.py --tau 0 (token level), and reads each run's final held-out evaluation (the same 500 held-out pairs
@@ -12,7 +14,9 @@ reward falls on the slipped line (shared/localisation.py; the bandit RM has one 
 ppo_rlhf.py on seed 1's rm.py RM of (a) and drca.py on the same rm.py RM (--scorer rm), and reads held-out grader
 accuracy at each evaluation; with --reward_models builtin, the RMs are the built-in ones each script defaults to
 (unit_ppo.py: builtin:tiny-unit-rm, unit_rm.py on 32,000 pairs; ppo_rlhf.py and drca.py: builtin:tiny-rm, rm.py's
-default run on 128,000 pairs), written to unit_rewards_ppo_builtin.json. Writes runs/compare_unit_rewards/<part>/... and docs/results/unit_rewards_<part>.json
+default run on 128,000 pairs), written to unit_rewards_ppo_builtin.json. --arms picks the arms (a file named for them when
+not the three above): unit_ppo_bandit is unit_ppo.py on the same unit RM with `--reward_placement segment_last_avg`,
+the mean unit reward at the last token (the bandit placement), which separates the dense placement from the RM. Writes runs/compare_unit_rewards/<part>/... and docs/results/unit_rewards_<part>.json
 with the command and the machine.
 """
 
@@ -32,7 +36,9 @@ import bench_common as bc  # noqa: E402
 
 RM_ARMS = {"bandit_rm": ["algorithms/rm.py"], "unit_rm": ["algorithms/unit_rm.py"],
            "token_rm": ["algorithms/unit_rm.py", "--tau", "0"]}
-PPO_ARMS = {"unit_ppo": "algorithms/unit_ppo.py", "ppo_rlhf": "algorithms/ppo_rlhf.py", "drca": "algorithms/drca.py"}
+PPO_ARMS = {"unit_ppo": "algorithms/unit_ppo.py", "ppo_rlhf": "algorithms/ppo_rlhf.py", "drca": "algorithms/drca.py",
+            "unit_ppo_bandit": "algorithms/unit_ppo.py"}
+DEFAULT_PPO_ARMS = ["unit_ppo", "ppo_rlhf", "drca"]
 
 
 def rows(run: Path) -> list[dict]:
@@ -55,11 +61,14 @@ def main() -> None:
     p.add_argument("--ppo_episodes", type=int, default=5120, help="completions sampled by every policy arm")
     p.add_argument("--reward_models", choices=["part_rm", "builtin"], default="part_rm",
                    help="--part ppo: seed 1's RMs of --part rm, or the built-in RMs the scripts default to")
+    p.add_argument("--arms", nargs="+", choices=list(PPO_ARMS), default=DEFAULT_PPO_ARMS, help="--part ppo: the arms")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "compare_unit_rewards")
     p.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     a = p.parse_args()
     provenance = {"env": bc.environment(), "command": shlex.join(["python", "scripts/experiments/compare_unit_rewards.py", *sys.argv[1:]])}
     tag = a.part + ("_builtin" if a.part == "ppo" and a.reward_models == "builtin" else "")
+    if a.part == "ppo" and a.arms != DEFAULT_PPO_ARMS:
+        tag += "_" + "_".join(a.arms)
     out = a.out / tag
     out.mkdir(parents=True, exist_ok=True)
     common = ["--save_every", "0", "--resume", "no"]
@@ -90,21 +99,23 @@ def main() -> None:
             if not (unit_rm.exists() and bandit_rm.exists()):
                 raise SystemExit("error: --part ppo needs --part rm's seed-1 reward models (run --part rm first)")
             unit_rm, bandit_rm = str(unit_rm.relative_to(ROOT)), str(bandit_rm.relative_to(ROOT))
-        summary["reward_models"] = {"unit_ppo": unit_rm, "ppo_rlhf": bandit_rm, "drca": bandit_rm}
+        summary["reward_models"] = {arm: unit_rm if arm.startswith("unit_ppo") else bandit_rm for arm in a.arms}
+        summary["arms"] = a.arms
         arm_flags = {"unit_ppo": ["--reward_model_path", unit_rm],
                      "ppo_rlhf": ["--reward_model_path", bandit_rm],
-                     "drca": ["--reward_model_path", bandit_rm, "--scorer", "rm"]}
+                     "drca": ["--reward_model_path", bandit_rm, "--scorer", "rm"],
+                     "unit_ppo_bandit": ["--reward_model_path", unit_rm, "--reward_placement", "segment_last_avg"]}
         flags = ["--total_episodes", str(a.ppo_episodes), "--eval_every", "5", "--eval_num_prompts", "200",
                  "--no_save_model", *common]
         for seed in a.seeds:
-            for arm, script in PPO_ARMS.items():
-                run = out / f"{arm}_seed{seed}"
+            for arm in a.arms:
+                script, run = PPO_ARMS[arm], out / f"{arm}_seed{seed}"
                 cmd = [script, "--seed", str(seed), "--output_dir", str(run.relative_to(ROOT)), *arm_flags[arm], *flags]
                 summary["commands"][arm] = "python " + shlex.join(cmd)
                 if not finished(run):
                     print("python " + shlex.join(cmd), flush=True)
                     subprocess.run([sys.executable, *cmd], check=True, cwd=ROOT)
-        for arm in PPO_ARMS:
+        for arm in a.arms:
             curves = [[r for r in rows(out / f"{arm}_seed{s}") if "eval/accuracy" in r] for s in a.seeds]
             n = min(len(c) for c in curves)
             # samples at each evaluation: step x the run's completions per step (the end-of-run row has no episode)

@@ -1300,9 +1300,11 @@ def async_bench(d: dict) -> str:
         span = lambda x: f"{x['mean']:.3f} ({x['min']:.3f}-{x['max']:.3f})"  # noqa: E731
         pct = lambda x: "-" if x is None else f"{100 * x['mean']:.2f}%"  # noqa: E731
         num = lambda x: "-" if x is None else f"{x['mean']:.2g}"  # noqa: E731
-        lines += ["| variant | flags | start | final | gain - its sync pair's gain, per seed | mean staleness | "
-                  "tokens the TIS cap changed | mean \\|log pi_old - log mu\\| | minutes |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        masked = any(le[n].get("off_policy_masked_mean") for n in variants)  # DeepSeek-V3.2's mask ran
+        lines += ["| variant | flags | start | final | gain - its pair's gain, per seed | mean staleness | "
+                  "tokens the TIS cap changed | mean \\|log pi_old - log mu\\| | "
+                  + ("completions the off-policy mask dropped | " if masked else "") + "minutes |",
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if masked else "") + "---|"]
         for name in variants:
             r = le[name]
             diff = next((v for key, v in le.items() if key.startswith(f"{name}_minus_")), None)
@@ -1312,13 +1314,17 @@ def async_bench(d: dict) -> str:
                                              + f" (vs {pair}; mean {sum(diff.values()) / len(diff):+.3f})")
             lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {span(r['start'][k])} | **{span(r['final'][k])}** | "
                          f"{cell} | {r['staleness_mean']['mean']:.2f} | {pct(r.get('tis_clipfrac_mean'))} | "
-                         f"{num(r.get('sampler_logprob_diff_mean'))} | {r['minutes']['mean']:.1f} |")
+                         f"{num(r.get('sampler_logprob_diff_mean'))} | "
+                         + (f"{pct(r.get('off_policy_masked_mean'))} | " if masked else "")
+                         + f"{r['minutes']['mean']:.1f} |")
         seeds = sorted({s for n in variants for s in le[n]["seeds"]})
         lines += ["", f"`eval/accuracy` before training and after the default run's 102,400 trained samples (200 steps "
                       f"of 64 prompts x 8 completions), mean (min-max) over seeds {', '.join(seeds)}, the same start "
-                      "model for every run; an async variant's gain (final - start) minus its synchronous pair's, seed "
-                      "by seed; the TIS columns: means over a run's steps, then over seeds (`val/tis_clipfrac`, "
-                      "`val/sampler_logprob_diff`); minutes: a run's wall time (the machine's load: the file's `loadavg_at_end` "
+                      "model for every run; a variant's gain (final - start) minus its pair's, seed by seed (the "
+                      "synchronous run at the same settings, or the async run the variant adds a flag to: PAIRS in "
+                      "scripts/experiments/bench_async.py); the TIS columns: means over a run's steps, then over seeds (`val/tis_clipfrac`, "
+                      "`val/sampler_logprob_diff`)" + (", and the mask's share of all completions (`policy/off_policy_masked`)"
+                                                 if masked else "") + "; minutes: a run's wall time (the machine's load: the file's `loadavg_at_end` "
                       "per run)."]
     elif "learning" in d:
         le, k = d["learning"], "eval/accuracy"
@@ -1534,15 +1540,18 @@ def unit_rewards_rm(d: dict) -> str:
 def unit_rewards_ppo(d: dict) -> str:
     """scripts/experiments/compare_unit_rewards.py --part ppo: held-out accuracy of unit_ppo.py, ppo_rlhf.py and drca.py by
     step; the RMs are --part rm's seed-1 models, or those the file names (`reward_models`, --reward_models builtin)."""
-    arms = ["unit_ppo", "ppo_rlhf", "drca"]
+    arms = d.get("arms", ["unit_ppo", "ppo_rlhf", "drca"])
     rms = d.get("reward_models")
+    flags = {"drca": ", `--scorer rm`", "unit_ppo_bandit": ", `--reward_placement segment_last_avg`"}
+    script = lambda arm: "unit_ppo.py" if arm.startswith("unit_ppo") else f"{arm}.py"  # noqa: E731
     if rms and rms["unit_ppo"].startswith("builtin:"):
-        heads = [f"unit_ppo.py (`{rms['unit_ppo']}`)", f"ppo_rlhf.py (`{rms['ppo_rlhf']}`)",
-                 f"drca.py (`{rms['drca']}`, `--scorer rm`)"]
+        heads = [f"{script(arm)} (`{rms[arm]}`{flags.get(arm, '')})" for arm in arms]
     else:
-        heads = ["unit_ppo.py (unit RM)", "ppo_rlhf.py (bandit rm.py RM)", "drca.py (same RM, `--scorer rm`)"]
-    lines = ["| rollout step (x 512 completions) | " + " | ".join(heads) + " |", "|---|---|---|---|"]
-    for i, point in enumerate(d["unit_ppo"]["curve"]):
+        heads = [{"unit_ppo": "unit_ppo.py (unit RM)", "ppo_rlhf": "ppo_rlhf.py (bandit rm.py RM)",
+                  "drca": "drca.py (same RM, `--scorer rm`)",
+                  "unit_ppo_bandit": "unit_ppo.py (unit RM, `--reward_placement segment_last_avg`)"}[arm] for arm in arms]
+    lines = ["| rollout step (x 512 completions) | " + " | ".join(heads) + " |", "|---" * (len(arms) + 1) + "|"]
+    for i, point in enumerate(d[arms[0]]["curve"]):
         cells = [_spread3(d[a]["curve"][i]["accuracy"]) for a in arms]
         lines.append(f"| {point['step']} | " + " | ".join(cells) + " |")
     seeds = ", ".join(map(str, d["seeds"]))
