@@ -86,7 +86,7 @@ class Args:
     completion_key: str = "completion"
     """unpaired data (TRL's format): the column holding the response (text, or a conversation ending with the reply)"""
     label_key: str = "label"
-    """unpaired data: the column holding true (desirable) or false; a train split that has it is read as unpaired"""
+    """unpaired data: the column holding true (desirable) or false; a train split with it in any row is unpaired"""
     answer_key: str = "answer"
     """column holding the gold answer (held-out accuracy; grading of self-generated examples)"""
     prompt_template: str = "{prompt}"
@@ -314,9 +314,10 @@ def main(args: Args) -> str:
         args.dataset, split, tokenizer, args.prompt_key, args.answer_key, args.prompt_template, args.chat_template,
         args.max_prompt_length, limit=limit, num_dev=args.dev_num_prompts if part else 0,
         part=part or "train")
-    # unpaired data (TRL's prompt/completion/label format): a train split with a `label_key` column
-    unpaired = args.example_source == "offline" and data_utils.has_column(args.dataset, (args.train_split,),
-                                                                          args.label_key)
+    # unpaired data (TRL's prompt/completion/label format): a train split with a `label_key` column in any row (a
+    # row without it is then an error naming that row)
+    unpaired = args.example_source == "offline" and any(args.label_key in row for row in
+                                                        data_utils.load_rows(args.dataset, args.train_split))
     load_unpaired = lambda split, **kw: data_utils.load_unpaired(  # noqa: E731
         args.dataset, split, tokenizer, args.prompt_key, args.completion_key, args.label_key, args.prompt_template,
         args.response_template, args.chat_template, args.max_prompt_length, args.max_seq_length, **kw)

@@ -178,3 +178,10 @@ def test_two_steps_on_an_unpaired_file(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: dataset ")
     assert "KTO needs both" in bad.stderr and not (tmp_path / "bad" / "metrics.jsonl").exists()
+    rows = _unpaired_split("train")[:100]  # one row without its label: that row is named, not a missing 'chosen'
+    del rows[7]["label"]
+    _jsonl(data_dir / "w.train.jsonl", rows)
+    _jsonl(data_dir / "w.test.jsonl", _unpaired_split("test")[:8])
+    bad = subprocess.run(cmd[:3] + [str(data_dir / "w.jsonl")] + cmd[4:] + ["--output_dir", str(tmp_path / "bad2")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "row 7: missing key 'label'" in bad.stderr.strip().splitlines()[-1]
